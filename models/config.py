@@ -1,0 +1,159 @@
+"""Model configuration shared by the GPT variants; validated when it is built."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VARIANTS = ("gpt2", "llama")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class GPTConfig:
+    """``gpt2``: learned positions, LayerNorm, GELU MLP, biases, tied embeddings (Megatron-LM's model).
+    ``llama``: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, tied or untied.
+    """
+    variant: str = "gpt2"
+    vocab_size: int = 50257
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    num_kv_heads: int | None = None        # None: = num_heads (multi-head attention)
+    head_dim: int | None = None            # None: hidden_size // num_heads
+    ffn_hidden_size: int | None = None     # None: 4h (gpt2), or SwiGLU's 8h/3 rounded up to 256 (llama)
+    max_position_embeddings: int = 1024
+    seq_length: int | None = None          # training sequence length; None: max_position_embeddings
+    tie_embeddings: bool | None = None     # None: True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    bias: bool | None = None               # None: True for gpt2, False for llama
+    extra: dict = field(default_factory=dict)  # free-form metadata (e.g. where an import came from)
+
+    def __post_init__(self):
+        err = self._problem()
+        if err:
+            raise ConfigError(f"invalid model config: {err}")
+
+    def _problem(self) -> str | None:
+        if self.variant not in VARIANTS:
+            return f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}"
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings",
+                     "make_vocab_size_divisible_by"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                return f"{name} must be a positive integer, got {getattr(self, name)!r}"
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                return (f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
+                        f"change one of them (or set head_dim explicitly for the llama variant)")
+            self.head_dim = self.hidden_size // self.num_heads
+        elif self.variant == "gpt2" and self.head_dim * self.num_heads != self.hidden_size:
+            return f"gpt2 needs head_dim x num_heads == hidden_size, got {self.head_dim} x {self.num_heads}"
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            return f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}"
+        if self.variant == "gpt2" and self.num_kv_heads != self.num_heads:
+            return "grouped-query attention (num_kv_heads != num_heads) is only in the llama variant"
+        if self.variant == "llama" and self.head_dim % 2:
+            return f"RoPE needs an even head_dim, got {self.head_dim}"
+        if self.ffn_hidden_size is None:
+            if self.variant == "gpt2":
+                self.ffn_hidden_size = 4 * self.hidden_size
+            else:
+                self.ffn_hidden_size = 256 * -(-int(8 * self.hidden_size / 3) // 256)
+        if self.seq_length is None:
+            self.seq_length = self.max_position_embeddings
+        if self.seq_length > self.max_position_embeddings:
+            return (f"seq_length {self.seq_length} is longer than max_position_embeddings "
+                    f"{self.max_position_embeddings}")
+        if self.tie_embeddings is None:
+            self.tie_embeddings = True
+        if self.variant == "gpt2" and not self.tie_embeddings:
+            return "the gpt2 variant ties its input and output embeddings (tie_embeddings must be true)"
+        if self.bias is None:
+            self.bias = self.variant == "gpt2"
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                return f"{name} must be in [0, 1), got {getattr(self, name)}"
+        return None
+
+    def check_parallel(self, tensor_parallel: int, pipeline_parallel: int = 1) -> None:
+        """Raise ConfigError if the model cannot be split this way."""
+        checks = [("num_heads", self.num_heads, tensor_parallel, "tensor-parallel size"),
+                  ("num_kv_heads", self.num_kv_heads, tensor_parallel, "tensor-parallel size"),
+                  ("ffn_hidden_size", self.ffn_hidden_size, tensor_parallel, "tensor-parallel size")]
+        for name, value, by, what in checks:
+            if value % by:
+                raise ConfigError(f"invalid model config for tensor_parallel={tensor_parallel}: {name} {value} "
+                                  f"is not divisible by the {what} {by}")
+        if pipeline_parallel > self.num_layers:
+            raise ConfigError(f"pipeline_parallel={pipeline_parallel} is more than num_layers {self.num_layers}: "
+                              f"every pipeline stage needs at least one transformer layer")
+
+    # -- (de)serialisation ----------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "model config") -> "GPTConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known - {"model_type"})
+        if unknown:
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        if d.get("model_type", "gpt") != "gpt":
+            raise ConfigError(f"{source}: model_type is {d['model_type']!r}, expected 'gpt'")
+        try:
+            return cls(**{k: v for k, v in d.items() if k in known})
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "GPTConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"model config file {path} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"model config file {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        return cls.from_dict(d, source=str(path))
+
+    # -- sizes ------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        h, L, V = self.hidden_size, self.num_layers, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        b = 1 if self.bias else 0
+        attn = h * (q + 2 * kv) + b * (q + 2 * kv) + q * h + b * h
+        if self.variant == "gpt2":
+            mlp = 2 * h * self.ffn_hidden_size + b * (self.ffn_hidden_size + h)
+            norms = 2 * 2 * h
+        else:
+            mlp = 3 * h * self.ffn_hidden_size + b * (2 * self.ffn_hidden_size + h)
+            norms = 2 * h
+        final_norm = (2 if self.variant == "gpt2" else 1) * h
+        emb = V * h + (self.max_position_embeddings * h if self.variant == "gpt2" else 0)
+        head = 0 if self.tie_embeddings else V * h
+        return emb + L * (attn + mlp + norms) + final_norm + head
+
+    def flops_per_token(self, seq_length: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward): 6 per matmul weight plus attention.
+
+        Counts every weight matrix that multiplies activations (the output layer
+        included, positions excluded) and 12 x L x (heads x head_dim) x seq for
+        scores and values, as PaLM's MFU does (no discount for the causal mask).
+        """
+        s = seq_length or self.seq_length
+        h, L = self.hidden_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        n_mlp = (2 if self.variant == "gpt2" else 3) * h * self.ffn_hidden_size
+        matmul_params = L * (h * (q + 2 * kv) + q * h + n_mlp) + self.vocab_size * h
+        return 6.0 * matmul_params + 12.0 * L * q * s

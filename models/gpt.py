@@ -1,0 +1,234 @@
+"""A GPT built from the tensor-parallel blocks; reads in one sitting.
+
+Two variants (``GPTConfig.variant``):
+  gpt2  - learned positions, LayerNorm, GELU (tanh) MLP, biases, tied embeddings;
+  llama - RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases.
+
+Layout is [batch, seq, hidden]. Attention heads, MLP columns and the
+vocabulary are split across tensor-parallel ranks; everything else is
+replicated. The model is a sequence of stages (``Embedding``, ``TransformerLayer``
+x L, ``FinalNorm``, ``LMHead``) so that the same modules, with the same
+parameter names, make up DeepSpeed's pipeline stages (pipeline/pipe_model.py).
+
+Labels are given already shifted: the model reads ``tokens[:, :-1]`` and is
+scored against ``tokens[:, 1:]`` (as Megatron's data does).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GPTConfig
+from .parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tensor_parallel_region,
+                       gather_from_tensor_parallel_region, normal_init, tensor_parallel_rng, tp_world_size,
+                       vocab_parallel_cross_entropy, vocab_parallel_parameter)
+
+
+def _norm(config: GPTConfig) -> nn.Module:
+    if config.variant == "gpt2":
+        return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+    return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+
+
+def _output_init(config: GPTConfig):
+    # GPT-2 / Megatron: layers that write into the residual stream get std / sqrt(2 L).
+    return normal_init(config.init_std / math.sqrt(2.0 * config.num_layers))
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the rotate-half form used by Hugging Face's Llama."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor):
+        s = q.shape[-2]
+        cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal self-attention, heads split across TP ranks (column-parallel QKV, row-parallel output)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        tp = tp_world_size()
+        d = config.head_dim
+        self.local_heads = config.num_heads // tp
+        self.local_kv_heads = config.num_kv_heads // tp
+        self.head_dim = d
+        self.dropout = config.attention_dropout
+        self.qkv = ColumnParallelLinear(
+            config.hidden_size, output_sizes=(config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d),
+            bias=config.bias, init_method=normal_init(config.init_std))
+        self.dense = RowParallelLinear(config.num_heads * d, config.hidden_size, bias=config.bias,
+                                       input_is_parallel=True, init_method=_output_init(config))
+        self.rotary = (RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta)
+                       if config.variant == "llama" else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split(self.qkv.local_output_sizes, dim=-1)
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)
+        dropout = self.dropout if self.training else 0.0
+        with tensor_parallel_rng() if dropout else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                               enable_gqa=self.local_kv_heads != self.local_heads)
+        return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.gated = config.variant == "llama"
+        f = config.ffn_hidden_size
+        self.fc_in = ColumnParallelLinear(config.hidden_size, output_sizes=(f, f) if self.gated else (f,),
+                                          bias=config.bias, init_method=normal_init(config.init_std))
+        self.fc_out = RowParallelLinear(f, config.hidden_size, bias=config.bias, input_is_parallel=True,
+                                        init_method=_output_init(config))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc_in(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc_out(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.)))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.input_norm = _norm(config)
+        self.attention = Attention(config)
+        self.post_attention_norm = _norm(config)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_norm(x)))
+        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+
+
+class Embedding(nn.Module):
+    """Token (vocab-parallel) plus, for gpt2, learned position embeddings."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                      pad_multiple=config.make_vocab_size_divisible_by,
+                                                      init_method=normal_init(config.init_std))
+        self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
+                                    if config.variant == "gpt2" else None)
+        if self.position_embeddings is not None:
+            nn.init.normal_(self.position_embeddings.weight, std=config.init_std)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        s = input_ids.shape[1]
+        if s > self.config.max_position_embeddings:
+            raise ValueError(f"sequence of {s} tokens is longer than max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        h = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            h = h + self.position_embeddings(torch.arange(s, device=input_ids.device))
+        return self.dropout(h)
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.norm = _norm(config)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+class LMHead(nn.Module):
+    """Output layer of an untied model: a vocab-parallel weight like the input embedding's."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.weight = vocab_parallel_parameter(config.vocab_size, config.hidden_size,
+                                               config.make_vocab_size_divisible_by, normal_init(config.init_std))
+
+    def forward(self, hidden):
+        return parallel_lm_logits(hidden, self.weight)
+
+
+def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of the vocabulary logits (the input is replicated, f op first)."""
+    return F.linear(copy_to_tensor_parallel_region(hidden), weight)
+
+
+def gather_vocab_logits(local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full [..., vocab_size] logits from the vocab-parallel slices; padding columns dropped."""
+    return gather_from_tensor_parallel_region(local_logits)[..., :vocab_size]
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        config.check_parallel(tp_world_size())
+        self.config = config
+        self.embedding = Embedding(config)
+        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
+        self.final_norm = FinalNorm(config)
+        self.lm_head = None if config.tie_embeddings else LMHead(config)
+        self.checkpoint_fn = None  # set by the training wiring, e.g. deepspeed.checkpointing.checkpoint
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.word_embeddings.weight if self.lm_head is None else self.lm_head.weight
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [b, s, h]."""
+        h = self.embedding(input_ids)
+        for layer in self.layers:
+            if self.checkpoint_fn is not None and self.training:
+                h = self.checkpoint_fn(layer, h)
+            else:
+                h = layer(h)
+        return self.final_norm(h)
+
+    def parallel_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return parallel_lm_logits(self.hidden_states(input_ids), self.output_weight())
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
+                reduction: str = "mean"):
+        """Full logits [b, s, vocab] without labels; the cross-entropy with (shifted) labels."""
+        logits = self.parallel_logits(input_ids)
+        if labels is None:
+            return gather_vocab_logits(logits, self.config.vocab_size)
+        return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.config.vocab_size,
+                                            label_smoothing=label_smoothing, reduction=reduction)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy continuation (no KV cache: for evaluation and tests, not serving)."""
+        for _ in range(max_new_tokens):
+            context = input_ids[:, -self.config.max_position_embeddings:]
+            nxt = self(context)[:, -1].argmax(-1, keepdim=True)
+            input_ids = torch.cat([input_ids, nxt], dim=1)
+        return input_ids

@@ -1,0 +1,1 @@
+"""Data flow, DeepSpeed engine wiring, pretraining, checkpoints, export and evaluation."""

@@ -1,0 +1,35 @@
+"""Process-group start-up for every entry point (deepspeed launcher, torchrun, or one plain process)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
+
+    A plain ``python -m ...`` run has none of these: it becomes a one-rank group on
+    loopback, so the same code path (DeepSpeed engine, groups) runs everywhere.
+    """
+    import deepspeed
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend=backend or default_backend(), verbose=False)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
