@@ -28,6 +28,23 @@ from .parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmb
                        vocab_parallel_cross_entropy, vocab_parallel_parameter)
 
 
+@contextlib.contextmanager
+def seeded_init(seed: int | None):
+    """Draw a stage's initial weights from its own seed, so that they do not depend on which
+    other stages this process builds (pipeline stages build only their own layers)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def stage_seed(init_seed: int | None, index: int) -> int | None:
+    """Seed of stage ``index`` (0 embedding, 1..L layers, L+1 final norm, L+2 output layer)."""
+    return None if init_seed is None else init_seed + index
+
+
 def _norm(config: GPTConfig) -> nn.Module:
     if config.variant == "gpt2":
         return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
@@ -40,19 +57,23 @@ def _output_init(config: GPTConfig):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE in the rotate-half form used by Hugging Face's Llama."""
+    """RoPE in the rotate-half form used by Hugging Face's Llama.
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    The angles are recomputed in fp32 at each call (cheap next to the matmuls)
+    rather than kept in buffers that a cast of the model to bf16 would round.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.head_dim = head_dim
+        self.theta = theta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor):
-        s = q.shape[-2]
-        cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
+        s, d = q.shape[-2], self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=q.device) / d))
+        freqs = torch.outer(torch.arange(s, dtype=torch.float32, device=q.device), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -77,7 +98,7 @@ class Attention(nn.Module):
             bias=config.bias, init_method=normal_init(config.init_std))
         self.dense = RowParallelLinear(config.num_heads * d, config.hidden_size, bias=config.bias,
                                        input_is_parallel=True, init_method=_output_init(config))
-        self.rotary = (RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta)
+        self.rotary = (RotaryEmbedding(d, config.rope_theta)
                        if config.variant == "llama" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,12 +139,13 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.)))."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, init_seed: int | None = None):
         super().__init__()
-        self.input_norm = _norm(config)
-        self.attention = Attention(config)
-        self.post_attention_norm = _norm(config)
-        self.mlp = MLP(config)
+        with seeded_init(init_seed):
+            self.input_norm = _norm(config)
+            self.attention = Attention(config)
+            self.post_attention_norm = _norm(config)
+            self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,17 +156,22 @@ class TransformerLayer(nn.Module):
 class Embedding(nn.Module):
     """Token (vocab-parallel) plus, for gpt2, learned position embeddings."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, init_seed: int | None = None):
         super().__init__()
         self.config = config
-        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                      pad_multiple=config.make_vocab_size_divisible_by,
-                                                      init_method=normal_init(config.init_std))
-        self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
-                                    if config.variant == "gpt2" else None)
-        if self.position_embeddings is not None:
-            nn.init.normal_(self.position_embeddings.weight, std=config.init_std)
+        with seeded_init(init_seed):
+            self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                          pad_multiple=config.make_vocab_size_divisible_by,
+                                                          init_method=normal_init(config.init_std))
+            self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
+                                        if config.variant == "gpt2" else None)
+            if self.position_embeddings is not None:
+                nn.init.normal_(self.position_embeddings.weight, std=config.init_std)
         self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output layer of a tied model: the word-embedding matrix, transposed."""
+        return parallel_lm_logits(hidden, self.word_embeddings.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
@@ -169,10 +196,11 @@ class FinalNorm(nn.Module):
 class LMHead(nn.Module):
     """Output layer of an untied model: a vocab-parallel weight like the input embedding's."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, init_seed: int | None = None):
         super().__init__()
-        self.weight = vocab_parallel_parameter(config.vocab_size, config.hidden_size,
-                                               config.make_vocab_size_divisible_by, normal_init(config.init_std))
+        with seeded_init(init_seed):
+            self.weight = vocab_parallel_parameter(config.vocab_size, config.hidden_size,
+                                                   config.make_vocab_size_divisible_by, normal_init(config.init_std))
 
     def forward(self, hidden):
         return parallel_lm_logits(hidden, self.weight)
@@ -189,14 +217,20 @@ def gather_vocab_logits(local_logits: torch.Tensor, vocab_size: int) -> torch.Te
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
+    """``init_seed`` fixes the initial weights (each stage draws from ``init_seed + its index``);
+    without it one seed is drawn from the default RNG."""
+
+    def __init__(self, config: GPTConfig, init_seed: int | None = None):
         super().__init__()
         config.check_parallel(tp_world_size())
         self.config = config
-        self.embedding = Embedding(config)
-        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
+        if init_seed is None:
+            init_seed = int(torch.randint(0, 2**31 - 1, ()))
+        L = config.num_layers
+        self.embedding = Embedding(config, stage_seed(init_seed, 0))
+        self.layers = nn.ModuleList(TransformerLayer(config, stage_seed(init_seed, i + 1)) for i in range(L))
         self.final_norm = FinalNorm(config)
-        self.lm_head = None if config.tie_embeddings else LMHead(config)
+        self.lm_head = None if config.tie_embeddings else LMHead(config, stage_seed(init_seed, L + 2))
         self.checkpoint_fn = None  # set by the training wiring, e.g. deepspeed.checkpointing.checkpoint
 
     def output_weight(self) -> torch.Tensor:
@@ -213,7 +247,9 @@ class GPT(nn.Module):
         return self.final_norm(h)
 
     def parallel_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return parallel_lm_logits(self.hidden_states(input_ids), self.output_weight())
+        """This rank's vocabulary slice of the logits [b, s, padded_vocab / tp]."""
+        h = self.hidden_states(input_ids)
+        return self.embedding.logits(h) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
                 reduction: str = "mean"):

@@ -1,0 +1,222 @@
+"""DeepSpeed engine wiring: config checks, the model at any (TP, PP, DP) layout, one training step.
+
+PP = 1: the GPT goes to ``deepspeed.initialize(mpu=...)``, so gradients are
+reduced over the data-parallel group only and the global gradient norm counts
+each tensor-parallel shard once. PP > 1: the GPT becomes a ``PipelineModule``
+on the same 3-D topology and trains with ``train_batch``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from models.parallel import ParallelState
+
+from .schedules import LRSchedule, Scheduler
+
+
+class EngineConfigError(ValueError):
+    pass
+
+
+def load_ds_config(path_or_dict) -> dict:
+    if isinstance(path_or_dict, dict):
+        return copy.deepcopy(path_or_dict)
+    path = Path(path_or_dict)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EngineConfigError(f"DeepSpeed config {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise EngineConfigError(f"DeepSpeed config {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
+                                f"{e.msg}") from None
+
+
+def _enabled(ds: dict, key: str) -> bool:
+    return bool(ds.get(key, {}).get("enabled", False))
+
+
+def precision(ds: dict) -> str:
+    return "fp16" if _enabled(ds, "fp16") else "bf16" if _enabled(ds, "bf16") else "fp32"
+
+
+def zero_stage(ds: dict) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def resolve_ds_config(ds: dict, *, data_parallel: int, pipeline_parallel: int = 1, micro_batch_size: int | None = None,
+                      global_batch_size: int | None = None, source: str = "DeepSpeed config") -> dict:
+    """Fill and check the batch sizes; refuse what DeepSpeed cannot do, before any work starts.
+
+    global batch = micro batch x gradient accumulation steps x data-parallel size.
+    """
+    ds = copy.deepcopy(ds)
+    if micro_batch_size is not None:
+        ds["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if global_batch_size is not None:
+        ds["train_batch_size"] = global_batch_size
+        if micro_batch_size is not None or "train_micro_batch_size_per_gpu" in ds:
+            ds.pop("gradient_accumulation_steps", None)
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    glob = ds.get("train_batch_size")
+    gas = ds.get("gradient_accumulation_steps")
+    if micro is None:
+        if glob is None:
+            raise EngineConfigError(f"{source}: set train_micro_batch_size_per_gpu (or --micro-batch-size) "
+                                    f"and/or train_batch_size (or --global-batch-size)")
+        micro = glob // (data_parallel * (gas or 1))
+    if glob is None:
+        glob = micro * (gas or 1) * data_parallel
+    if micro < 1 or glob % (micro * data_parallel):
+        raise EngineConfigError(
+            f"{source}: the global batch {glob} is not a multiple of micro batch {micro} x data-parallel size "
+            f"{data_parallel} = {micro * data_parallel}; choose a global batch that is a multiple of "
+            f"{micro * data_parallel} or another micro batch")
+    if gas is not None and gas != glob // (micro * data_parallel):
+        raise EngineConfigError(
+            f"{source}: train_batch_size {glob} != micro batch {micro} x gradient_accumulation_steps {gas} x "
+            f"data-parallel size {data_parallel}; drop one of the three so the others determine it")
+    ds.update(train_batch_size=glob, train_micro_batch_size_per_gpu=micro,
+              gradient_accumulation_steps=glob // (micro * data_parallel))
+    check_supported(ds, pipeline_parallel, source)
+    return ds
+
+
+def check_supported(ds: dict, pipeline_parallel: int, source: str = "DeepSpeed config") -> None:
+    if _enabled(ds, "fp16") and _enabled(ds, "bf16"):
+        raise EngineConfigError(f"{source}: fp16 and bf16 are both enabled; enable one of them (set the other's "
+                                f"\"enabled\" to false)")
+    if _enabled(ds, "fp16") and zero_stage(ds) == 0 and pipeline_parallel == 1:
+        # Measured with DeepSpeed 0.19.8: engine.backward scales the loss only for ZeRO optimizers,
+        # so its ZeRO-0 fp16 optimizer unscales gradients that were never scaled (updates / 2^16).
+        raise EngineConfigError(f"{source}: fp16 needs ZeRO stage 1 or 2 here (DeepSpeed's ZeRO-0 fp16 optimizer "
+                                f"does not apply the loss scale in engine.backward); set zero_optimization.stage "
+                                f"to 1, or use bf16")
+    if pipeline_parallel > 1 and zero_stage(ds) > 1:
+        raise EngineConfigError(
+            f"{source}: ZeRO stage {zero_stage(ds)} cannot be combined with pipeline parallelism "
+            f"(pipeline_parallel={pipeline_parallel}); use ZeRO stage 0 or 1 with pipelines, or --pipeline-parallel 1")
+    if (pipeline_parallel > 1 and zero_stage(ds) == 0 and precision(ds) == "fp32"
+            and float(ds.get("gradient_clipping", 0.0)) > 0):
+        # DeepSpeed's plain fp32 pipeline path clips with a norm that counts tied weights on every
+        # stage that holds them; its ZeRO-1 and mixed-precision optimizers count them once.
+        raise EngineConfigError(f"{source}: gradient clipping with pipeline parallelism in fp32 needs ZeRO stage 1 "
+                                f"(set zero_optimization.stage to 1), bf16/fp16, or gradient_clipping 0")
+    if pipeline_parallel > 1 and ds.get("zero_optimization", {}).get("offload_optimizer"):
+        raise EngineConfigError(f"{source}: optimizer offload is not supported with pipeline parallelism")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> list[dict]:
+    """No weight decay on biases and norm weights (1-D tensors), as Megatron and GPT-2 train."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if weight_decay is not None:
+        groups[0]["weight_decay"] = weight_decay
+    return [g for g in groups if g["params"]]
+
+
+def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
+                 schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None):
+    """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only).
+
+    ``ds_config`` must have been through ``resolve_ds_config``. Returns the engine; ``engine.is_pipe``
+    tells which training step to use.
+    """
+    import deepspeed
+
+    check_supported(ds_config, state.pipeline_parallel)
+    checkpoint_fn = None
+    if activation_checkpointing:
+        deepspeed.checkpointing.configure(state, deepspeed_config=ds_config)
+        checkpoint_fn = deepspeed.checkpointing.checkpoint
+
+    if state.pipeline_parallel > 1:
+        if model_builder is not None:
+            raise EngineConfigError("pipeline parallelism is only available for the GPT models")
+        from .pipe_model import gpt_pipeline
+        model = gpt_pipeline(model_config, state, init_seed, activation_checkpointing=activation_checkpointing,
+                             checkpoint_fn=checkpoint_fn)
+        mpu = None  # the PipelineEngine builds its grid from the module's topology
+    else:
+        if model_builder is None:
+            from models import GPT
+            model_builder = GPT
+        model = model_builder(model_config, init_seed=init_seed)
+        if checkpoint_fn is not None:
+            model.checkpoint_fn = checkpoint_fn
+        mpu = state
+        if zero_stage(ds_config) == 3 and getattr(model, "lm_head", 1) is None:
+            # the tied output layer reads the embedding weight outside the embedding's forward
+            deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
+
+    if schedule is not None and "scheduler" in ds_config:
+        raise EngineConfigError("the DeepSpeed config has a \"scheduler\" section and a learning-rate schedule was "
+                                "given too; remove one of them")
+    lr_scheduler = (lambda opt: Scheduler(opt, schedule)) if schedule is not None else None
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config,
+                                           mpu=mpu, lr_scheduler=lr_scheduler)
+    engine.is_pipe = state.pipeline_parallel > 1
+    return engine
+
+
+def lm_batches(loader):
+    """(inputs, labels) pairs from batches of packed token sequences [b, s + 1]."""
+    for batch in loader:
+        tokens = batch["tokens"]
+        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def train_step(engine, batches) -> float:
+    """One optimizer step (all micro-batches of the global batch); the mean loss over them and over DP."""
+    if engine.is_pipe:
+        return float(engine.train_batch(data_iter=batches))
+    import torch.distributed as dist
+    total = 0.0
+    gas = engine.gradient_accumulation_steps()
+    for _ in range(gas):
+        inputs, labels = next(batches)
+        loss = engine(inputs.to(engine.device), labels.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    total = torch.as_tensor(total / gas, device=engine.device)
+    if engine.mpu is not None and engine.mpu.get_data_parallel_world_size() > 1:
+        dist.all_reduce(total, group=engine.mpu.get_data_parallel_group())
+        total /= engine.mpu.get_data_parallel_world_size()
+    return float(total)
+
+
+def eval_loss(engine, batches, num_batches: int) -> float:
+    """Mean loss over ``num_batches`` global batches, without gradients."""
+    import torch.distributed as dist
+    total = 0.0
+    if engine.is_pipe:
+        for _ in range(num_batches):
+            total += float(engine.eval_batch(data_iter=batches))
+        return total / num_batches
+    engine.eval()
+    with torch.no_grad():
+        for _ in range(num_batches * engine.gradient_accumulation_steps()):
+            inputs, labels = next(batches)
+            total += float(engine(inputs.to(engine.device), labels.to(engine.device)))
+    engine.train()
+    total = torch.tensor(total / (num_batches * engine.gradient_accumulation_steps()), device=engine.device)
+    if engine.mpu is not None and engine.mpu.get_data_parallel_world_size() > 1:
+        dist.all_reduce(total, group=engine.mpu.get_data_parallel_group())
+        total /= engine.mpu.get_data_parallel_world_size()
+    return float(total)
+
+
+def loss_scale(engine) -> float:
+    opt = engine.optimizer
+    for attr in ("cur_scale", "loss_scale"):
+        value = getattr(opt, attr, None)
+        if value is not None and not callable(value):
+            return float(value)
+    return 1.0

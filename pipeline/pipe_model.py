@@ -1,0 +1,90 @@
+"""The GPT as a DeepSpeed ``PipelineModule``: a list of layer specs (GPT-NeoX's GPT2ModelPipe idea).
+
+The stages are the very modules of ``models.gpt`` (Embedding, TransformerLayer x L,
+FinalNorm, LMHead), so a pipeline layer holds the parameters of the matching
+GPT submodule under the same names. For a tied model the Embedding appears
+twice through ``TiedLayerSpec``: DeepSpeed keeps one copy per owning stage and
+all-reduces its gradient between the first and last stage.
+"""
+from __future__ import annotations
+
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+from models import GPTConfig
+from models.gpt import Embedding, FinalNorm, LMHead, TransformerLayer, stage_seed
+from models.parallel import ParallelState, vocab_parallel_cross_entropy
+
+TIED_KEY = "embed"
+
+
+def _tied_logits(embedding: Embedding, hidden):
+    return embedding.logits(hidden)
+
+
+class VocabParallelLoss:
+    """``loss_fn`` of the last stage: mean cross-entropy over vocab-parallel logits."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits, labels):
+        return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size)
+
+
+def layer_specs(config: GPTConfig, init_seed: int) -> list:
+    """The stages in order; each draws its initial weights from the seed ``models.gpt.GPT`` gives it."""
+    L = config.num_layers
+    if config.tie_embeddings:
+        first = TiedLayerSpec(TIED_KEY, Embedding, config, stage_seed(init_seed, 0),
+                              tied_weight_attr=["word_embeddings.weight"])
+        last = TiedLayerSpec(TIED_KEY, Embedding, config, stage_seed(init_seed, 0), forward_fn=_tied_logits,
+                             tied_weight_attr=["word_embeddings.weight"])
+    else:
+        first = LayerSpec(Embedding, config, stage_seed(init_seed, 0))
+        last = LayerSpec(LMHead, config, stage_seed(init_seed, L + 2))
+    return [first, *(LayerSpec(TransformerLayer, config, stage_seed(init_seed, i + 1)) for i in range(L)),
+            LayerSpec(FinalNorm, config), last]
+
+
+def gpt_pipeline(config: GPTConfig, state: ParallelState, init_seed: int, *, activation_checkpointing: bool = False,
+                 checkpoint_fn=None) -> PipelineModule:
+    config.check_parallel(state.tensor_parallel, state.pipeline_parallel)
+    kwargs = {}
+    if activation_checkpointing:
+        kwargs.update(activation_checkpoint_interval=1, checkpointable_layers=["TransformerLayer"])
+        if checkpoint_fn is not None:
+            kwargs["activation_checkpoint_func"] = checkpoint_fn
+    return PipelineModule(layers=layer_specs(config, init_seed), loss_fn=VocabParallelLoss(config.vocab_size),
+                          topology=state.topology, partition_method="type:TransformerLayer", **kwargs)
+
+
+def pipe_to_gpt_name(name: str, config: GPTConfig) -> str:
+    """Map a PipelineModule parameter name to the matching ``GPT`` parameter name.
+
+    ``tied_modules.embed.word_embeddings.weight`` -> ``embedding.word_embeddings.weight``;
+    ``<i>.<rest>``: layer 0 is the embedding, 1..L the transformer layers, L+1 the
+    final norm, L+2 the untied LM head.
+    """
+    head, _, rest = name.partition(".")
+    if head == "tied_modules":
+        key, _, rest = rest.partition(".")
+        return f"embedding.{rest}"
+    idx, L = int(head), config.num_layers
+    if idx == 0:
+        return f"embedding.{rest}"
+    if idx <= L:
+        return f"layers.{idx - 1}.{rest}"
+    if idx == L + 1:
+        return f"final_norm.{rest}"
+    return f"lm_head.{rest}"
+
+
+def gpt_to_pipe_layer(name: str, config: GPTConfig) -> int:
+    """Index of the pipeline layer that owns the ``GPT`` parameter ``name``."""
+    if name.startswith("embedding."):
+        return 0
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) + 1
+    if name.startswith("final_norm."):
+        return config.num_layers + 1
+    return config.num_layers + 2

@@ -1,0 +1,108 @@
+"""The DeepSpeed engine at every layout gives the single-process losses (fp32, dropout 0, same global batch)."""
+import pytest
+
+from dist import run_distributed
+from engine_utils import BASE_DS, TINY, train_worker
+from pipeline.engine import EngineConfigError, resolve_ds_config
+from pipeline.schedules import LRSchedule
+
+Z1 = {"zero_optimization": {"stage": 1}}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_distributed(train_worker, 1)[0]["loss"]
+
+
+def _assert_same(losses, reference, label):
+    diffs = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+    print(f"{label}: max relative loss difference over {len(diffs)} steps {max(diffs):.2e}")
+    assert len(losses) == len(reference) >= 5
+    assert max(diffs) < 1e-4, (label, losses, reference)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_data_parallel_zero_stages(stage, reference):
+    results = run_distributed(train_worker, 2, 1, 1, {"zero_optimization": {"stage": stage}})
+    for r in results:
+        _assert_same(r["loss"], reference, f"DP=2 ZeRO-{stage}")
+
+
+def test_tensor_parallel(reference):
+    for r in run_distributed(train_worker, 2, 2, 1):
+        _assert_same(r["loss"], reference, "TP=2")
+
+
+def test_pipeline_parallel_tied_with_accumulation(reference):
+    # micro batch 2 of a global batch 8: 4 accumulation steps through 2 stages sharing the embedding
+    for r in run_distributed(train_worker, 2, 1, 2, Z1, None, 5, 2):
+        _assert_same(r["loss"], reference, "PP=2")
+
+
+def test_tensor_and_pipeline_parallel(reference):
+    for r in run_distributed(train_worker, 4, 2, 2, Z1, None, 5, 2):
+        _assert_same(r["loss"], reference, "TP=2 x PP=2")
+
+
+def test_pipeline_untied_llama():
+    model = {"variant": "llama", "tie_embeddings": False, "num_kv_heads": 2}
+    ref = run_distributed(train_worker, 1, 1, 1, None, model)[0]["loss"]
+    for r in run_distributed(train_worker, 2, 1, 2, Z1, model, 5, 2):
+        _assert_same(r["loss"], ref, "llama PP=2")
+
+
+def test_activation_checkpointing_same_losses(reference):
+    r = run_distributed(train_worker, 1, 1, 1, None, None, 5, None, True)[0]
+    _assert_same(r["loss"], reference, "activation checkpointing")
+
+
+def test_activation_checkpointing_with_dropout_is_exact():
+    # dropout in TP regions and on the residual: recomputation must redraw the very same masks
+    drop = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
+    plain = run_distributed(train_worker, 2, 2, 1, None, drop)
+    ckpt = run_distributed(train_worker, 2, 2, 1, None, drop, 5, None, True)
+    assert plain[0]["loss"] == ckpt[0]["loss"]
+
+
+def test_bf16_trains():
+    r = run_distributed(train_worker, 1, 1, 1, {"bf16": {"enabled": True}}, None, 8)[0]
+    assert r["loss"][-1] < r["loss"][0] - 0.2, r["loss"]
+
+
+def test_fp16_dynamic_loss_scale_skips_overflow_steps():
+    # An initial scale of 2^20 overflows fp16 gradients: the step is skipped, the scale halves,
+    # the learning-rate schedule does not advance, and training then goes on.
+    fp16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 20, "loss_scale_window": 1000,
+                     "hysteresis": 1, "min_loss_scale": 1}, **Z1}
+    r = run_distributed(train_worker, 1, 1, 1, fp16, None, 10, None, False, True)[0]
+    print("fp16 scales", r["scale"], "skipped", r["skipped"], "loss", r["loss"])
+    assert r["skipped"][0] == 1 and r["scale"][0] == 2.0**19
+    assert all(b <= a for a, b in zip(r["scale"], r["scale"][1:]))
+    assert r["skipped"][-1] < 10, "some steps must succeed"
+    schedule = LRSchedule(3e-3, 2, 10, "cosine")  # the one train_worker uses
+    for k, (lr, skipped) in enumerate(zip(r["lr"], r["skipped"])):
+        assert lr == pytest.approx(schedule(k + 1 - skipped)), "the schedule advances only on steps taken"
+    assert r["loss"][-1] < r["loss"][0]
+
+
+@pytest.mark.parametrize("ds,pp,message", [
+    ({**BASE_DS, "zero_optimization": {"stage": 2}}, 2, "ZeRO stage 2 cannot be combined with pipeline parallelism"),
+    ({**BASE_DS, "zero_optimization": {"stage": 3}}, 2, "ZeRO stage 3 cannot be combined with pipeline parallelism"),
+    ({**BASE_DS, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, 1, "fp16 and bf16 are both enabled"),
+    ({**BASE_DS, "train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, 1,
+     "global batch 10 is not a multiple of micro batch 4 x data-parallel size 1"),
+    ({**BASE_DS, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 1,
+     "train_batch_size 8 != micro batch 2 x gradient_accumulation_steps 3"),
+    (BASE_DS, 2, "gradient clipping with pipeline parallelism in fp32 needs ZeRO stage 1"),
+    ({**BASE_DS, "fp16": {"enabled": True}}, 1, "fp16 needs ZeRO stage 1 or 2 here"),
+])
+def test_refused_combinations(ds, pp, message):
+    with pytest.raises(EngineConfigError) as e:
+        resolve_ds_config(ds, data_parallel=1, pipeline_parallel=pp)
+    assert message in str(e.value)
+
+
+def test_batch_sizes_resolved():
+    ds = resolve_ds_config(BASE_DS, data_parallel=2, micro_batch_size=2)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 2, 2)
+    assert TINY["vocab_size"] == 256
