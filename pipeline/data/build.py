@@ -9,7 +9,7 @@ import os
 import datasets
 
 from .packing import PackedSequences, StreamingSequences, tokenize_dataset
-from .sources import DataSourceError, Source, load_documents, resolve
+from .sources import DataSourceError, explain_read_error, load_documents, resolve
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,10 +55,13 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
     files = [f for s in sources for f in s.files()]
     if streaming:
         docs = [load_documents(s, streaming=True, **load) for s in sources]
-        train = _combine([d.filter(_HashSplit(seed, valid_fraction, False), batched=True, input_columns="text")
-                          if valid_fraction else d for d in docs], weights, seed)
-        valid = (_combine([d.filter(_HashSplit(seed, valid_fraction, True), batched=True, input_columns="text")
-                           for d in docs], None, seed) if valid_fraction else None)
+        try:  # combining may read the first rows (to resolve features): name the file if that fails
+            train = _combine([d.filter(_HashSplit(seed, valid_fraction, False), batched=True,
+                                       input_columns="text") if valid_fraction else d for d in docs], weights, seed)
+            valid = (_combine([d.filter(_HashSplit(seed, valid_fraction, True), batched=True, input_columns="text")
+                               for d in docs], None, seed) if valid_fraction else None)
+        except Exception as e:
+            raise explain_read_error(e, files, name) from e
         make = lambda d, part: StreamingSequences(d, tokenizer, seq_length, name=f"{part} of {name}", files=files)
         return make(train, "train"), (make(valid, "valid") if valid is not None else None)
 

@@ -332,7 +332,7 @@ def find_bad_utf8(files) -> str | None:
                             f"the file, or pass encoding_errors='replace' (--data-encoding-errors replace) to read "
                             f"such bytes as U+FFFD")
                 if final:
-                    return None
+                    break
                 line += chunk.count(b"\n")
                 offset += len(chunk)
     return None
@@ -345,6 +345,8 @@ def explain_read_error(error: BaseException, files, where: str) -> Exception:
     bad = find_bad_utf8(files)
     if bad is not None:
         return DataSourceError(bad)
+    if "corresponds to no data" in _root_cause(error):  # datasets' words for a split with 0 rows
+        return DataSourceError(f"{where}: no documents")
     return DataSourceError(f"could not read {where}: {_root_cause(error)}")
 
 

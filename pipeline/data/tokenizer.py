@@ -67,10 +67,12 @@ class Tokenizer:
 
     # --- identity ----------------------------------------------------------------------------------
     def fingerprint(self) -> str:
-        """sha256 of the canonical tokenizer.json and the eod id: equal iff the tokenizers encode alike."""
+        """sha256 of the tokenizer.json text and the eod id: equal iff the tokenizers encode alike.
+
+        ``to_str()`` is canonical (fixed field order, vocabulary in id order), so no re-serialization.
+        """
         if self._fingerprint is None:
-            canonical = json.dumps(json.loads(self._backend.to_str()), sort_keys=True, separators=(",", ":"))
-            digest = hashlib.sha256(canonical.encode("utf-8"))
+            digest = hashlib.sha256(self._backend.to_str().encode("utf-8"))
             digest.update(f"|eod={self.eod_id}".encode())
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
