@@ -1,0 +1,145 @@
+"""``build_pretraining_data``: sources -> documents -> held-out split -> tokens -> packed sequences."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+
+import datasets
+
+from .packing import PackedSequences, StreamingSequences, tokenize_dataset
+from .sources import DataSourceError, explain_read_error, load_documents, resolve
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_field: str = "text",
+                           valid_fraction: float = 0.01, seed: int = 1234, streaming: bool = False,
+                           num_proc: int | None = 1, cache_dir: str | None = None, weights=None,
+                           encoding_errors: str = "strict", txt_sample_by: str = "paragraph"):
+    """Packed ``(train, valid)`` sequences of ``seq_length + 1`` tokens from ``data``.
+
+    ``data``: None (the default corpus), one spec, comma-separated specs, or a list (see
+    :mod:`pipeline.data.sources`). Several sources are concatenated, or mixed by ``weights`` (one per
+    source: the probability that the next document comes from it; ``interleave_datasets`` with
+    ``all_exhausted``, so smaller sources are repeated).
+
+    Validation holds out documents, never parts of them, deterministically from ``seed``:
+    map-style takes ``valid_fraction`` of each source's documents (``train_test_split``); streaming takes
+    each document whose seeded content hash falls below ``valid_fraction`` (so the choice does not depend
+    on order or sharding). ``valid`` is None when ``valid_fraction == 0``.
+
+    Map-style results are :class:`PackedSequences` (``len``, ``[i]``); streaming ones are
+    :class:`StreamingSequences` (iterable; documents in stream order, no shuffle buffer so that resume is
+    exact). The map-style build runs first on each node's local rank 0 and then on the other ranks,
+    which read its on-disk cache.
+    """
+    if not 0 <= valid_fraction < 1:
+        raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
+    if encoding_errors not in ("strict", "replace", "ignore"):
+        raise ValueError(f"encoding_errors must be 'strict', 'replace' or 'ignore', got {encoding_errors!r}")
+    sources = resolve(data)
+    if weights is not None:
+        weights = [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
+        if len(weights) != len(sources):
+            raise ValueError(f"{len(weights)} weights for {len(sources)} data sources "
+                             f"({', '.join(s.spec for s in sources)})")
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
+        weights = [w / sum(weights) for w in weights]
+    load = dict(text_field=text_field, cache_dir=cache_dir, encoding_errors=encoding_errors,
+                txt_sample_by=txt_sample_by)
+    name = ", ".join(s.spec for s in sources)
+    files = [f for s in sources for f in s.files()]
+    if streaming:
+        docs = [load_documents(s, streaming=True, **load) for s in sources]
+        try:  # combining may read the first rows (to resolve features): name the file if that fails
+            train = _combine([d.filter(_HashSplit(seed, valid_fraction, False), batched=True,
+                                       input_columns="text") if valid_fraction else d for d in docs], weights, seed)
+            valid = (_combine([d.filter(_HashSplit(seed, valid_fraction, True), batched=True, input_columns="text")
+                               for d in docs], None, seed) if valid_fraction else None)
+        except Exception as e:
+            raise explain_read_error(e, files, name) from e
+        make = lambda d, part: StreamingSequences(d, tokenizer, seq_length, name=f"{part} of {name}", files=files)
+        return make(train, "train"), (make(valid, "valid") if valid is not None else None)
+
+    with main_process_first():
+        trains, valids = [], []
+        for source in sources:
+            docs = load_documents(source, num_proc=num_proc, **load)
+            if len(docs) == 0:
+                raise DataSourceError(f"{source.describe()}: no documents")
+            if valid_fraction:
+                if len(docs) < 2:
+                    raise DataSourceError(
+                        f"{source.describe()}: only one document, so no validation split can be held out "
+                        f"(use valid_fraction=0, split the text into documents, or add data)")
+                split = docs.train_test_split(test_size=valid_fraction, seed=seed, shuffle=True)
+                docs, held_out = split["train"], split["test"]
+                valids.append(held_out)
+            trains.append(docs)
+        train_docs = _combine(trains, weights, seed)
+        train = PackedSequences(tokenize_dataset(train_docs, tokenizer, num_proc=num_proc, cache_dir=cache_dir,
+                                                 desc="tokenizing train"), seq_length, name=f"train of {name}")
+        valid = None
+        if valids:
+            valid = PackedSequences(tokenize_dataset(_combine(valids, None, seed), tokenizer, num_proc=num_proc,
+                                                     cache_dir=cache_dir, desc="tokenizing valid"),
+                                    seq_length, name=f"valid of {name}")
+    if len(train) == 0:
+        raise DataSourceError(f"--data {name}: {train.num_tokens} training tokens, fewer than one sequence of "
+                              f"seq_length + 1 = {seq_length + 1} (an empty corpus?)")
+    if valid is not None and len(valid) == 0:
+        raise DataSourceError(
+            f"--data {name}: the validation split (valid_fraction={valid_fraction}) holds {valid.num_tokens} "
+            f"tokens, fewer than one sequence of {seq_length + 1}; raise valid_fraction or pass 0")
+    logger.info("data: %r, %r", train, valid)
+    return train, valid
+
+
+def _combine(parts, weights, seed):
+    if len(parts) == 1:
+        return parts[0]
+    if weights is None:
+        return datasets.concatenate_datasets(parts)
+    return datasets.interleave_datasets(parts, probabilities=weights, seed=seed, stopping_strategy="all_exhausted")
+
+
+class _HashSplit:
+    """Batched filter: keeps documents whose seeded content hash is below (valid) / above (train) a fraction."""
+
+    def __init__(self, seed: int, fraction: float, keep_valid: bool):
+        self.key = str(seed).encode()
+        self.threshold = int(fraction * 2**64)
+        self.keep_valid = keep_valid
+
+    def __call__(self, texts):
+        out = []
+        for text in texts:
+            h = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8,
+                                               key=self.key[:64]).digest(), "little")
+            out.append((h < self.threshold) == self.keep_valid)
+        return out
+
+
+@contextlib.contextmanager
+def main_process_first():
+    """Local rank 0 builds (and caches) first; the other ranks then read its cache instead of racing it.
+
+    Rank 0 reaches the barrier even when its build fails, so the others do not hang: they then hit
+    the same error themselves.
+    """
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        yield
+        return
+    first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    if not first:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if first:
+            dist.barrier()
