@@ -1,0 +1,173 @@
+"""Checkpoints: DeepSpeed's own files, made self-describing, complete-or-invisible, and checked on load.
+
+Layout of a save directory::
+
+    config.json              model config (with model_type)
+    tokenizer/               the tokenizer the run trained with
+    global_step<N>/          DeepSpeed save_checkpoint files (model, optimizer, scheduler, loss scale)
+        rank<R>_state.pt     each rank's data position and RNG streams
+        layout.json          TP / PP / DP sizes and the step
+        COMPLETE.json        written last: every file of the tag with its size
+    latest                   the newest complete tag, replaced atomically
+
+A save killed at any point leaves at most a tag directory without COMPLETE.json,
+which ``latest`` never names. On load every file listed in COMPLETE.json must be
+there with its size, or the load is refused naming the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from models.parallel import get_rng_tracker
+
+COMPLETE = "COMPLETE.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def tag_for_step(step: int) -> str:
+    return f"global_step{step}"
+
+
+def rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state(),
+             "tracker": get_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    get_rng_tracker().set_states(dict(state["tracker"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_run_files(save_dir: Path, model_config, tokenizer) -> None:
+    """config.json and tokenizer/ beside the tags (rank 0, once per run)."""
+    save_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(save_dir / "config.json", json.dumps(model_config.to_dict(), indent=2) + "\n")
+    if tokenizer is not None:
+        tok_dir = save_dir / "tokenizer"
+        tmp = save_dir / f".tokenizer.tmp{os.getpid()}"
+        tokenizer.save(tmp)
+        if tok_dir.exists():
+            import shutil
+            shutil.rmtree(tok_dir)
+        os.replace(tmp, tok_dir)
+
+
+def save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, extra_client_state=None) -> Path:
+    """Collective: every rank calls it. Returns the tag directory."""
+    save_dir = Path(save_dir)
+    tag = tag_for_step(step)
+    tag_dir = save_dir / tag
+    rank = _rank()
+    if rank == 0 and tag_dir.exists():
+        # a leftover of a save that never completed (or a rerun of this step): replace it
+        import shutil
+        shutil.rmtree(tag_dir)
+    _barrier()
+    engine.save_checkpoint(str(save_dir), tag=tag, client_state={"step": step, **(extra_client_state or {})},
+                           save_latest=False)
+    torch.save({"data": data_state, "rng": rng_state()}, tag_dir / f"rank{rank}_state.pt")
+    _barrier()
+    if rank == 0:
+        atomic_write_text(tag_dir / "layout.json", json.dumps({**layout, "step": step}, indent=2) + "\n")
+        files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*")) if p.is_file()}
+        atomic_write_text(tag_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=2) + "\n")
+        atomic_write_text(save_dir / "latest", tag + "\n")
+    _barrier()
+    return tag_dir
+
+
+def resolve_tag(load_dir, tag: str | None = None) -> str:
+    load_dir = Path(load_dir)
+    if not load_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {load_dir} does not exist")
+    if tag is None:
+        latest = load_dir / "latest"
+        if not latest.is_file():
+            tags = complete_tags(load_dir)
+            raise CheckpointError(f"{latest} does not exist: no complete checkpoint in {load_dir}"
+                                  + (f" (complete tags: {', '.join(tags)})" if tags else ""))
+        tag = latest.read_text().strip()
+    verify(load_dir / tag)
+    return tag
+
+
+def complete_tags(load_dir) -> list[str]:
+    tags = [p.name for p in Path(load_dir).glob("global_step*") if (p / COMPLETE).is_file()]
+    return sorted(tags, key=lambda t: int(t.removeprefix("global_step")))
+
+
+def verify(tag_dir: Path) -> dict:
+    """Every file COMPLETE.json lists is there with its size; else refuse, naming the file."""
+    marker = tag_dir / COMPLETE
+    others = ", ".join(complete_tags(tag_dir.parent)) or "none"
+    if not tag_dir.is_dir():
+        raise CheckpointError(f"checkpoint {tag_dir} does not exist (complete checkpoints: {others})")
+    if not marker.is_file():
+        raise CheckpointError(f"checkpoint {tag_dir} is incomplete (no {COMPLETE}: its save was interrupted); "
+                              f"choose another with --load-tag (complete checkpoints: {others})")
+    manifest = json.loads(marker.read_text())
+    for name, size in manifest["files"].items():
+        path = tag_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {tag_dir} is damaged: {path} is missing; choose another with "
+                                  f"--load-tag (complete checkpoints: {others})")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {tag_dir} is damaged: {path} has {path.stat().st_size} bytes, "
+                                  f"expected {size} (truncated?); choose another with --load-tag "
+                                  f"(complete checkpoints: {others})")
+    return manifest
+
+
+def load(engine, load_dir, tag: str | None = None, *, load_optimizer: bool = True) -> tuple[int, dict | None]:
+    """Restore engine, RNG streams and this rank's data state; returns (step, data_state)."""
+    tag = resolve_tag(load_dir, tag)
+    path, client = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=load_optimizer,
+                                          load_lr_scheduler_states=load_optimizer,
+                                          load_module_only=not load_optimizer)
+    if path is None:
+        raise CheckpointError(f"DeepSpeed could not load checkpoint {Path(load_dir) / tag}")
+    state_file = Path(load_dir) / tag / f"rank{_rank()}_state.pt"
+    step = int(client.get("step", int(tag.removeprefix("global_step"))))
+    if not state_file.is_file():
+        return step, None  # a different world size: no per-rank state to restore
+    state = torch.load(state_file, weights_only=True)
+    set_rng_state(state["rng"])
+    return step, state["data"]
