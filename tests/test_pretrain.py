@@ -1,0 +1,112 @@
+"""The main job end to end: python -m, torchrun, the deepspeed launcher (one node and two nodes on loopback)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from pipeline.distributed import free_port
+
+MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
+         "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
+FP32_DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Real text: the source of a few standard-library modules, as one document each."""
+    import inspect
+    import json as json_mod
+    import textwrap
+    d = tmp_path_factory.mktemp("corpus")
+    text = "\n\n".join(inspect.getsource(m) for m in (json_mod, textwrap, inspect))
+    (d / "corpus.txt").write_text(text)
+    return d / "corpus.txt"
+
+
+def job_args(tmp_path, corpus, *extra, ds=FP32_DS, model=MODEL):
+    (tmp_path / "model.json").write_text(json.dumps(model))
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    return ["--model-config", str(tmp_path / "model.json"), "--deepspeed_config", str(tmp_path / "ds.json"),
+            "--data", str(corpus), "--tokenizer", "bytes", "--seq-length", "32", "--lr-warmup-steps", "1",
+            "--cache-dir", str(tmp_path / "cache"), *extra]
+
+
+def run(cmd, tmp_path, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def metrics(save):
+    return [json.loads(line) for line in (Path(save) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_single_process_writes_metrics_and_checkpoint(tmp_path, corpus):
+    save = tmp_path / "run"
+    run([sys.executable, "-m", "pipeline.pretrain", *job_args(tmp_path, corpus, "--train-steps", "12",
+                                                                "--save", str(save), "--peak-tflops", "1.0")], tmp_path)
+    records = [r for r in metrics(save) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for key in ("loss", "lr", "loss_scale", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu"):
+        assert records[-1][key] is not None, key
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert (save / "latest").read_text().strip() == "global_step12"
+    assert (save / "global_step12" / "COMPLETE.json").is_file()
+    assert json.loads((save / "config.json").read_text())["hidden_size"] == 32
+    assert (save / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_torchrun_pipeline_parallel(tmp_path, corpus):
+    save = tmp_path / "run"
+    run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(ROOT / "pipeline" / "pretrain.py"),
+         *job_args(tmp_path, corpus, "--pipeline-parallel", "2", "--micro-batch-size", "2", "--train-steps", "3",
+                   "--save", str(save))], tmp_path)
+    assert len([r for r in metrics(save) if "loss" in r]) == 3
+    layout = json.loads((save / "global_step3" / "layout.json").read_text())
+    assert (layout["pipeline_parallel"], layout["data_parallel"]) == (2, 1)
+
+
+def test_deepspeed_launcher_tensor_parallel(tmp_path, corpus):
+    save = tmp_path / "run"
+    run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+         str(ROOT / "pipeline" / "pretrain.py"),
+         *job_args(tmp_path, corpus, "--tensor-parallel", "2", "--train-steps", "3", "--save", str(save))], tmp_path)
+    assert len([r for r in metrics(save) if "loss" in r]) == 3
+    assert json.loads((save / "global_step3" / "layout.json").read_text())["tensor_parallel"] == 2
+
+
+def test_two_node_launch_on_loopback(tmp_path, corpus):
+    """Two launcher processes, one per 'node', joined by a hostfile: the multi-node path without ssh."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
+    save = tmp_path / "run"
+    port = str(free_port())
+    cmds = [[str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
+             "--master_addr", "127.0.0.1", "--master_port", port, str(ROOT / "pipeline" / "pretrain.py"),
+             *job_args(tmp_path, corpus, "--train-steps", "3", "--save", str(save))] for node in (0, 1)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    procs = [subprocess.Popen(c, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-5000:]
+    layout = json.loads((save / "global_step3" / "layout.json").read_text())
+    assert layout["data_parallel"] == 2
+    assert len([r for r in metrics(save) if "loss" in r]) == 3
+
+
+def test_bad_layout_is_refused_before_work(tmp_path, corpus):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.pretrain", *job_args(tmp_path, corpus, "--tensor-parallel", "2")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "world size 1 is not tensor_parallel x pipeline_parallel x data_parallel" in proc.stderr
