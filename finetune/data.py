@@ -49,7 +49,7 @@ class DataFormatError(ValueError):
         super().__init__(f"{', '.join(where)}: {problem}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class LabeledTexts:
     """Rows of a labelled text file. ``labels`` is None for an unlabelled file (texts to predict)."""
 
@@ -76,6 +76,10 @@ class LabeledTexts:
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def __repr__(self) -> str:
+        labels = "unlabelled" if self.labels is None else f"{self.task} over {list(self.label_names)}"
+        return f"LabeledTexts({len(self)} texts, {labels}, source={self.source!r})"
 
     @property
     def num_labels(self) -> int:

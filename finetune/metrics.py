@@ -140,24 +140,29 @@ def plot_per_class_f1(path: str | os.PathLike, results: Mapping, title: str | No
 
 
 def format_comparison(systems: Mapping[str, Mapping], per_class: bool = True) -> str:
-    """A plain-text table putting systems side by side: ``systems`` maps a name to a ``multilabel_scores``
-    dict. Rows micro-F1 / macro-F1 / Jaccard, then (``per_class``) each class's F1."""
+    """Plain-text tables putting systems side by side; ``systems`` maps a name to a ``multilabel_scores``
+    dict. First one row per system (micro-F1, macro-F1, Jaccard), then (``per_class``) one row per class
+    with each system's F1 under its number from the first table."""
     names = list(systems)
-    rows = [("micro-F1", "micro_f1"), ("macro-F1", "macro_f1"), ("Jaccard", "jaccard")]
-    table = [[label] + [f"{systems[s][key]:.3f}" for s in names] for label, key in rows]
+    summary = [[f"[{i + 1}]", name, *(f"{systems[name][key]:.3f}" for key in ("micro_f1", "macro_f1", "jaccard"))]
+               for i, name in enumerate(names)]
+    out = [_table(["#", "system", "micro-F1", "macro-F1", "Jaccard"], summary)]
     if per_class:
-        classes = list(next(iter(systems.values()))["per_class"])
-        table.append(["-"] * (len(names) + 1))
-        for c in classes:
-            cells = [f"{systems[s]['per_class'][c]['f1']:.3f}" if c in systems[s]["per_class"] else "" for s in names]
-            table.append([f"F1 {c}"] + cells)
-    header = ["metric"] + names
-    widths = [max(len(str(r[i])) for r in table + [header]) for i in range(len(header))]
-    fmt = lambda r: "  ".join(str(v).ljust(widths[0]) if i == 0 else str(v).rjust(widths[i])  # noqa: E731
-                              for i, v in enumerate(r))
-    lines = [fmt(header), fmt(["-" * w for w in widths])]
-    lines += [fmt(["-" * w for w in widths]) if r[0] == "-" else fmt(r) for r in table]
-    return "\n".join(lines)
+        classes = list(dict.fromkeys(c for name in names for c in systems[name]["per_class"]))
+        rows = [[c, str(systems[names[0]]["per_class"].get(c, {}).get("support", ""))] +
+                [f"{systems[name]['per_class'][c]['f1']:.3f}" if c in systems[name]["per_class"] else "-"
+                 for name in names] for c in classes]
+        out.append(_table(["F1 per class", "support", *(f"[{i + 1}]" for i in range(len(names)))], rows))
+    return "\n\n".join(out)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    text_cols = {0, 1} if header[1] == "system" else {0}
+
+    def fmt(row):
+        return "  ".join(v.ljust(w) if i in text_cols else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)])
 
 
 def _series(results: Mapping) -> dict:
