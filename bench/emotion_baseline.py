@@ -72,6 +72,16 @@ def run_baseline(train: LabeledTexts, dev: LabeledTexts, *, normalizer: TweetNor
                  n_jobs: int = 1) -> dict:
     """Fit on train, score dev. Returns {"systems": {name: multilabel_scores}, "thresholds": {name: [k]},
     "dev_probabilities": [n, k], "seconds": {...}, "settings": {...}}."""
+    from threadpoolctl import threadpool_limits
+
+    # Sparse features and liblinear gain nothing from BLAS threads, and idle OpenMP/BLAS threads spinning on a
+    # busy machine made this ~10x slower: one thread per process (parallelism is n_jobs).
+    with threadpool_limits(limits=1):
+        return _run_baseline(train, dev, normalizer=normalizer, folds=folds, seed=seed, C=C,
+                             class_weight=class_weight, n_jobs=n_jobs)
+
+
+def _run_baseline(train, dev, *, normalizer, folds, seed, C, class_weight, n_jobs) -> dict:
     if train.label_names != dev.label_names:
         raise ValueError(f"train labels {train.label_names} differ from dev labels {dev.label_names}")
     if normalizer is not None:
