@@ -9,6 +9,16 @@ from finetune.heads import (POOLINGS, ClassificationHead, HeadConfig, last_token
                             pos_weight_from_counts, pos_weight_from_labels, single_label_ce_loss)
 
 B, S, H, K = 3, 6, 8, 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny tensors: extra intra-op threads only contend on a shared CPU
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 LENGTHS = [6, 2, 4]
 
 
