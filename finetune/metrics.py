@@ -101,7 +101,7 @@ def write_eval_json(path: str | os.PathLike, results: Mapping, **metadata) -> Pa
 
 def per_class_f1_figure(results: Mapping, title: str | None = None):
     """A matplotlib ``Figure`` (no pyplot, no global backend change) of per-class F1 as grouped bars, one
-    group per class, one bar per setting found in ``results`` ("at_0.5", "tuned") or per system when
+    group per class, one bar per setting in ``results`` (``evaluate_probabilities`` output) or per system when
     ``results`` maps system names to score dicts. Class support is shown under each class name."""
     from matplotlib.figure import Figure
 
@@ -110,20 +110,21 @@ def per_class_f1_figure(results: Mapping, title: str | None = None):
     names = list(first["per_class"])
     width = 0.8 / len(series)
     x = np.arange(len(names))
-    fig = Figure(figsize=(max(6.0, 0.75 * len(names) + 2), 4.2), layout="constrained")
+    fig = Figure(figsize=(max(7.0, len(names) * (0.3 * len(series) + 0.4) + 1.5), 4.5 + 0.22 * len(series)),
+                 layout="constrained")
     ax = fig.add_subplot()
     for i, (label, scores) in enumerate(series.items()):
         values = [scores["per_class"][name]["f1"] for name in names]
-        legend = f"{label} (micro {scores['micro_f1']:.3f}, macro {scores['macro_f1']:.3f})" \
+        legend = f"{label} (micro-F1 {scores['micro_f1']:.3f}, macro-F1 {scores['macro_f1']:.3f})" \
             if "micro_f1" in scores else label
         bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=legend)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6 if len(series) > 2 else 7, padding=1,
+                     rotation=90 if len(series) > 2 else 0)
     ax.set_xticks(x, [f"{name}\n(n={first['per_class'][name]['support']})" for name in names], fontsize=8)
-    ax.set_ylim(0, 1.18)  # headroom for the legend above the bars
-    ax.set_yticks(np.linspace(0, 1, 6))
+    ax.set_ylim(0, 1.08)
     ax.set_ylabel("F1")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", ncols=min(len(series), 3), frameon=False)
+    fig.legend(loc="outside lower center", fontsize=8, frameon=False)
     ax.set_title(title or "Per-class F1")
     return fig
 
@@ -167,7 +168,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def _series(results: Mapping) -> dict:
     if AT_HALF in results or TUNED in results:
-        return {key: results[key] for key in (AT_HALF, TUNED) if key in results}
+        shown = {AT_HALF: "threshold 0.5", TUNED: "tuned thresholds"}
+        return {shown[key]: results[key] for key in (AT_HALF, TUNED) if key in results}
     if results and all(isinstance(v, Mapping) and "per_class" in v for v in results.values()):
         return dict(results)
     if "per_class" in results:
