@@ -122,8 +122,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> l
 
 
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
-                 schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None):
+                 schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None,
+                 param_groups_fn=None):
     """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only).
+
+    ``param_groups_fn(model)`` gives the optimizer's parameter groups (default ``param_groups``); a group's
+    ``lr_mult`` scales the scheduled learning rate (e.g. layer-wise decay when finetuning).
 
     ``ds_config`` must have been through ``resolve_ds_config``. Returns the engine; ``engine.is_pipe``
     tells which training step to use.
@@ -159,7 +163,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         raise EngineConfigError("the DeepSpeed config has a \"scheduler\" section and a learning-rate schedule was "
                                 "given too; remove one of them")
     lr_scheduler = (lambda opt: Scheduler(opt, schedule)) if schedule is not None else None
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config,
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=(param_groups_fn or param_groups)(model),
+                                           config=ds_config,
                                            mpu=mpu, lr_scheduler=lr_scheduler)
     engine.is_pipe = state.pipeline_parallel > 1
     return engine
