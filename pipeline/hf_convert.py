@@ -21,6 +21,7 @@ this module exists to prevent.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,7 +167,10 @@ def hf_config(config: GPTConfig, dtype: torch.dtype | None = None, special_token
             rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
             attention_bias=config.bias, mlp_bias=config.bias, attention_dropout=config.attention_dropout, **tokens)
     cfg.architectures = [HF_ARCHITECTURE[config.variant]]
-    setattr(cfg, TRAINING_KEY, {k: getattr(config, k) for k in _TRAINING_FIELDS})
+    record = {k: getattr(config, k) for k in _TRAINING_FIELDS}
+    if config.variant == "gpt2" and not config.bias:
+        record["bias"] = False  # GPT-2 in transformers always has biases: these are exported as zeros
+    setattr(cfg, TRAINING_KEY, record)
     if dtype is not None:
         cfg.dtype = dtype
     return cfg
@@ -250,11 +254,12 @@ def config_from_hf(cfg, source: str = "Hugging Face config") -> GPTConfig:
     hf_meta = {"architecture": HF_ARCHITECTURE[model_type], "source": source}
     hf_meta.update({k: getattr(cfg, k, None) for k in _SPECIAL_TOKENS})
     try:
+        training = getattr(cfg, TRAINING_KEY, None) or {}
         if model_type == "gpt2":
             out = _gpt2_config_from_hf(cfg, source)
+            out["bias"] = training.get("bias", True) is not False  # from_hf checks the biases are still zero
         else:
             out = _llama_config_from_hf(cfg, source)
-        training = getattr(cfg, TRAINING_KEY, None) or {}
         out.update({k: training[k] for k in _TRAINING_FIELDS if k in training})
         return GPTConfig(**out, extra={"hf": hf_meta})
     except ConfigError as e:
@@ -334,7 +339,10 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dty
                                   f"must be {rule.shape})")
         out[rule.ours] = _cast(full.detach().contiguous(), dtype, rule.theirs[0])
         used.update(rule.theirs)
-    if config.variant == "gpt2" and not config.bias:  # never produced by config_from_hf; for completeness
+    if config.variant == "gpt2" and not config.bias:
+        nonzero = [n for n in _gpt2_bias_names(config) if n in hf_sd and hf_sd[n].any()]
+        if nonzero:
+            raise ConversionError(f"{source}: the config has no biases but {nonzero[0]} is not zero")
         used.update(_gpt2_bias_names(config))
     tied_head = "lm_head.weight"
     if config.tie_embeddings and tied_head in hf_sd:
@@ -427,7 +435,10 @@ def from_hf(hf_model_or_dir, *, gguf_file: str | None = None, dtype: torch.dtype
         model = hf_model_or_dir
         name = getattr(model.config, "_name_or_path", None) or type(model).__name__
     config = config_from_hf(model.config, name)
-    return config, state_dict_from_hf(model.state_dict(), config, dtype, source=name)
+    hf_sd = model.state_dict()
+    if config.variant == "gpt2" and not config.bias and any(hf_sd[n].any() for n in _gpt2_bias_names(config)):
+        config = dataclasses.replace(config, bias=True)  # exported bias-free, then trained with biases
+    return config, state_dict_from_hf(hf_sd, config, dtype, source=name)
 
 
 def num_parameters_message(config: GPTConfig) -> str:
