@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from models.config import ConfigError, GPTConfig
-from pipeline.hf_convert import HF_ARCHITECTURE, ConversionError, num_parameters_message, parse_dtype, to_hf
+from pipeline.hf_convert import (HF_ARCHITECTURE, ConversionError, dtype_name, num_parameters_message, parse_dtype,
+                                 to_hf)
 from pipeline.state_dicts import StateDictError, atomic_output_dir, read_state_dict
 
 # Files a Hugging Face tokenizer directory may hold; those present are copied as they are.
@@ -157,7 +158,7 @@ def compare_with_hf(config: GPTConfig, full_sd: Mapping[str, torch.Tensor], hf_d
 
     from models import GPT
     from pipeline.state_dicts import load_full_state_dict
-    exported_dtype = parse_dtype(str(AutoConfig.from_pretrained(str(hf_dir)).dtype).removeprefix("torch."))
+    exported_dtype = parse_dtype(dtype_name(AutoConfig.from_pretrained(str(hf_dir)).dtype))
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     model = GPT(config).eval()
     load_full_state_dict(model, {k: v.to(exported_dtype or v.dtype).float() for k, v in full_sd.items()})
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir = args.tokenizer or tokenizer_dir
         out = export_hf(config, full_sd, args.out, dtype=args.dtype, tokenizer_dir=tokenizer_dir, force=args.force)
         arch = HF_ARCHITECTURE.get(getattr(config, "variant", None), type(config).__name__)
-        print(f"exported {arch} ({num_parameters_message(config)}, {parse_dtype(args.dtype)}) to {out}"
+        print(f"exported {arch} ({num_parameters_message(config)}, {dtype_name(parse_dtype(args.dtype))}) to {out}"
               + ("" if tokenizer_dir else " (no tokenizer: pass --tokenizer DIR to include one)"))
         if args.verify:
             diff = compare_with_hf(config, full_sd, out)

@@ -61,6 +61,11 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
         raise ConversionError(f"unknown dtype {name!r}; choose one of float32, float16, bfloat16") from None
 
 
+def dtype_name(dtype) -> str:
+    """'bfloat16' for torch.bfloat16 (or for the string transformers keeps in a config)."""
+    return str(dtype).removeprefix("torch.")
+
+
 # -- the weight table --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
