@@ -425,20 +425,22 @@ def load_hf_model(source: HFSource, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-def from_hf(hf_model_or_dir, *, gguf_file: str | None = None, dtype: torch.dtype | str | None = torch.float32):
+def from_hf(hf_model_or_dir, *, gguf_file: str | None = None, dtype: torch.dtype | str | None = torch.float32,
+            source: str | None = None):
     """(GPTConfig, full state dict) of a Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM``.
 
     ``hf_model_or_dir`` is a loaded model, a model directory, or a ``.gguf`` file. ``dtype`` is the
-    dtype of the returned tensors (None keeps the model's).
+    dtype of the returned tensors (None keeps the model's). ``source`` names the model in messages
+    and in ``config.extra["hf"]["source"]``.
     """
     dtype = parse_dtype(dtype)
     if isinstance(hf_model_or_dir, (str, Path)):
-        source = resolve_hf_source(hf_model_or_dir, gguf_file)
-        model = load_hf_model(source, dtype or torch.float32)
-        name = str(source)
+        resolved = resolve_hf_source(hf_model_or_dir, gguf_file)
+        model = load_hf_model(resolved, dtype or torch.float32)
+        name = source or str(resolved)
     else:
         model = hf_model_or_dir
-        name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+        name = source or getattr(model.config, "_name_or_path", None) or type(model).__name__
     config = config_from_hf(model.config, name)
     hf_sd = model.state_dict()
     if config.variant == "gpt2" and not config.bias and any(hf_sd[n].any() for n in _gpt2_bias_names(config)):
@@ -448,7 +450,10 @@ def from_hf(hf_model_or_dir, *, gguf_file: str | None = None, dtype: torch.dtype
 
 def num_parameters_message(config: GPTConfig) -> str:
     n = config.num_parameters()
-    return f"{n / 1e6:.1f}M parameters" if n < 1e9 else f"{n / 1e9:.2f}B parameters"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit} parameters"
+    return f"{n} parameters"
 
 
 def parallel_sizes(config: GPTConfig) -> list[int]:

@@ -20,9 +20,9 @@ import torch
 
 from models.config import ConfigError, GPTConfig
 from pipeline.export_hf import CONFIG_FILE, WEIGHTS_FILE, copy_tokenizer_files, has_tokenizer
-from pipeline.hf_convert import (ConversionError, config_from_hf, from_hf, load_hf_config, num_parameters_message,
-                                 parallel_sizes, parse_dtype, resolve_hf_source)
-from pipeline.state_dicts import StateDictError, atomic_output_dir, save_state_dict
+from pipeline.hf_convert import (ConversionError, config_from_hf, from_hf, load_hf_config, load_hf_model,
+                                 num_parameters_message, parallel_sizes, parse_dtype, resolve_hf_source)
+from pipeline.state_dicts import StateDictError, atomic_output_dir, check_output_dir, save_state_dict
 
 
 def check_layout(config: GPTConfig, tensor_parallel: int, pipeline_parallel: int, source: str) -> None:
@@ -43,22 +43,34 @@ def check_layout(config: GPTConfig, tensor_parallel: int, pipeline_parallel: int
 def import_hf(model: str | Path, out: str | Path, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
               dtype: str | torch.dtype = torch.float32, gguf_file: str | None = None,
               force: bool = False) -> tuple[GPTConfig, Path]:
-    """Convert a Hugging Face model into the project's model directory ``out`` (written atomically)."""
+    """Convert a Hugging Face model directory or GGUF file into the project's model directory ``out``."""
     source = resolve_hf_source(model, gguf_file)
     config = config_from_hf(load_hf_config(source), str(source))
     check_layout(config, tensor_parallel, pipeline_parallel, str(source))
-    out = Path(out)
-    # Refuse an occupied --out before spending minutes on the weights.
+    check_output_dir(out, force)  # before spending minutes on the weights
+    config, full_sd = from_hf(load_hf_model(source, parse_dtype(dtype)), source=str(source))
+    if source.gguf_file:  # the tokenizer is inside the GGUF file: transformers rebuilds it
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+    else:
+        tokenizer = source.directory if has_tokenizer(source.directory) else None
+    return config, write_model_dir(config, full_sd, out, tokenizer=tokenizer, force=force)
+
+
+def write_model_dir(config: GPTConfig, full_sd, out: str | Path, *, tokenizer=None, force: bool = False) -> Path:
+    """The project's model directory: config.json, model.safetensors (full TP=1 state dict), tokenizer files.
+
+    ``tokenizer`` is a directory of tokenizer files (copied) or a loaded transformers tokenizer (saved).
+    Written atomically; read back by ``pipeline.export_hf.read_model_dir``.
+    """
     with atomic_output_dir(out, force=force) as tmp:
-        config, full_sd = from_hf(source.directory, gguf_file=source.gguf_file, dtype=parse_dtype(dtype))
         (tmp / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         save_state_dict(full_sd, tmp / WEIGHTS_FILE)
-        if source.gguf_file:  # the tokenizer is inside the GGUF file: transformers rebuilds it
-            from transformers import AutoTokenizer
-            AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file).save_pretrained(tmp)
-        elif has_tokenizer(source.directory):
-            copy_tokenizer_files(source.directory, tmp)
-    return config, out
+        if isinstance(tokenizer, (str, Path)):
+            copy_tokenizer_files(tokenizer, tmp)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return Path(out)
 
 
 def main(argv: list[str] | None = None) -> int:

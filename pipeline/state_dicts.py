@@ -136,6 +136,16 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str | Path, me
 
 # -- atomic output directories ---------------------------------------------------------------------------------------
 
+def check_output_dir(out: str | Path, force: bool = False) -> Path:
+    """Refuse an output path that is a file, or a non-empty directory unless ``force``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output path {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"output directory {out} is not empty; choose another one or pass --force to replace it")
+    return out
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: str | Path, *, force: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to ``out``; on success it becomes ``out`` in one rename.
@@ -143,11 +153,7 @@ def atomic_output_dir(out: str | Path, *, force: bool = False) -> Iterator[Path]
     A failure (or a kill) part-way leaves ``out`` as it was: no half-written export is ever
     visible under the target name. A non-empty ``out`` is refused unless ``force``.
     """
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output path {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"output directory {out} is not empty; choose another one or pass --force to replace it")
+    out = check_output_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
