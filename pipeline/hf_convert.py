@@ -215,7 +215,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None, name: str) -> torch.Tensor
     cast = t.to(dtype)
     if dtype.is_floating_point and not torch.isfinite(cast).all() and torch.isfinite(t).all():
         worst = t.abs().max().item()
-        raise ConversionError(f"{name} has values up to {worst:.3g}, out of range for {dtype}; "
+        raise ConversionError(f"{name} has values up to {worst:.3g}, out of range for {dtype_name(dtype)}; "
                               f"export in bfloat16 or float32 instead")
     return cast
 

@@ -11,7 +11,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -36,14 +36,16 @@ def expected_full_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 @torch.no_grad()
 def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor], *, partial: bool = False,
-                         source: str = "state dict") -> None:
+                         name_map: Callable[[str], str] | None = None, source: str = "state dict") -> None:
     """Copy a full TP=1 state dict into ``model``, each TP rank cutting its own shard (no collectives).
 
     Strict: every parameter of the model must be in ``full`` with its full shape, and (unless
     ``partial``, for a pipeline stage that holds only some of the layers) every key of ``full``
-    must be a parameter of the model. Values are cast to each parameter's dtype and device.
+    must be a parameter of the model. ``name_map`` turns a parameter name of ``model`` into its
+    key in ``full`` (e.g. a pipeline stage's layer index into ``layers.N``). Values are cast to
+    each parameter's dtype and device.
     """
-    params = dict(model.named_parameters())
+    params = {(name_map(n) if name_map else n): p for n, p in model.named_parameters()}
     missing = [k for k in params if k not in full]
     unexpected = [] if partial else [k for k in full if k not in params]
     if missing or unexpected:

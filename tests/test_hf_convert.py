@@ -177,3 +177,37 @@ def test_bias_free_gpt2_trained_with_biases_in_hf_comes_back_with_biases():
     ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert _max_rel(back(ids), hf(ids).logits) < 1e-5
+
+
+def test_load_full_state_dict_with_a_name_map_into_a_stage():
+    """A pipeline stage holding some layers under other names takes its tensors from the full state dict."""
+    model = _model("gpt2")
+    sd = full_state_dict(model)
+    stage = torch.nn.ModuleDict({"3": GPT(GPTConfig(**CONFIGS["gpt2"])).layers[1]})  # stage-local name "3.*"
+    load_full_state_dict(stage, sd, partial=True, name_map=lambda n: "layers.1." + n.split(".", 1)[1])
+    assert torch.equal(stage["3"].attention.qkv.weight, sd["layers.1.attention.qkv.weight"])
+    assert torch.equal(stage["3"].input_norm.bias, sd["layers.1.input_norm.bias"])
+
+
+class _NotATensor:  # pickled by torch.save; weights_only loading must refuse to run it
+    pass
+
+
+def test_weight_files_are_read_safely(tmp_path):
+    from pipeline.state_dicts import read_state_dict, save_state_dict
+    sd = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(2)}
+    save_state_dict(sd, tmp_path / "w.safetensors")
+    torch.save(sd, tmp_path / "w.pt")
+    for path in (tmp_path / "w.safetensors", tmp_path / "w.pt"):
+        for lazy in (False, True):
+            got = read_state_dict(path, lazy=lazy)
+            assert sorted(got) == ["a", "b"] and all(torch.equal(got[k], sd[k]) for k in sd)
+    torch.save({"a": _NotATensor()}, tmp_path / "evil.pt")
+    with pytest.raises(StateDictError, match=r"evil\.pt could not be read .*weights_only=True"):
+        read_state_dict(tmp_path / "evil.pt")
+    data = (tmp_path / "w.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(StateDictError, match=r"cut\.safetensors is not a readable safetensors file"):
+        read_state_dict(tmp_path / "cut.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"missing\.safetensors does not exist"):
+        read_state_dict(tmp_path / "missing.safetensors")
