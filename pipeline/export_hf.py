@@ -98,15 +98,15 @@ def copy_tokenizer_files(src: str | Path, dst: Path) -> list[str]:
     return names
 
 
-def _tokenizer_special_tokens(tokenizer_dir: Path, vocab_size: int) -> dict:
+def _tokenizer_special_tokens(tokenizer_dir: Path, vocab_size: int, source) -> dict:
     """Load the copied tokenizer as a user will (AutoTokenizer), check it fits the model, read its special ids."""
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a bad tokenizer directory
-        raise ConversionError(f"the tokenizer files do not load with AutoTokenizer: {e}") from None
+        raise ConversionError(f"the tokenizer files of {source} do not load with AutoTokenizer: {e}") from None
     if len(tok) > vocab_size:
-        raise ConversionError(f"the tokenizer has {len(tok)} tokens but the model's vocabulary has {vocab_size}: "
+        raise ConversionError(f"the tokenizer in {source} has {len(tok)} tokens but the model's vocabulary has {vocab_size}: "
                               f"this tokenizer does not belong to this model")
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
 
@@ -127,7 +127,7 @@ def export_hf(config, full_sd: Mapping[str, torch.Tensor], out: str | Path, *, d
         special = {}
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
-            found = _tokenizer_special_tokens(tmp, config.vocab_size)
+            found = _tokenizer_special_tokens(tmp, config.vocab_size, tokenizer_dir)
             recorded = config.extra.get("hf", {}) if isinstance(getattr(config, "extra", None), dict) else {}
             special = {k: recorded.get(k) if recorded.get(k) is not None else v for k, v in found.items()}
         export = make(config, full_sd, parse_dtype(dtype), special)

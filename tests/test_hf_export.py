@@ -14,6 +14,7 @@ from dist import run_distributed
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict, get_shard_spec, initialize_model_parallel, model_parallel_seed
 from pipeline.export_hf import compare_with_hf, export_hf, main as export_main, max_relative_difference
+from pipeline.hf_convert import ConversionError
 from pipeline.state_dicts import expected_full_shape, save_state_dict
 
 TINY = dict(vocab_size=101, hidden_size=32, num_layers=2, max_position_embeddings=24, make_vocab_size_divisible_by=8,
@@ -182,3 +183,10 @@ def test_export_command_errors_are_clear(tmp_path):
     assert run.returncode == 2
     assert f"checkpoint directory {tmp_path / 'ckpt'} has no model.safetensors (found: config.json)" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_of_another_model_is_refused(gpt2_tokenizer_dir, tp2_models, tmp_path):
+    with pytest.raises(ConversionError, match=r"has 50257 tokens but the model's vocabulary has 101"):
+        export_hf(GPTConfig(**CONFIGS["gpt2"]), tp2_models["gpt2"]["sd"], tmp_path / "out",
+                  tokenizer_dir=gpt2_tokenizer_dir)
+    assert list(tmp_path.iterdir()) == []  # the temporary directory is gone too
