@@ -119,6 +119,8 @@ def test_half_precision_export(dtype, torch_dtype, tp2_models, tmp_path):
     diff = compare_with_hf(config, tp2_models[name]["sd"], tmp_path / "hf")  # mapping only: weights rounded alike
     print(f"{dtype} export: max relative logit difference against the rounded weights {diff:.2e}")
     assert diff < TOL
+    off = dict(tp2_models[name]["sd"], **{"final_norm.norm.weight": tp2_models[name]["sd"]["final_norm.norm.weight"] * 1.01})
+    assert compare_with_hf(config, off, tmp_path / "hf") > 1e-3  # --verify would catch a wrong weight
 
 
 @pytest.fixture(scope="module")
