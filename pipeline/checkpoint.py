@@ -103,15 +103,26 @@ def save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, 
     _barrier()
     engine.save_checkpoint(str(save_dir), tag=tag, client_state={"step": step, **(extra_client_state or {})},
                            save_latest=False)
+    _crash_point("after-deepspeed-files", step)
     torch.save({"data": data_state, "rng": rng_state()}, tag_dir / f"rank{rank}_state.pt")
     _barrier()
     if rank == 0:
-        atomic_write_text(tag_dir / "layout.json", json.dumps({**layout, "step": step}, indent=2) + "\n")
+        scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+        atomic_write_text(tag_dir / "layout.json", json.dumps({**layout, "step": step, "scheduler": scheduler,
+                                                               "skipped_steps": int(engine.skipped_steps)},
+                                                              indent=2) + "\n")
         files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*")) if p.is_file()}
         atomic_write_text(tag_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=2) + "\n")
         atomic_write_text(save_dir / "latest", tag + "\n")
     _barrier()
     return tag_dir
+
+
+def _crash_point(where: str, step: int) -> None:
+    """Fault injection for the kill -9 tests: PIPELINE_CRASH_AT=<where>:<step> kills this process here."""
+    if os.environ.get("PIPELINE_CRASH_AT") == f"{where}:{step}":
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def resolve_tag(load_dir, tag: str | None = None) -> str:
@@ -171,3 +182,88 @@ def load(engine, load_dir, tag: str | None = None, *, load_optimizer: bool = Tru
     state = torch.load(state_file, weights_only=True)
     set_rng_state(state["rng"])
     return step, state["data"]
+
+
+# -- resharding: any saved layout -> full TP=1 weights -> any other layout ------------------------------------
+
+def saved_layout(load_dir, tag: str) -> dict:
+    return json.loads((Path(load_dir) / tag / "layout.json").read_text())
+
+
+def gpt_shard_specs(config) -> dict:
+    """{parameter name: ShardSpec or None} of the GPT, from a model built on the meta device (no memory)."""
+    from models import GPT
+    from models.parallel import get_shard_spec
+    with torch.device("meta"):
+        model = GPT(config, init_seed=0)
+    return {name: get_shard_spec(p) for name, p in model.named_parameters()}
+
+
+def read_full_model_state(load_dir, tag: str | None = None):
+    """(GPTConfig, full TP=1 state dict, tokenizer dir) of a checkpoint saved at any (TP, PP, DP).
+
+    Reads the DeepSpeed model files of every TP rank (and, for pipelines, every layer file),
+    and joins the shards with each parameter's ShardSpec. The weights are those the run
+    computed with (bf16/fp16 runs store them in that precision). ZeRO-3 partitions the
+    weights themselves: those runs are read with DeepSpeed's zero_to_fp32 (TP=1 only).
+    """
+    from models import GPTConfig
+    load_dir = Path(load_dir)
+    tag = resolve_tag(load_dir, tag)
+    tag_dir = load_dir / tag
+    config = GPTConfig.from_file(load_dir / "config.json")
+    layout = saved_layout(load_dir, tag)
+    tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
+    specs = gpt_shard_specs(config)
+    per_rank: list[dict] = [dict() for _ in range(tp)]
+    if pp == 1:
+        for r in range(tp):
+            state = torch.load(tag_dir / f"mp_rank_{r:02d}_model_states.pt", weights_only=True, map_location="cpu")
+            per_rank[r] = state["module"]
+        if not per_rank[0] or any(v.numel() == 0 for v in per_rank[0].values()):
+            per_rank = _zero3_weights(load_dir, tag, tp)
+    else:
+        from .pipe_model import pipe_to_gpt_name
+        for path in sorted(tag_dir.glob("layer_*-model_states.pt")):
+            idx = int(path.name.split("-")[0].removeprefix("layer_"))
+            r = int(path.name.split("-model_")[1][:2]) if "-model_" in path.name else 0
+            for name, value in torch.load(path, weights_only=True, map_location="cpu").items():
+                full_name = pipe_to_gpt_name(f"{idx}.{name}", config)
+                if full_name.startswith("lm_head.") and config.tie_embeddings:
+                    full_name = f"embedding.{name}"  # the tied copy on the last stage
+                per_rank[r].setdefault(full_name, value)
+    missing = sorted(set(specs) - set(per_rank[0]))
+    if missing:
+        raise CheckpointError(f"checkpoint {tag_dir} lacks weights for {', '.join(missing[:5])}")
+    full = {}
+    for name, spec in specs.items():
+        shards = [per_rank[r][name] for r in range(tp)]
+        full[name] = spec.gather(shards) if spec is not None else shards[0]
+    tokenizer_dir = load_dir / "tokenizer"
+    return config, full, (tokenizer_dir if tokenizer_dir.is_dir() else None)
+
+
+def _zero3_weights(load_dir: Path, tag: str, tp: int) -> list[dict]:
+    if tp != 1:
+        raise CheckpointError(f"{load_dir / tag}: reading ZeRO-3 weights is supported at TP=1 only (saved at TP={tp})")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    return [dict(get_fp32_state_dict_from_zero_checkpoint(str(load_dir), tag=tag))]
+
+
+def same_layout(saved: dict, current: dict) -> bool:
+    keys = ("tensor_parallel", "pipeline_parallel", "data_parallel", "precision")
+    return all(saved.get(k) == current.get(k) for k in keys)
+
+
+def restore_after_reshard(engine, load_dir, tag: str) -> tuple[int, dict | None]:
+    """After building the engine from ``read_full_model_state`` weights at a new layout: the step, the
+    learning-rate schedule and the (global, layout-free) data position. Adam moments, the loss scale
+    and RNG streams start afresh: DeepSpeed keeps them in per-rank flat partitions of the old layout."""
+    layout = saved_layout(load_dir, tag)
+    if engine.lr_scheduler is not None and layout.get("scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(layout["scheduler"])
+    state = torch.load(Path(load_dir) / tag / "rank0_state.pt", weights_only=True)
+    data = state["data"]
+    if data is not None and data.get("kind") != "map":
+        data = None  # a streamed corpus's position belongs to its DP rank: it restarts
+    return int(layout["step"]), data

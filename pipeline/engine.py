@@ -123,13 +123,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> l
 
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
                  schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None,
-                 param_groups_fn=None):
+                 full_state_dict: dict | None = None, param_groups_fn=None):
     """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only).
 
-    ``param_groups_fn(model)`` gives the optimizer's parameter groups (default ``param_groups``); a group's
-    ``lr_mult`` scales the scheduled learning rate (e.g. layer-wise decay when finetuning).
-
-    ``ds_config`` must have been through ``resolve_ds_config``. Returns the engine; ``engine.is_pipe``
+    ``ds_config`` must have been through ``resolve_ds_config``. ``full_state_dict`` (full TP=1 weights,
+    e.g. of a checkpoint saved at another layout) is loaded into this rank's shards before DeepSpeed
+    takes the model, so its fp32 master weights start from it. ``param_groups_fn(model)`` gives the
+    optimizer's parameter groups (default ``param_groups``); a group's ``lr_mult`` scales the scheduled
+    learning rate (e.g. layer-wise decay when finetuning). Returns the engine; ``engine.is_pipe``
     tells which training step to use.
     """
     import deepspeed
@@ -147,11 +148,19 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         model = gpt_pipeline(model_config, state, init_seed, activation_checkpointing=activation_checkpointing,
                              checkpoint_fn=checkpoint_fn)
         mpu = None  # the PipelineEngine builds its grid from the module's topology
+        if full_state_dict is not None:
+            from .pipe_model import pipe_to_gpt_name
+            from .state_dicts import load_full_state_dict
+            load_full_state_dict(model, full_state_dict, partial=True, source="checkpoint weights",
+                                 name_map=lambda n: pipe_to_gpt_name(n, model_config))
     else:
         if model_builder is None:
             from models import GPT
             model_builder = GPT
         model = model_builder(model_config, init_seed=init_seed)
+        if full_state_dict is not None:
+            from .state_dicts import load_full_state_dict
+            load_full_state_dict(model, full_state_dict, source="checkpoint weights")
         if checkpoint_fn is not None:
             model.checkpoint_fn = checkpoint_fn
         mpu = state

@@ -163,17 +163,25 @@ def main(argv=None) -> dict:
     warmup = args.lr_warmup_steps if args.lr_warmup_steps is not None else max(1, args.train_steps // 100)
     schedule = None if "scheduler" in ds else LRSchedule(base_lr, warmup, args.train_steps, args.lr_decay_style,
                                                          args.min_lr)
+    layout = {"tensor_parallel": state.tensor_parallel, "pipeline_parallel": state.pipeline_parallel,
+              "data_parallel": dp, "model_type": args.model_type, "precision": precision(ds)}
+    full_state, tag = None, None
+    if load_dir is not None:
+        tag = checkpoint.resolve_tag(load_dir, args.load_tag)
+        if not checkpoint.same_layout(checkpoint.saved_layout(load_dir, tag), layout):
+            _, full_state, _ = checkpoint.read_full_model_state(load_dir, tag)
     engine = build_engine(config, ds, state, init_seed=args.seed, schedule=schedule,
-                          activation_checkpointing=args.activation_checkpointing)
+                          activation_checkpointing=args.activation_checkpointing, full_state_dict=full_state)
 
     step = 0
     if load_dir is not None:
-        step, data_state = checkpoint.load(engine, load_dir, args.load_tag)
+        if full_state is None:
+            step, data_state = checkpoint.load(engine, load_dir, tag)
+        else:
+            step, data_state = checkpoint.restore_after_reshard(engine, load_dir, tag)
         if data_state is not None:
             loader.load_state_dict(data_state)
     save_dir = Path(args.save) if args.save else None
-    layout = {"tensor_parallel": state.tensor_parallel, "pipeline_parallel": state.pipeline_parallel,
-              "data_parallel": dp, "model_type": args.model_type, "precision": precision(ds)}
     if save_dir is not None and is_rank0():
         checkpoint.save_run_files(save_dir, config, tokenizer)
 

@@ -1,0 +1,462 @@
+"""Weight and config mapping between the project's GPT and Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM``.
+
+Pure functions on *full* (TP=1) state dicts: ``to_hf`` and ``from_hf`` never see a
+process group. Sharding to a tensor-parallel size happens afterwards, with
+``pipeline.state_dicts.load_full_state_dict``.
+
+One table (``weight_map``) lists, for a given config, every project tensor, its full
+shape and the Hugging Face tensor(s) it is made of; both directions read it, so an
+export and an import cannot disagree. The two conventions differ in only three ways:
+
+* fused tensors: the project keeps Q, K, V (and llama's gate, up) as row blocks of
+  one matrix, in Hugging Face's head order; Llama stores them as separate matrices,
+  GPT-2 stores QKV fused too (``c_attn``);
+* GPT-2's ``Conv1D`` stores a linear weight as [in, out], the transpose of ``nn.Linear``;
+* a tied output layer has no tensor of its own in the project's state dict.
+
+What a Hugging Face config can express and the project's model cannot (RoPE scaling,
+other activations, partial rotary, ...) is refused with the field named, never
+silently approximated: a conversion that "works" but changes the function is the bug
+this module exists to prevent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from models.config import ConfigError, GPTConfig
+
+GPT2_ARCH = "GPT2LMHeadModel"
+LLAMA_ARCH = "LlamaForCausalLM"
+HF_ARCHITECTURE = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH}
+# Architectures whose weights hold everything a causal LM needs (a base model plus a tied head).
+_ACCEPTED_ARCHITECTURES = {"gpt2": {GPT2_ARCH, "GPT2Model"}, "llama": {LLAMA_ARCH, "LlamaModel"}}
+# Activations computing exactly the project's GELU (tanh approximation): the formula and torch's kernel.
+_GPT2_TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh"}
+_SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Training settings a Hugging Face config has no field for (Llama has no hidden dropout, neither has a
+# vocabulary padding): kept under this key of config.json so that project -> HF -> project is lossless.
+TRAINING_KEY = "megatron_ds_training"
+_TRAINING_FIELDS = ("hidden_dropout", "attention_dropout", "seq_length", "make_vocab_size_divisible_by")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class ConversionError(ValueError):
+    """A model, config or state dict that cannot be converted exactly (the message says which field or tensor)."""
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[str(name).lower()]
+    except KeyError:
+        raise ConversionError(f"unknown dtype {name!r}; choose one of float32, float16, bfloat16") from None
+
+
+def dtype_name(dtype) -> str:
+    """'bfloat16' for torch.bfloat16 (or for the string transformers keeps in a config)."""
+    return str(dtype).removeprefix("torch.")
+
+
+# -- the weight table --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightRule:
+    ours: str                      # project parameter name
+    shape: tuple[int, ...]         # its full (TP=1) shape
+    theirs: tuple[str, ...]        # Hugging Face tensor(s): several = row blocks of ``ours``, in order
+    split: tuple[int, ...] = ()    # row counts of those blocks (when there are several)
+    transpose: bool = False        # GPT-2 Conv1D: the HF tensor is ours transposed ([in, out])
+
+
+def weight_map(config: GPTConfig) -> list[WeightRule]:
+    """Every tensor of the project's full state dict for ``config`` and where it lives in Hugging Face's."""
+    return _gpt2_map(config) if config.variant == "gpt2" else _llama_map(config)
+
+
+def _gpt2_map(c: GPTConfig) -> list[WeightRule]:
+    h, f, V = c.hidden_size, c.ffn_hidden_size, c.vocab_size
+    R = WeightRule
+    rules = [R("embedding.word_embeddings.weight", (V, h), ("transformer.wte.weight",)),
+             R("embedding.position_embeddings.weight", (c.max_position_embeddings, h), ("transformer.wpe.weight",))]
+    for i in range(c.num_layers):
+        p, t = f"layers.{i}.", f"transformer.h.{i}."
+        rules += [R(p + "input_norm.weight", (h,), (t + "ln_1.weight",)),
+                  R(p + "input_norm.bias", (h,), (t + "ln_1.bias",)),
+                  R(p + "attention.qkv.weight", (3 * h, h), (t + "attn.c_attn.weight",), transpose=True),
+                  R(p + "attention.dense.weight", (h, h), (t + "attn.c_proj.weight",), transpose=True),
+                  R(p + "post_attention_norm.weight", (h,), (t + "ln_2.weight",)),
+                  R(p + "post_attention_norm.bias", (h,), (t + "ln_2.bias",)),
+                  R(p + "mlp.fc_in.weight", (f, h), (t + "mlp.c_fc.weight",), transpose=True),
+                  R(p + "mlp.fc_out.weight", (h, f), (t + "mlp.c_proj.weight",), transpose=True)]
+        if c.bias:
+            rules += [R(p + "attention.qkv.bias", (3 * h,), (t + "attn.c_attn.bias",)),
+                      R(p + "attention.dense.bias", (h,), (t + "attn.c_proj.bias",)),
+                      R(p + "mlp.fc_in.bias", (f,), (t + "mlp.c_fc.bias",)),
+                      R(p + "mlp.fc_out.bias", (h,), (t + "mlp.c_proj.bias",))]
+    rules += [R("final_norm.norm.weight", (h,), ("transformer.ln_f.weight",)),
+              R("final_norm.norm.bias", (h,), ("transformer.ln_f.bias",))]
+    return rules
+
+
+def _gpt2_bias_names(c: GPTConfig) -> dict[str, int]:
+    """GPT-2's Conv1D always has a bias: a bias-free project model exports zeros there (exactly the same function)."""
+    h, f = c.hidden_size, c.ffn_hidden_size
+    out = {}
+    for i in range(c.num_layers):
+        t = f"transformer.h.{i}."
+        out.update({t + "attn.c_attn.bias": 3 * h, t + "attn.c_proj.bias": h, t + "mlp.c_fc.bias": f,
+                    t + "mlp.c_proj.bias": h})
+    return out
+
+
+def _llama_map(c: GPTConfig) -> list[WeightRule]:
+    h, f, V, d = c.hidden_size, c.ffn_hidden_size, c.vocab_size, c.head_dim
+    q, kv = c.num_heads * d, c.num_kv_heads * d
+    R = WeightRule
+    rules = [R("embedding.word_embeddings.weight", (V, h), ("model.embed_tokens.weight",))]
+    for i in range(c.num_layers):
+        p, t = f"layers.{i}.", f"model.layers.{i}."
+        qkv = tuple(t + f"self_attn.{n}_proj" for n in "qkv")
+        gate_up = (t + "mlp.gate_proj", t + "mlp.up_proj")
+        rules += [R(p + "input_norm.weight", (h,), (t + "input_layernorm.weight",)),
+                  R(p + "attention.qkv.weight", (q + 2 * kv, h), tuple(n + ".weight" for n in qkv), (q, kv, kv)),
+                  R(p + "attention.dense.weight", (h, q), (t + "self_attn.o_proj.weight",)),
+                  R(p + "post_attention_norm.weight", (h,), (t + "post_attention_layernorm.weight",)),
+                  R(p + "mlp.fc_in.weight", (2 * f, h), tuple(n + ".weight" for n in gate_up), (f, f)),
+                  R(p + "mlp.fc_out.weight", (h, f), (t + "mlp.down_proj.weight",))]
+        if c.bias:
+            rules += [R(p + "attention.qkv.bias", (q + 2 * kv,), tuple(n + ".bias" for n in qkv), (q, kv, kv)),
+                      R(p + "attention.dense.bias", (h,), (t + "self_attn.o_proj.bias",)),
+                      R(p + "mlp.fc_in.bias", (2 * f,), tuple(n + ".bias" for n in gate_up), (f, f)),
+                      R(p + "mlp.fc_out.bias", (h,), (t + "mlp.down_proj.bias",))]
+    rules.append(R("final_norm.norm.weight", (h,), ("model.norm.weight",)))
+    if not c.tie_embeddings:
+        rules.append(R("lm_head.weight", (V, h), ("lm_head.weight",)))
+    return rules
+
+
+# -- project -> Hugging Face ----------------------------------------------------------------------------------------
+
+def hf_config(config: GPTConfig, dtype: torch.dtype | None = None, special_tokens: Mapping | None = None):
+    """The ``transformers`` config of the Hugging Face model computing the same function as ``config``.
+
+    ``special_tokens`` (bos/eos/pad ids) override those an import recorded in ``config.extra["hf"]``.
+    """
+    from transformers import GPT2Config, LlamaConfig
+    recorded = dict(config.extra.get("hf", {})) if isinstance(config.extra, dict) else {}
+    tokens = {k: recorded.get(k) for k in _SPECIAL_TOKENS}
+    tokens.update({k: v for k, v in (special_tokens or {}).items() if k in _SPECIAL_TOKENS})
+    if config.variant == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
+            n_layer=config.num_layers, n_head=config.num_heads, n_inner=config.ffn_hidden_size,
+            activation_function="gelu_new", resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
+            attn_pdrop=config.attention_dropout, layer_norm_epsilon=config.norm_eps,
+            initializer_range=config.init_std, tie_word_embeddings=True, **tokens)
+    else:
+        cfg = LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, hidden_act="silu",
+            max_position_embeddings=config.max_position_embeddings, initializer_range=config.init_std,
+            rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+            attention_bias=config.bias, mlp_bias=config.bias, attention_dropout=config.attention_dropout, **tokens)
+    cfg.architectures = [HF_ARCHITECTURE[config.variant]]
+    record = {k: getattr(config, k) for k in _TRAINING_FIELDS}
+    if config.variant == "gpt2" and not config.bias:
+        record["bias"] = False  # GPT-2 in transformers always has biases: these are exported as zeros
+    setattr(cfg, TRAINING_KEY, record)
+    if dtype is not None:
+        cfg.dtype = dtype
+    return cfg
+
+
+def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | str | None = None,
+          special_tokens: Mapping | None = None):
+    """(Hugging Face config, Hugging Face state dict) of the project model ``(config, full_state_dict)``.
+
+    ``dtype`` casts every tensor (None keeps them as they are); a cast that overflows (fp16) is refused.
+    A tied model's state dict has no ``lm_head.weight``: transformers ties it on load.
+    """
+    dtype = parse_dtype(dtype)
+    rules = weight_map(config)
+    _check_keys(full_state_dict, rules, "project state dict")
+    out: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        full = full_state_dict[rule.ours]
+        if tuple(full.shape) != rule.shape:
+            raise ConversionError(f"project state dict: {rule.ours} has shape {tuple(full.shape)}, "
+                                  f"the config expects {rule.shape}")
+        # Split pieces are copied: safetensors refuses tensors that share one storage.
+        pieces = [p.clone() for p in full.split(list(rule.split), dim=0)] if rule.split else [full]
+        for name, piece in zip(rule.theirs, pieces):
+            piece = piece.t() if rule.transpose else piece
+            out[name] = _cast(piece.contiguous(), dtype, rule.ours)
+    if config.variant == "gpt2" and not config.bias:
+        like = out["transformer.wte.weight"]
+        out.update({name: like.new_zeros(n) for name, n in _gpt2_bias_names(config).items()})
+    cfg = hf_config(config, dtype if dtype is not None else _common_dtype(out), special_tokens)
+    return cfg, out
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None, name: str) -> torch.Tensor:
+    if dtype is None or t.dtype == dtype:
+        return t
+    cast = t.to(dtype)
+    if dtype.is_floating_point and not torch.isfinite(cast).all() and torch.isfinite(t).all():
+        worst = t.abs().max().item()
+        raise ConversionError(f"{name} has values up to {worst:.3g}, out of range for {dtype_name(dtype)}; "
+                              f"export in bfloat16 or float32 instead")
+    return cast
+
+
+def _common_dtype(sd: Mapping[str, torch.Tensor]) -> torch.dtype:
+    dtypes = {t.dtype for t in sd.values()}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _check_keys(sd: Mapping, rules: list[WeightRule], source: str) -> None:
+    want = {r.ours for r in rules}
+    missing = sorted(want - set(sd), key=_natural)
+    unexpected = sorted(set(sd) - want, key=_natural)
+    if missing or unexpected:
+        parts = [f"{source} does not match its config"]
+        if missing:
+            parts.append(f"missing: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+        if unexpected:
+            parts.append(f"unexpected: {', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+        raise ConversionError("; ".join(parts))
+
+
+def _natural(name: str):
+    return [int(s) if s.isdigit() else s for s in name.split(".")]
+
+
+# -- Hugging Face -> project ----------------------------------------------------------------------------------------
+
+def config_from_hf(cfg, source: str = "Hugging Face config") -> GPTConfig:
+    """The project config computing the same function as a ``GPT2Config`` / ``LlamaConfig``, or a clear refusal."""
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in _ACCEPTED_ARCHITECTURES:
+        raise ConversionError(
+            f"{source}: model_type {model_type!r} ({', '.join(getattr(cfg, 'architectures', None) or []) or 'no architecture'}) "
+            f"is not supported; supported: {GPT2_ARCH} (model_type 'gpt2') and {LLAMA_ARCH} (model_type 'llama')")
+    archs = getattr(cfg, "architectures", None) or []
+    unknown = [a for a in archs if a not in _ACCEPTED_ARCHITECTURES[model_type]]
+    if unknown:
+        raise ConversionError(f"{source}: architecture {', '.join(unknown)} is not supported; "
+                              f"supported for model_type {model_type!r}: {HF_ARCHITECTURE[model_type]}")
+    hf_meta = {"architecture": HF_ARCHITECTURE[model_type], "source": source}
+    hf_meta.update({k: getattr(cfg, k, None) for k in _SPECIAL_TOKENS})
+    try:
+        training = getattr(cfg, TRAINING_KEY, None) or {}
+        if model_type == "gpt2":
+            out = _gpt2_config_from_hf(cfg, source)
+            out["bias"] = training.get("bias", True) is not False  # from_hf checks the biases are still zero
+        else:
+            out = _llama_config_from_hf(cfg, source)
+        out.update({k: training[k] for k in _TRAINING_FIELDS if k in training})
+        return GPTConfig(**out, extra={"hf": hf_meta})
+    except ConfigError as e:
+        raise ConversionError(f"{source}: {e}") from None
+
+
+def _refuse(source: str, field: str, value, wanted: str):
+    raise ConversionError(f"{source}: {field}={value!r} cannot be represented by the project's model ({wanted})")
+
+
+def _gpt2_config_from_hf(cfg, source: str) -> dict:
+    act = cfg.activation_function
+    if act not in _GPT2_TANH_GELUS:
+        _refuse(source, "activation_function", act, "it uses GELU with the tanh approximation: gelu_new")
+    if not getattr(cfg, "scale_attn_weights", True):
+        _refuse(source, "scale_attn_weights", False, "attention scores are always scaled by 1/sqrt(head_dim)")
+    if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
+        _refuse(source, "scale_attn_by_inverse_layer_idx", True, "no per-layer attention scaling")
+    if getattr(cfg, "add_cross_attention", False):
+        _refuse(source, "add_cross_attention", True, "a decoder-only model")
+    if getattr(cfg, "tie_word_embeddings", True) is False:
+        _refuse(source, "tie_word_embeddings", False, "the gpt2 variant ties input and output embeddings")
+    return dict(variant="gpt2", vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, num_layers=cfg.n_layer,
+                num_heads=cfg.n_head, ffn_hidden_size=cfg.n_inner or 4 * cfg.n_embd,
+                max_position_embeddings=cfg.n_positions, norm_eps=float(cfg.layer_norm_epsilon),
+                hidden_dropout=float(cfg.resid_pdrop), attention_dropout=float(cfg.attn_pdrop),
+                init_std=float(cfg.initializer_range), bias=True, tie_embeddings=True)
+
+
+def _rope_theta(cfg, source: str) -> float:
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if getattr(cfg, "rope_scaling", None) and not rope:  # transformers 4.x configs
+        rope = dict(cfg.rope_scaling)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        _refuse(source, "rope_type", rope_type, "plain RoPE without scaling (rope_type 'default')")
+    partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        _refuse(source, "partial_rotary_factor", partial, "RoPE over the whole head")
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
+    if theta is None:
+        raise ConversionError(f"{source}: no rope_theta in the config")
+    return float(theta)
+
+
+def _llama_config_from_hf(cfg, source: str) -> dict:
+    if cfg.hidden_act != "silu":
+        _refuse(source, "hidden_act", cfg.hidden_act, "SwiGLU with silu")
+    attention_bias, mlp_bias = bool(cfg.attention_bias), bool(getattr(cfg, "mlp_bias", False))
+    if attention_bias != mlp_bias:
+        _refuse(source, "attention_bias/mlp_bias", (attention_bias, mlp_bias),
+                "one bias setting for attention and MLP alike")
+    return dict(variant="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+                num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+                head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+                ffn_hidden_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+                norm_eps=float(cfg.rms_norm_eps), rope_theta=_rope_theta(cfg, source), hidden_dropout=0.0,
+                attention_dropout=float(cfg.attention_dropout or 0.0), init_std=float(cfg.initializer_range),
+                bias=attention_bias, tie_embeddings=bool(cfg.tie_word_embeddings))
+
+
+def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | None = None,
+                       source: str = "Hugging Face state dict") -> dict[str, torch.Tensor]:
+    """The project's full state dict from a Hugging Face one (strict: every tensor used, every shape checked)."""
+    rules = weight_map(config)
+    out, used = {}, set()
+    for rule in rules:
+        missing = [n for n in rule.theirs if n not in hf_sd]
+        if missing:
+            raise ConversionError(f"{source}: missing tensor(s) {', '.join(missing)} (for the project's {rule.ours})")
+        pieces = [hf_sd[n].t() if rule.transpose else hf_sd[n] for n in rule.theirs]
+        full = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+        if tuple(full.shape) != rule.shape or (rule.split and [p.shape[0] for p in pieces] != list(rule.split)):
+            shapes = ", ".join(f"{n} {tuple(hf_sd[n].shape)}" for n in rule.theirs)
+            raise ConversionError(f"{source}: {shapes} do(es) not fit the config (the project's {rule.ours} "
+                                  f"must be {rule.shape})")
+        out[rule.ours] = _cast(full.detach().contiguous(), dtype, rule.theirs[0])
+        used.update(rule.theirs)
+    if config.variant == "gpt2" and not config.bias:
+        nonzero = [n for n in _gpt2_bias_names(config) if n in hf_sd and hf_sd[n].any()]
+        if nonzero:
+            raise ConversionError(f"{source}: the config has no biases but {nonzero[0]} is not zero")
+        used.update(_gpt2_bias_names(config))
+    tied_head = "lm_head.weight"
+    if config.tie_embeddings and tied_head in hf_sd:
+        # A tied model's state_dict() lists the shared tensor twice; a different one would be a different model.
+        emb = hf_sd["transformer.wte.weight" if config.variant == "gpt2" else "model.embed_tokens.weight"]
+        if hf_sd[tied_head].data_ptr() != emb.data_ptr() and not torch.equal(hf_sd[tied_head], emb):
+            raise ConversionError(f"{source}: tie_word_embeddings is true but lm_head.weight differs from the "
+                                  f"input embedding")
+        used.add(tied_head)
+    unexpected = sorted((k for k in hf_sd if k not in used and not _ignorable(k)), key=_natural)
+    if unexpected:
+        raise ConversionError(f"{source}: tensor(s) the project's model has no place for: "
+                              f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+    return out
+
+
+def _ignorable(name: str) -> bool:
+    # Buffers old checkpoints saved: GPT-2's causal-mask constants, Llama's RoPE frequencies.
+    return name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))
+
+
+# -- loading Hugging Face models from disk ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HFSource:
+    """Where a Hugging Face model lives: a directory, and optionally a GGUF file in it."""
+    directory: Path
+    gguf_file: str | None = None
+
+    def __str__(self):
+        return str(self.directory / self.gguf_file) if self.gguf_file else str(self.directory)
+
+    def kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def resolve_hf_source(path: str | Path, gguf_file: str | None = None) -> HFSource:
+    """A model directory, a ``.gguf`` file, or a directory holding one ``.gguf`` file and no config.json."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Hugging Face model {path} does not exist")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ConversionError(f"{path} is a file but not a .gguf file; give a model directory or a .gguf file")
+        return HFSource(path.parent, path.name)
+    if gguf_file:
+        return HFSource(path, gguf_file)
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return HFSource(path, ggufs[0])
+        raise ConversionError(f"{path} has no config.json" + (f" and several .gguf files ({', '.join(ggufs)}): "
+                                                               f"name one" if ggufs else ""))
+    return HFSource(path)
+
+
+def load_hf_config(source: HFSource):
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(str(source.directory), trust_remote_code=False, **source.kwargs())
+    except (OSError, ValueError, KeyError) as e:
+        raise ConversionError(f"{source}: not a loadable Hugging Face model config: {e}") from None
+
+
+def load_hf_model(source: HFSource, dtype: torch.dtype = torch.float32):
+    """The Hugging Face causal LM at ``source`` (GGUF tensors are dequantised by transformers' loader)."""
+    from transformers import AutoModelForCausalLM
+    config_from_hf(load_hf_config(source), str(source))  # refuse before reading gigabytes of weights
+    model, info = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, trust_remote_code=False,
+                                                       output_loading_info=True, **source.kwargs())
+    missing = [k for k in info.get("missing_keys", []) if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise ConversionError(f"{source}: the checkpoint lacks weight(s) {', '.join(sorted(missing)[:8])}; "
+                              f"transformers would initialise them randomly")
+    return model.eval()
+
+
+def from_hf(hf_model_or_dir, *, gguf_file: str | None = None, dtype: torch.dtype | str | None = torch.float32,
+            source: str | None = None):
+    """(GPTConfig, full state dict) of a Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM``.
+
+    ``hf_model_or_dir`` is a loaded model, a model directory, or a ``.gguf`` file. ``dtype`` is the
+    dtype of the returned tensors (None keeps the model's). ``source`` names the model in messages
+    and in ``config.extra["hf"]["source"]``.
+    """
+    dtype = parse_dtype(dtype)
+    if isinstance(hf_model_or_dir, (str, Path)):
+        resolved = resolve_hf_source(hf_model_or_dir, gguf_file)
+        model = load_hf_model(resolved, dtype or torch.float32)
+        name = source or str(resolved)
+    else:
+        model = hf_model_or_dir
+        name = source or getattr(model.config, "_name_or_path", None) or type(model).__name__
+    config = config_from_hf(model.config, name)
+    hf_sd = model.state_dict()
+    if config.variant == "gpt2" and not config.bias and any(hf_sd[n].any() for n in _gpt2_bias_names(config)):
+        config = dataclasses.replace(config, bias=True)  # exported bias-free, then trained with biases
+    return config, state_dict_from_hf(hf_sd, config, dtype, source=name)
+
+
+def num_parameters_message(config: GPTConfig) -> str:
+    n = config.num_parameters()
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit} parameters"
+    return f"{n} parameters"
+
+
+def parallel_sizes(config: GPTConfig) -> list[int]:
+    """Tensor-parallel sizes that divide the model (every head count and the MLP width)."""
+    g = math.gcd(math.gcd(config.num_heads, config.num_kv_heads), config.ffn_hidden_size)
+    return [d for d in range(1, g + 1) if g % d == 0]

@@ -1,0 +1,100 @@
+"""Import a Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (a directory or a GGUF file) for training here.
+
+    python -m pipeline.import_hf --model DIR_OR_GGUF --out DIR --tensor-parallel T --pipeline-parallel P
+                                 [--dtype float32|bfloat16|float16] [--force]
+
+Writes ``config.json`` (the project's GPTConfig), ``model.safetensors`` (the full
+TP=1 state dict) and the tokenizer files. The full state dict loads into the model
+at any tensor-parallel size (``pipeline.state_dicts.load_full_state_dict``); T and P
+are checked against the model here so that a layout that cannot work is refused
+before anything is written, with the sizes that would.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from models.config import ConfigError, GPTConfig
+from pipeline.export_hf import CONFIG_FILE, WEIGHTS_FILE, copy_tokenizer_files, has_tokenizer
+from pipeline.hf_convert import (ConversionError, config_from_hf, from_hf, load_hf_config, load_hf_model,
+                                 num_parameters_message, parallel_sizes, parse_dtype, resolve_hf_source)
+from pipeline.state_dicts import StateDictError, atomic_output_dir, check_output_dir, save_state_dict
+
+
+def check_layout(config: GPTConfig, tensor_parallel: int, pipeline_parallel: int, source: str) -> None:
+    """Refuse a (TP, PP) layout the model cannot be split into, naming the sizes that can."""
+    if tensor_parallel < 1 or pipeline_parallel < 1:
+        raise ConversionError(f"--tensor-parallel ({tensor_parallel}) and --pipeline-parallel "
+                              f"({pipeline_parallel}) must be at least 1")
+    try:
+        config.check_parallel(tensor_parallel, pipeline_parallel)
+    except ConfigError as e:
+        sizes = ", ".join(map(str, parallel_sizes(config)))
+        raise ConversionError(f"{source} ({config.num_heads} heads, {config.num_kv_heads} KV heads, "
+                              f"{config.num_layers} layers) cannot be split as --tensor-parallel {tensor_parallel} "
+                              f"--pipeline-parallel {pipeline_parallel}: {e}. Tensor-parallel sizes that divide "
+                              f"this model: {sizes}; pipeline-parallel sizes: 1 to {config.num_layers}") from None
+
+
+def import_hf(model: str | Path, out: str | Path, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+              dtype: str | torch.dtype = torch.float32, gguf_file: str | None = None,
+              force: bool = False) -> tuple[GPTConfig, Path]:
+    """Convert a Hugging Face model directory or GGUF file into the project's model directory ``out``."""
+    source = resolve_hf_source(model, gguf_file)
+    config = config_from_hf(load_hf_config(source), str(source))
+    check_layout(config, tensor_parallel, pipeline_parallel, str(source))
+    check_output_dir(out, force)  # before spending minutes on the weights
+    config, full_sd = from_hf(load_hf_model(source, parse_dtype(dtype)), source=str(source))
+    if source.gguf_file:  # the tokenizer is inside the GGUF file: transformers rebuilds it
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+    else:
+        tokenizer = source.directory if has_tokenizer(source.directory) else None
+    return config, write_model_dir(config, full_sd, out, tokenizer=tokenizer, force=force)
+
+
+def write_model_dir(config: GPTConfig, full_sd, out: str | Path, *, tokenizer=None, force: bool = False) -> Path:
+    """The project's model directory: config.json, model.safetensors (full TP=1 state dict), tokenizer files.
+
+    ``tokenizer`` is a directory of tokenizer files (copied) or a loaded transformers tokenizer (saved).
+    Written atomically; read back by ``pipeline.export_hf.read_model_dir``.
+    """
+    with atomic_output_dir(out, force=force) as tmp:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        save_state_dict(full_sd, tmp / WEIGHTS_FILE)
+        if isinstance(tokenizer, (str, Path)):
+            copy_tokenizer_files(tokenizer, tmp)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return Path(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.import_hf", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="Hugging Face model directory, or a .gguf file")
+    p.add_argument("--gguf-file", help="name of the .gguf file inside --model (when it is a directory)")
+    p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
+    p.add_argument("--tensor-parallel", type=int, default=1, help="TP size the model will be trained at (checked)")
+    p.add_argument("--pipeline-parallel", type=int, default=1, help="PP size the model will be trained at (checked)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                   help="dtype of the saved weights (default float32, the training master weights)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    args = p.parse_args(argv)
+    try:
+        config, out = import_hf(args.model, args.out, tensor_parallel=args.tensor_parallel,
+                                pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
+                                gguf_file=args.gguf_file, force=args.force)
+    except (ConversionError, ConfigError, StateDictError, FileNotFoundError, FileExistsError) as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    print(f"imported {config.variant} model ({num_parameters_message(config)}, {config.num_layers} layers, "
+          f"{config.num_heads} heads / {config.num_kv_heads} KV heads) to {out}; "
+          f"fits --tensor-parallel {args.tensor_parallel} --pipeline-parallel {args.pipeline_parallel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Exact resume (also after kill -9 during a save), damaged checkpoints, resharding to other layouts."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist import run_distributed
+from pipeline import checkpoint
+
+MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
+         "hidden_dropout": 0.1, "attention_dropout": 0.1, "make_vocab_size_divisible_by": 8}
+DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+      "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+
+
+def _pretrain(rank, argv):
+    from pipeline.pretrain import main
+    main(argv)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import inspect
+    import json as json_mod
+    d = tmp_path_factory.mktemp("ckpt")
+    (d / "corpus.txt").write_text(inspect.getsource(json_mod) + "\n\n" + inspect.getsource(inspect))
+    (d / "model.json").write_text(json.dumps(MODEL))
+    (d / "nodrop.json").write_text(json.dumps({**MODEL, "hidden_dropout": 0.0, "attention_dropout": 0.0}))
+    (d / "ds.json").write_text(json.dumps(DS))
+    return d
+
+
+def args(d, save, steps, *extra, model="model.json"):
+    return ["--model-config", str(d / model), "--deepspeed_config", str(d / "ds.json"), "--data", str(d / "corpus.txt"),
+            "--tokenizer", "bytes", "--seq-length", "32", "--lr-warmup-steps", "2", "--train-steps", str(steps),
+            "--cache-dir", str(d / "cache"), "--save", str(save), *extra]
+
+
+def losses(save):
+    return {r["step"]: r["loss"] for r in map(json.loads, (Path(save) / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup):
+    save = setup / "full"
+    run_distributed(_pretrain, 2, args(setup, save, 6, "--save-interval", "3", "--tensor-parallel", "2"))
+    return save
+
+
+def test_resume_is_exact(setup, uninterrupted):
+    resumed = setup / "resumed"
+    run_distributed(_pretrain, 2, args(setup, resumed, 6, "--load", str(uninterrupted), "--load-tag", "global_step3",
+                                       "--tensor-parallel", "2"))
+    full, res = losses(uninterrupted), losses(resumed)
+    assert sorted(res) == [4, 5, 6]
+    print("uninterrupted", [full[s] for s in (4, 5, 6)], "resumed", [res[s] for s in (4, 5, 6)])
+    for s in (4, 5, 6):
+        assert res[s] == full[s], f"step {s}: {res[s]!r} != {full[s]!r}"  # to the last bit (fp32, dropout on)
+
+
+def test_kill_during_save_leaves_previous_checkpoint(setup, uninterrupted):
+    save = setup / "killed"
+    with pytest.raises(Exception, match="SIGKILL|signal"):
+        run_distributed(_pretrain, 2, args(setup, save, 6, "--save-interval", "2", "--tensor-parallel", "2"),
+                        env={"PIPELINE_CRASH_AT": "after-deepspeed-files:4"})
+    assert (save / "latest").read_text().strip() == "global_step2"
+    assert (save / "global_step4").is_dir() and not (save / "global_step4" / checkpoint.COMPLETE).exists()
+    with pytest.raises(checkpoint.CheckpointError, match="global_step4 is incomplete"):
+        checkpoint.resolve_tag(save, "global_step4")
+    resumed = setup / "after_kill"
+    run_distributed(_pretrain, 2, args(setup, resumed, 6, "--load", str(save), "--tensor-parallel", "2"))
+    full, res = losses(uninterrupted), losses(resumed)
+    assert sorted(res) == [3, 4, 5, 6]
+    for s in res:
+        assert res[s] == full[s], f"step {s}"
+
+
+def test_damaged_checkpoint_is_refused(setup, uninterrupted, tmp_path):
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(uninterrupted, copy)
+    victim = copy / "global_step6" / "mp_rank_01_model_states.pt"
+    victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(checkpoint.CheckpointError, match=r"mp_rank_01_model_states.pt has 100 bytes.*truncated"):
+        checkpoint.resolve_tag(copy)
+    (copy / "global_step3" / "rank1_state.pt").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank1_state.pt is missing"):
+        checkpoint.resolve_tag(copy, "global_step3")
+    with pytest.raises(checkpoint.CheckpointError, match="complete checkpoints: global_step3, global_step6"):
+        checkpoint.resolve_tag(copy)
+
+
+# -- resharding ---------------------------------------------------------------------------------------------
+
+LAYOUTS = {"1x1": ("1", "1", 1), "2x1": ("2", "1", 2), "1x2": ("1", "2", 2), "2x2": ("2", "2", 4)}
+
+
+def _run_layout(setup, save, layout, steps, *extra):
+    tp, pp, world = LAYOUTS[layout]
+    run_distributed(_pretrain, world, args(setup, save, steps, "--tensor-parallel", tp, "--pipeline-parallel", pp,
+                                           "--micro-batch-size", "2", *extra, model="nodrop.json"))
+
+
+@pytest.fixture(scope="module")
+def sources(setup):
+    """Runs at (1,1) and (TP2, PP2) that save at step 2 and go on to step 3."""
+    out = {}
+    for layout in ("1x1", "2x2"):
+        save = setup / f"src_{layout}"
+        _run_layout(setup, save, layout, 3, "--save-interval", "2")
+        out[layout] = save
+    return out
+
+
+@pytest.mark.parametrize("source,target", [("1x1", "2x1"), ("2x2", "1x1"), ("2x2", "2x1"), ("2x2", "1x2")])
+def test_reshard_first_loss(setup, sources, source, target):
+    """TP 1->2, (TP2,PP2)->(1,1), PP 2->1 (at TP 2), TP 2->1 (at PP 2): the first loss after loading
+    equals the source layout's loss on the same batch."""
+    save = setup / f"reshard_{source}_{target}"
+    _run_layout(setup, save, target, 3, "--load", str(sources[source]), "--load-tag", "global_step2")
+    want, got = losses(sources[source])[3], losses(save)[3]
+    print(f"reshard {source} -> {target}: step-3 loss {got!r} vs {want!r}, rel {abs(got - want) / want:.2e}")
+    assert abs(got - want) / want < 1e-5
+
+
+def test_full_state_matches_across_layouts(sources):
+    c1, a, _ = checkpoint.read_full_model_state(sources["1x1"], "global_step2")
+    c2, b, tok = checkpoint.read_full_model_state(sources["2x2"], "global_step2")
+    assert c1 == c2 and a.keys() == b.keys() and tok is not None
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
