@@ -14,11 +14,10 @@ Inputs are right padded: the GPT's attention is causal, so padding after a text 
 positions. Base weights come from ``load_full_gpt_state(directory)``: a pretraining checkpoint of this
 project (DeepSpeed files at any TP/PP layout), a directory of ``config.json`` + ``model.safetensors``
 (a full TP=1 state dict, what ``pipeline.import_hf`` writes), or a finetuned classifier directory.
-Each TP rank cuts its own shard of every full tensor (``load_full_state``).
+Each TP rank cuts its own shard of every full tensor (``pipeline.state_dicts.load_full_state_dict``).
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 
 from models import GPT, GPTConfig
-from models.parallel import get_shard_spec, tp_rank, tp_world_size, vocab_parallel_cross_entropy
+from models.parallel import vocab_parallel_cross_entropy
 
 from .heads import MULTILABEL, ClassificationHead, HeadConfig
 from .saved import CLASSIFIER_FILE, WEIGHTS_FILE
@@ -162,14 +161,30 @@ class Classifier(nn.Module):
                 return self.encoder.features(input_ids)
         return self.encoder.features(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                lengths: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None):
+    def pool(self, input_ids: torch.Tensor, *, lengths: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's input [b, h]: encoder features pooled over the real tokens."""
         lengths = self._lengths(input_ids, lengths, attention_mask)
         features = self._features(input_ids)
-        if features.dim() == 2:  # the encoder summarises each text itself ([b, h]; pooling "none")
-            logits = self.head(features)
+        return features if features.dim() == 2 else self.head.pool(features, lengths=lengths)
+
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                lengths: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                pooled: torch.Tensor | None = None):
+        """The loss with ``labels``, else the logits [b, k]. ``pooled`` [b, h] (from ``pool``, e.g. computed
+        once for a frozen encoder) replaces ``input_ids``: the head alone runs."""
+        if pooled is not None:
+            if input_ids is not None or self.training and not self.freeze_encoder:
+                raise ValueError("pooled features replace input_ids, and train only the head of a frozen encoder")
+            logits = self.head.classifier(pooled.to(self.head.output.weight.dtype))
+            features = None
         else:
-            logits = self.head(features, lengths=lengths)
+            lengths = self._lengths(input_ids, lengths, attention_mask)
+            features = self._features(input_ids)
+            if features.dim() == 2:  # the encoder summarises each text itself ([b, h]; pooling "none")
+                logits = self.head(features)
+            else:
+                logits = self.head(features, lengths=lengths)
         if labels is None:
             return logits
         loss = self.classification_loss(logits, labels)
@@ -229,67 +244,25 @@ class Classifier(nn.Module):
 
 # ------------------------------------------------------------------------------ full state dicts in
 
-def gpt_shard_specs(config: GPTConfig) -> dict:
-    """{parameter name: ShardSpec or None} of the GPT, built on the meta device (no memory, no init cost).
-    The specs describe full tensors, so they hold for a checkpoint of any TP size."""
-    with torch.device("meta"):
-        model = GPT(config, init_seed=0)
-    return {name: get_shard_spec(p) for name, p in model.named_parameters()}
-
-
-@torch.no_grad()
-def load_full_state(module: nn.Module, full: Mapping[str, torch.Tensor], *, prefix: str = "",
-                    source: str = "state dict") -> None:
-    """Copy a full TP=1 state dict into ``module``'s parameters named ``prefix + key``, each TP rank cutting
-    its shard with the parameter's ShardSpec. Strict: missing, unexpected or misshapen tensors are refused
-    (naming them) before anything is copied."""
-    params = {name[len(prefix):]: p for name, p in module.named_parameters() if name.startswith(prefix)}
-    missing = sorted(set(params) - set(full))
-    unexpected = sorted(set(full) - set(params))
-    if missing or unexpected:
-        parts = [f"{source} does not fit the model"]
-        if missing:
-            parts.append(f"missing: {_few(missing)}")
-        if unexpected:
-            parts.append(f"unexpected: {_few(unexpected)}")
-        raise BaseModelError("; ".join(parts))
-    rank, tp = tp_rank(), tp_world_size()
-    for name, p in params.items():
-        spec = get_shard_spec(p)
-        want = list(p.shape)
-        if spec is not None:
-            want[spec.dim] = sum(spec.parts)
-        if list(full[name].shape) != want:
-            raise BaseModelError(f"{source}: {name} has shape {list(full[name].shape)}, the model expects {want}")
-    for name, p in params.items():
-        value = full[name]
-        spec = get_shard_spec(p)
-        if spec is not None:
-            value = spec.shard(value, rank, tp)
-        p.copy_(value.to(device=p.device, dtype=p.dtype))
-
-
-def _few(names: list[str], n: int = 6) -> str:
-    return ", ".join(names[:n]) + (f" (and {len(names) - n} more)" if len(names) > n else "")
-
-
 def load_full_gpt_state(directory: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], Path | None]:
     """(GPTConfig, full TP=1 state dict, tokenizer directory or None) of a base model directory:
 
-    * a project pretraining checkpoint (``config.json``, ``tokenizer/``, ``latest`` -> ``global_stepN/`` with
-      DeepSpeed's per-TP-rank ``mp_rank_XX_model_states.pt`` (PP=1) or per-layer
-      ``layer_XX-model_YY-model_states.pt`` (PP>1)); a ``global_stepN`` directory picks that step;
-    * ``config.json`` + ``model.safetensors`` (a full state dict; tokenizer files beside them or in tokenizer/);
+    * a project pretraining checkpoint (``config.json``, ``tokenizer/``, ``latest`` -> ``global_stepN/``) saved
+      at any TP/PP layout (``pipeline.checkpoint.read_full_model_state``); a ``global_stepN`` directory picks
+      that step;
+    * ``config.json`` + ``model.safetensors`` (a full state dict, what ``pipeline.import_hf`` writes; tokenizer
+      files beside them or in tokenizer/);
     * a finetuned classifier directory (its encoder).
 
     Torch files are read with ``weights_only=True``. The tensors keep their stored dtype."""
+    from pipeline.checkpoint import read_full_model_state
     d = Path(directory)
     if not d.exists():
         raise BaseModelError(f"base model directory {d} does not exist")
-    if d.is_dir() and d.name.startswith("global_step") and (d.parent / CONFIG_FILE).is_file():
-        return _read_deepspeed(d.parent, d.name)
     if not d.is_dir():
         raise BaseModelError(f"base model {d} is a file; give its directory")
+    if d.name.startswith("global_step") and (d.parent / CONFIG_FILE).is_file():
+        return read_full_model_state(d.parent, d.name)
     if (d / CLASSIFIER_FILE).is_file():
         from .saved import read_classifier_dir
         info, full = read_classifier_dir(d)
@@ -298,29 +271,15 @@ def load_full_gpt_state(directory: str | Path) -> tuple[GPTConfig, dict[str, tor
         encoder = {k[len(ENCODER_PREFIX):]: v for k, v in full.items() if k.startswith(ENCODER_PREFIX)}
         return info["encoder_config"], encoder, _tokenizer_dir(d)
     if (d / WEIGHTS_FILE).is_file():
-        config = _read_config(d)
-        from safetensors.torch import load_file
-        try:
-            full = load_file(str(d / WEIGHTS_FILE))
-        except Exception as e:  # safetensors' errors name no file
-            raise BaseModelError(f"{d / WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
+        from pipeline.export_hf import read_model_dir
+        config, full, _ = read_model_dir(d)
         return config, full, _tokenizer_dir(d)
     if (d / "latest").is_file() or any(d.glob("global_step*")):
-        return _read_deepspeed(d, None)
+        return read_full_model_state(d)
     found = ", ".join(sorted(p.name for p in d.iterdir())[:12]) or "nothing"
     raise BaseModelError(f"{d} is not a base model directory: expected {CONFIG_FILE} with {WEIGHTS_FILE}, a "
                          f"pretraining checkpoint (latest, global_stepN/) or a classifier ({CLASSIFIER_FILE}); "
                          f"found: {found}")
-
-
-def _read_config(d: Path) -> GPTConfig:
-    from models import ConfigError
-    if not (d / CONFIG_FILE).is_file():
-        raise BaseModelError(f"{d} has no {CONFIG_FILE} (the model config)")
-    try:
-        return GPTConfig.from_file(d / CONFIG_FILE)
-    except ConfigError as e:
-        raise BaseModelError(str(e)) from None
 
 
 def _tokenizer_dir(d: Path) -> Path | None:
@@ -328,59 +287,6 @@ def _tokenizer_dir(d: Path) -> Path | None:
         if (candidate / "tokenizer.json").is_file() or (candidate / "vocab.json").is_file():
             return candidate
     return None
-
-
-def _torch_load(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise BaseModelError(f"{path} cannot be read as a torch weights file (weights_only=True): {e}") from None
-
-
-def _read_deepspeed(d: Path, tag: str | None):
-    from pipeline.checkpoint import CheckpointError, resolve_tag
-    config = _read_config(d)
-    try:
-        tag = resolve_tag(d, tag)  # checks COMPLETE.json: every file there with its size
-    except CheckpointError as e:
-        raise BaseModelError(str(e)) from None
-    tag_dir = d / tag
-    layout_file = tag_dir / "layout.json"
-    layout = json.loads(layout_file.read_text()) if layout_file.is_file() else {}
-    specs = gpt_shard_specs(config)
-    per_layer = sorted(tag_dir.glob("layer_*-model_*-model_states.pt"))
-    shards: dict[str, dict[int, torch.Tensor]] = {}
-    if per_layer:  # pipeline parallel: one file per (pipeline layer, TP rank)
-        from pipeline.pipe_model import pipe_to_gpt_name
-        for path in per_layer:
-            m = re.match(r"layer_(\d+)-model_(\d+)-model_states\.pt$", path.name)
-            layer, rank = int(m.group(1)), int(m.group(2))
-            for key, value in _torch_load(path).items():
-                shards.setdefault(pipe_to_gpt_name(f"{layer}.{key}", config), {})[rank] = value
-    else:
-        files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
-        if not files:
-            raise BaseModelError(f"{tag_dir} holds no DeepSpeed model files (mp_rank_XX_model_states.pt)")
-        for path in files:
-            rank = int(re.match(r"mp_rank_(\d+)_model_states\.pt$", path.name).group(1))
-            state = _torch_load(path)
-            if not isinstance(state, dict) or "module" not in state:
-                raise BaseModelError(f"{path} has no 'module' state dict")
-            for key, value in state["module"].items():
-                shards.setdefault(key, {})[rank] = value
-    tp = int(layout.get("tensor_parallel", 1 + max(r for by_rank in shards.values() for r in by_rank)))
-    full = {}
-    for name, by_rank in shards.items():
-        if name not in specs:
-            raise BaseModelError(f"{tag_dir}: tensor {name} is not a parameter of the model in {d / CONFIG_FILE}")
-        if sorted(by_rank) != list(range(tp)):
-            raise BaseModelError(f"{tag_dir}: {name} has shards of TP ranks {sorted(by_rank)}, expected 0..{tp - 1}")
-        spec = specs[name]
-        full[name] = spec.gather([by_rank[r] for r in range(tp)]) if spec is not None else by_rank[0]
-    missing = sorted(set(specs) - set(full))
-    if missing:
-        raise BaseModelError(f"{tag_dir}: missing tensors {_few(missing)}")
-    return config, full, _tokenizer_dir(d)
 
 
 # ----------------------------------------------------------------------------------------- building
@@ -394,9 +300,10 @@ def build_classifier(encoder_config, head_config: HeadConfig, *, encoder_type: s
     random init from ``init_seed``), the head from its own seed (same on every rank) and, given label
     priors and an output bias, with its bias at the priors' logits."""
     from models.gpt import seeded_init
+    from pipeline.state_dicts import load_full_state_dict
     encoder = build_encoder(encoder_type, encoder_config, init_seed=init_seed)
     if encoder_state is not None:
-        load_full_state(encoder, encoder_state, source=source)
+        load_full_state_dict(encoder, encoder_state, source=source)
     with seeded_init(init_seed + 7919):
         model = Classifier(encoder, head_config, aux_lm_weight=aux_lm_weight, pos_weight=pos_weight,
                            freeze_encoder=freeze_encoder, encoder_type=encoder_type)

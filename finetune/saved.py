@@ -168,8 +168,8 @@ def load_classifier(directory: str | os.PathLike, *, dtype: torch.dtype = torch.
     info, full = read_classifier_dir(d)
     model = build_classifier(info["encoder_config"], info["head_config"], encoder_type=info["encoder_type"],
                              init_seed=0)
-    from .model import load_full_state
-    load_full_state(model, full, source=str(d / WEIGHTS_FILE))
+    from pipeline.state_dicts import load_full_state_dict
+    load_full_state_dict(model, full, source=str(d / WEIGHTS_FILE))
     model = model.to(device=device, dtype=dtype).eval()
     thresholds = None
     if info.get("thresholds_file"):

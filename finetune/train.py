@@ -49,7 +49,11 @@ def parse_args(argv=None):
                    help="output bias of the head; auto: yes for gpt2, no for llama (Hugging Face's "
                         "LlamaForSequenceClassification has none, so the classifier stays exportable)")
     g.add_argument("--aux-lm-weight", type=float, default=0.0, help="weight of the auxiliary language-model loss")
-    g.add_argument("--freeze-encoder", action="store_true", help="train the head only (linear probe)")
+    g.add_argument("--freeze-encoder", action="store_true",
+                   help="train the head only (a linear probe with a linear head); the pooled features are computed "
+                        "once, before training, unless the pooling is 'attention'")
+    g.add_argument("--encoder-layers", type=int, default=None,
+                   help="keep only the base model's first N transformer layers (a cheaper encoder)")
     g.add_argument("--max-length", type=int, default=128, help="tokens per text (longer texts are cut)")
     g = p.add_argument_group("data")
     g.add_argument("--train", required=True, help="labelled training file (E-c TSV, SST-2 TSV, CSV/TSV/JSON(L))")
@@ -112,6 +116,10 @@ def parse_args(argv=None):
         problems.append(f"--holdout must be in [0, 1), got {args.holdout}")
     if not 0.0 <= args.warmup < 1.0:
         problems.append(f"--warmup is a fraction of the training steps in [0, 1), got {args.warmup}")
+    if args.encoder_layers is not None and args.encoder_layers < 1:
+        problems.append(f"--encoder-layers must be >= 1, got {args.encoder_layers}")
+    if args.freeze_encoder and args.aux_lm_weight:
+        problems.append("--aux-lm-weight trains the encoder: it cannot be combined with --freeze-encoder")
     if args.max_length < 1:
         problems.append(f"--max-length must be >= 1, got {args.max_length}")
     if args.lr <= 0:
@@ -192,6 +200,15 @@ def parse_pos_weight(spec: str, labels: np.ndarray, cap: float):
     return w
 
 
+def first_layers(config, state: dict, n: int, source: str):
+    """The base model cut to its first ``n`` transformer layers (config and full state dict)."""
+    import dataclasses
+    if n > config.num_layers:
+        raise ValueError(f"--encoder-layers {n}: {source} has only {config.num_layers} layers")
+    kept = {k: v for k, v in state.items() if not k.startswith("layers.") or int(k.split(".")[1]) < n}
+    return dataclasses.replace(config, num_layers=n), kept
+
+
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.Generator(np.random.PCG64([seed, 4242]))
     order = rng.permutation(n)
@@ -210,13 +227,16 @@ def finetune_step(engine, batches) -> dict:
     for _ in range(gas):
         b = next(batches)
         dev = engine.device
-        loss = engine(b["input_ids"].to(dev), b["labels"].to(dev), lengths=b["lengths"].to(dev))
+        if "pooled" in b:
+            loss = engine(None, b["labels"].to(dev), pooled=b["pooled"].to(dev))
+        else:
+            loss = engine(b["input_ids"].to(dev), b["labels"].to(dev), lengths=b["lengths"].to(dev))
         engine.backward(loss)
         engine.step()
         parts = engine.module.last_losses
         sums += torch.tensor([float(loss.detach()), parts.get("cls_loss", 0.0), parts.get("lm_loss", 0.0)],
                              dtype=torch.float64)
-        tokens += int(b["lengths"].sum())
+        tokens += int(b["lengths"].sum()) if "lengths" in b else 0
     sums /= gas
     extra = torch.tensor([tokens], dtype=torch.float64)
     mpu = engine.mpu
@@ -249,7 +269,7 @@ def main(argv=None) -> dict:
     if not args.verbose:
         from deepspeed.utils import logger as ds_logger
         ds_logger.setLevel(logging.WARNING)
-    from finetune.batching import TrainBatches, encode_texts, predict_encoded
+    from finetune.batching import TrainBatches, encode_texts, pooled_features, predict_encoded, predict_pooled
     from finetune.heads import MULTILABEL, HeadConfig
     from finetune.model import build_classifier, load_full_gpt_state
     from finetune.normalize import TweetNormalizer
@@ -280,6 +300,8 @@ def main(argv=None) -> dict:
                          f"{config.vocab_size}: it is not this model's tokenizer")
     if args.encoder_dropout is not None:
         config.hidden_dropout = config.attention_dropout = args.encoder_dropout
+    if args.encoder_layers is not None:
+        config, base_state = first_layers(config, base_state, args.encoder_layers, args.base)
     config.check_parallel(state.tensor_parallel)
     max_length = min(args.max_length, config.max_position_embeddings)
     pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
@@ -328,8 +350,6 @@ def main(argv=None) -> dict:
                                   head_lr_mult=args.head_lr_mult)
 
     micro, dp = ds["train_micro_batch_size_per_gpu"], state.data_parallel
-    batches = TrainBatches(encoded["train"], train.labels, micro, state.get_data_parallel_rank(), dp, pad_id,
-                           seed=args.seed)
     steps_per_epoch = len(train) // ds["train_batch_size"]
     if steps_per_epoch < 1:
         raise ValueError(f"{len(train)} training examples are fewer than one global batch "
@@ -339,6 +359,16 @@ def main(argv=None) -> dict:
     engine = build_engine(config, ds, state, init_seed=args.seed, schedule=schedule, model_builder=builder,
                           param_groups_fn=groups)
     del base_state
+    dp_kwargs = dict(dp_rank=state.get_data_parallel_rank(), dp_world_size=dp, dp_group=state.get_data_parallel_group())
+    cached = args.freeze_encoder and args.pooling != "attention"
+    t_features = time.perf_counter()
+    if cached:  # a frozen encoder gives the same features every epoch: compute them once
+        encoded = {name: pooled_features(engine.module, ids, pad_id, batch_size=args.eval_batch_size,
+                                         progress=is_rank0(), desc=f"features {name}", **dp_kwargs)
+                   for name, ids in encoded.items()}
+    feature_seconds = time.perf_counter() - t_features if cached else 0.0
+    batches = TrainBatches(encoded["train"], train.labels, micro, state.get_data_parallel_rank(), dp, pad_id,
+                           seed=args.seed)
 
     save = Path(args.save) if args.save else None
     metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None)
@@ -349,17 +379,17 @@ def main(argv=None) -> dict:
                 "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
                 "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
                 "pos_weight": None if pos_weight is None else pos_weight.tolist(), "aux_lm_weight": args.aux_lm_weight,
-                "freeze_encoder": args.freeze_encoder, "pooling": args.pooling, "mlp_hidden": list(args.mlp_hidden),
+                "freeze_encoder": args.freeze_encoder, "features_computed_once": cached,
+                "encoder_layers": config.num_layers, "pooling": args.pooling, "mlp_hidden": list(args.mlp_hidden),
                 "precision": precision(ds), "tensor_parallel": state.tensor_parallel, "data_parallel": dp,
                 "seed": args.seed}
     metrics.write({"settings": settings})
 
     def predict(name, progress=False):
-        module = engine.module
-        return predict_encoded(module, encoded[name], pad_id, batch_size=args.eval_batch_size,
-                               dp_rank=state.get_data_parallel_rank(), dp_world_size=dp,
-                               dp_group=state.get_data_parallel_group(), progress=progress and is_rank0(),
-                               desc=f"predict {name}")
+        if cached:
+            return predict_pooled(engine.module, encoded[name])
+        return predict_encoded(engine.module, encoded[name], pad_id, batch_size=args.eval_batch_size,
+                               progress=progress and is_rank0(), desc=f"predict {name}", **dp_kwargs)
 
     def dev_scores() -> dict:
         from finetune.metrics import evaluate_probabilities, single_label_scores
@@ -403,7 +433,7 @@ def main(argv=None) -> dict:
     # thresholds, scores, predictions
     result = finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, metrics, settings,
                     config, head_config, tokenizer, max_length, normalizer)
-    result.update(losses=losses, train_seconds=train_seconds, steps=total_steps)
+    result.update(losses=losses, train_seconds=train_seconds, feature_seconds=feature_seconds, steps=total_steps)
     metrics.close()
     return result
 
