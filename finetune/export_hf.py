@@ -1,4 +1,4 @@
-"""Export a finetuned classifier as a Hugging Face ``GPT2ForSequenceClassification`` / ``LlamaForSequenceClassification``.
+"""Export a finetuned classifier as Hugging Face ``GPT2ForSequenceClassification`` / ``LlamaForSequenceClassification``.
 
     python -m finetune.export_hf --model runs/ec --out runs/ec/hf [--dtype float32] [--force] [--verify]
 

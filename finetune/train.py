@@ -33,6 +33,11 @@ import torch
 LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
 
 
+class FinetuneError(ValueError):
+    """Arguments or inputs the job cannot work with (the message says which and why)."""
+
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
@@ -160,8 +165,8 @@ def load_split(path: str, args, require_labels: bool = True):
     else:
         data = load_data(path)
     if require_labels and data.labels is None:
-        raise ValueError(f"{path} has no labels (name the label columns: --label-columns, --label-list-column or "
-                         f"--label-column)")
+        raise FinetuneError(f"{path} has no labels (name the label columns: --label-columns, --label-list-column or "
+                            f"--label-column)")
     return data
 
 
@@ -194,9 +199,11 @@ def parse_pos_weight(spec: str, labels: np.ndarray, cap: float):
     try:
         w = torch.tensor([float(x) for x in spec.split(",")], dtype=torch.float32)
     except ValueError:
-        raise ValueError(f"--pos-weight: expected none, balanced, sqrt or comma-separated numbers, got {spec!r}") from None
+        raise FinetuneError(f"--pos-weight: expected none, balanced, sqrt or comma-separated numbers, "
+                            f"got {spec!r}") from None
     if w.numel() != labels.shape[1] or bool((w <= 0).any()):
-        raise ValueError(f"--pos-weight: {w.numel()} weights for {labels.shape[1]} labels (need one > 0 per label)")
+        raise FinetuneError(f"--pos-weight: {w.numel()} weights for {labels.shape[1]} labels "
+                            f"(need one > 0 per label)")
     return w
 
 
@@ -204,7 +211,7 @@ def first_layers(config, state: dict, n: int, source: str):
     """The base model cut to its first ``n`` transformer layers (config and full state dict)."""
     import dataclasses
     if n > config.num_layers:
-        raise ValueError(f"--encoder-layers {n}: {source} has only {config.num_layers} layers")
+        raise FinetuneError(f"--encoder-layers {n}: {source} has only {config.num_layers} layers")
     kept = {k: v for k, v in state.items() if not k.startswith("layers.") or int(k.split(".")[1]) < n}
     return dataclasses.replace(config, num_layers=n), kept
 
@@ -264,8 +271,30 @@ def full_fp32_state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
+def user_errors() -> tuple:
+    """Exceptions that are the input's fault: reported as one line, without a traceback."""
+    from finetune.data import DataFormatError
+    from finetune.model import BaseModelError
+    from finetune.saved import ClassifierDirError
+    from models import ConfigError
+    from models.parallel import ParallelConfigError
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.engine import EngineConfigError
+    from pipeline.state_dicts import StateDictError
+    return (FinetuneError, DataFormatError, BaseModelError, ClassifierDirError, ConfigError, ParallelConfigError,
+            CheckpointError, EngineConfigError, StateDictError, FileNotFoundError)
+
+
 def main(argv=None) -> dict:
+    """Run the job; bad arguments or inputs exit with ``finetune/train.py: error: <what and where>``."""
     args = parse_args(argv)
+    try:
+        return run(args)
+    except user_errors() as e:
+        sys.exit(f"finetune/train.py: error: {e}")
+
+
+def run(args) -> dict:
     if not args.verbose:
         from deepspeed.utils import logger as ds_logger
         ds_logger.setLevel(logging.WARNING)
@@ -281,28 +310,23 @@ def main(argv=None) -> dict:
     from pipeline.pretrain import default_ds_config
     from pipeline.schedules import LRSchedule
 
-    init_distributed()
-    state = initialize_model_parallel(args.tensor_parallel, 1)
-    model_parallel_seed(args.seed)
-    ds_source = args.deepspeed_config or default_ds_config()
-    ds = load_ds_config(ds_source)
-    ds.pop("peak_tflops", None)
-    ds = resolve_ds_config(ds, data_parallel=state.data_parallel, micro_batch_size=args.micro_batch_size,
-                           global_batch_size=args.global_batch_size, source=ds_source)
-
-    # base model and tokenizer
+    # base model and tokenizer. Inputs are read and checked before any process group exists: a bad file
+    # fails at once, on every rank.
     config, base_state, tokenizer_dir = load_full_gpt_state(args.base)
     if args.tokenizer is None and tokenizer_dir is None:
-        raise ValueError(f"{args.base} holds no tokenizer; pass --tokenizer")
-    tokenizer = load_tokenizer(args.tokenizer or str(tokenizer_dir))
+        raise FinetuneError(f"{args.base} holds no tokenizer; pass --tokenizer")
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or str(tokenizer_dir))
+    except ValueError as e:
+        raise FinetuneError(f"tokenizer: {e}") from None
     if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model in {args.base} only "
-                         f"{config.vocab_size}: it is not this model's tokenizer")
+        raise FinetuneError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model in {args.base} only "
+                            f"{config.vocab_size}: it is not this model's tokenizer")
     if args.encoder_dropout is not None:
         config.hidden_dropout = config.attention_dropout = args.encoder_dropout
     if args.encoder_layers is not None:
         config, base_state = first_layers(config, base_state, args.encoder_layers, args.base)
-    config.check_parallel(state.tensor_parallel)
+    config.check_parallel(args.tensor_parallel)
     max_length = min(args.max_length, config.max_position_embeddings)
     pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
     pad_id = tokenizer.eod_id if pad_id is None else pad_id
@@ -312,18 +336,31 @@ def main(argv=None) -> dict:
     train, dev = load_split(args.train, args), load_split(args.dev, args)
     test = load_split(args.test, args, require_labels=False) if args.test else None
     if subset is not None:
-        train, dev = train.select_labels(subset), dev.select_labels(subset)
-        test = test.select_labels(subset) if test is not None and test.labels is not None else test
+        try:
+            train, dev = train.select_labels(subset), dev.select_labels(subset)
+            test = test.select_labels(subset) if test is not None and test.labels is not None else test
+        except ValueError as e:
+            raise FinetuneError(f"--labels: {e}") from None
     for name, split in (("dev", dev), ("test", test)):
         if split is not None and split.labels is not None and split.label_names != train.label_names:
-            raise ValueError(f"{name} labels {list(split.label_names)} differ from train labels "
-                             f"{list(train.label_names)} (choose a common subset with --labels)")
+            raise FinetuneError(f"{name} labels {list(split.label_names)} differ from train labels "
+                                f"{list(train.label_names)} (choose a common subset with --labels)")
     normalizer = None if args.no_normalize else TweetNormalizer(lowercase=args.lowercase)
     norm = (lambda texts: [normalizer(t) for t in texts]) if normalizer else list
     tune_on = dev
     if args.holdout:
         keep, held = holdout_split(len(train), args.holdout, args.seed)
         train, tune_on = train.subset(keep), train.subset(held)
+    # the process groups, the DeepSpeed config
+    init_distributed()
+    state = initialize_model_parallel(args.tensor_parallel, 1)
+    model_parallel_seed(args.seed)
+    ds_source = args.deepspeed_config or default_ds_config()
+    ds = load_ds_config(ds_source)
+    ds.pop("peak_tflops", None)
+    ds = resolve_ds_config(ds, data_parallel=state.data_parallel, micro_batch_size=args.micro_batch_size,
+                           global_batch_size=args.global_batch_size, source=ds_source)
+
     multilabel = train.task == MULTILABEL
     encoded = {name: encode_texts(tokenizer, norm(split.texts), max_length)
                for name, split in (("train", train), ("dev", dev), ("tune", tune_on), ("test", test))
@@ -335,9 +372,9 @@ def main(argv=None) -> dict:
     head_config = HeadConfig(config.hidden_size, train.num_labels, pooling=args.pooling, mlp_hidden=args.mlp_hidden,
                              dropout=args.dropout, problem_type=train.task, label_names=train.label_names,
                              output_bias=head_bias)
-    pos_weight = parse_pos_weight(args.pos_weight, train.labels, args.pos_weight_max) if multilabel else None
     if args.pos_weight != "none" and not multilabel:
-        raise ValueError("--pos-weight is for multilabel data")
+        raise FinetuneError("--pos-weight is for multilabel data")
+    pos_weight = parse_pos_weight(args.pos_weight, train.labels, args.pos_weight_max) if multilabel else None
     priors = train.labels.mean(axis=0)
 
     def builder(cfg, init_seed):
@@ -352,8 +389,8 @@ def main(argv=None) -> dict:
     micro, dp = ds["train_micro_batch_size_per_gpu"], state.data_parallel
     steps_per_epoch = len(train) // ds["train_batch_size"]
     if steps_per_epoch < 1:
-        raise ValueError(f"{len(train)} training examples are fewer than one global batch "
-                         f"({ds['train_batch_size']}); use a smaller --global-batch-size")
+        raise FinetuneError(f"{len(train)} training examples are fewer than one global batch "
+                            f"({ds['train_batch_size']}); use a smaller --global-batch-size")
     total_steps = args.train_steps or max(1, math.ceil(args.epochs * steps_per_epoch))
     schedule = LRSchedule(args.lr, int(args.warmup * total_steps), total_steps, args.lr_decay_style, args.min_lr)
     engine = build_engine(config, ds, state, init_seed=args.seed, schedule=schedule, model_builder=builder,
@@ -433,7 +470,8 @@ def main(argv=None) -> dict:
     # thresholds, scores, predictions
     result = finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, metrics, settings,
                     config, head_config, tokenizer, max_length, normalizer)
-    result.update(losses=losses, train_seconds=train_seconds, feature_seconds=feature_seconds, steps=total_steps)
+    result.update(losses=losses, train_seconds=train_seconds, feature_seconds=feature_seconds, steps=total_steps,
+                  group_lrs=[(g.get("lr_mult", 1.0), g["lr"]) for g in engine.optimizer.param_groups])
     metrics.close()
     return result
 
@@ -458,7 +496,9 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
         return {"single_label": single_label_scores(data.class_indices(), probs.argmax(1), data.label_names)}
 
     def decide(probs):
-        return apply_thresholds(probs, thresholds) if multilabel else np.eye(probs.shape[1], dtype=np.int8)[probs.argmax(1)]
+        if multilabel:
+            return apply_thresholds(probs, thresholds)
+        return np.eye(probs.shape[1], dtype=np.int8)[probs.argmax(1)]
 
     results["dev"] = scores(dev, dev_probs)
     if test is not None and test.labels is not None:
