@@ -351,6 +351,25 @@ def run(args) -> dict:
     if args.holdout:
         keep, held = holdout_split(len(train), args.holdout, args.seed)
         train, tune_on = train.subset(keep), train.subset(held)
+    multilabel = train.task == MULTILABEL
+    encoded = {name: encode_texts(tokenizer, norm(split.texts), max_length)
+               for name, split in (("train", train), ("dev", dev), ("tune", tune_on), ("test", test))
+               if split is not None}
+    truncated = sum(len(ids) == max_length for ids in encoded["train"])
+
+    # model
+    head_bias = {"yes": True, "no": False, "auto": config.variant != "llama"}[args.head_bias]
+    try:
+        head_config = HeadConfig(config.hidden_size, train.num_labels, pooling=args.pooling,
+                                 mlp_hidden=args.mlp_hidden, dropout=args.dropout, problem_type=train.task,
+                                 label_names=train.label_names, output_bias=head_bias)
+    except ValueError as e:
+        raise FinetuneError(str(e)) from None
+    if args.pos_weight != "none" and not multilabel:
+        raise FinetuneError("--pos-weight is for multilabel data")
+    pos_weight = parse_pos_weight(args.pos_weight, train.labels, args.pos_weight_max) if multilabel else None
+    priors = train.labels.mean(axis=0)
+
     # the process groups, the DeepSpeed config
     init_distributed()
     state = initialize_model_parallel(args.tensor_parallel, 1)
@@ -360,22 +379,6 @@ def run(args) -> dict:
     ds.pop("peak_tflops", None)
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, micro_batch_size=args.micro_batch_size,
                            global_batch_size=args.global_batch_size, source=ds_source)
-
-    multilabel = train.task == MULTILABEL
-    encoded = {name: encode_texts(tokenizer, norm(split.texts), max_length)
-               for name, split in (("train", train), ("dev", dev), ("tune", tune_on), ("test", test))
-               if split is not None}
-    truncated = sum(len(ids) == max_length for ids in encoded["train"])
-
-    # model
-    head_bias = {"yes": True, "no": False, "auto": config.variant != "llama"}[args.head_bias]
-    head_config = HeadConfig(config.hidden_size, train.num_labels, pooling=args.pooling, mlp_hidden=args.mlp_hidden,
-                             dropout=args.dropout, problem_type=train.task, label_names=train.label_names,
-                             output_bias=head_bias)
-    if args.pos_weight != "none" and not multilabel:
-        raise FinetuneError("--pos-weight is for multilabel data")
-    pos_weight = parse_pos_weight(args.pos_weight, train.labels, args.pos_weight_max) if multilabel else None
-    priors = train.labels.mean(axis=0)
 
     def builder(cfg, init_seed):
         return build_classifier(cfg, head_config, encoder_state=base_state, init_seed=init_seed,

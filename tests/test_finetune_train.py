@@ -115,7 +115,7 @@ def test_finetune_learns_and_writes_everything(trained, work):
         assert (trained / name).is_file(), name
 
 
-def test_predict_writes_official_format_with_tuned_thresholds(trained, work):
+def test_predict_writes_official_format_with_tuned_thresholds(trained, work, capsys):
     from finetune.data import load_semeval_ec
     from finetune.predictions import read_predictions
     from finetune.saved import load_classifier
@@ -132,10 +132,12 @@ def test_predict_writes_official_format_with_tuned_thresholds(trained, work):
     assert out.read_text().splitlines()[0].split("\t") == ["ID", "Tweet", *clf.label_names]
     assert np.array_equal(written.labels, apply_thresholds(clf.predict_proba(data.texts), clf.thresholds))
 
+    from finetune.predict import main
     labelled = work["dir"] / "pred_dev.txt"
-    proc = run([sys.executable, "-m", "finetune.predict", "--model", str(trained), "--data", str(work["dev"]),
-                "--out", str(labelled), "--eval-json", str(work["dir"] / "pred_eval.json")], work["dir"])
-    assert "micro-F1" in proc.stdout and "tuned thresholds" in proc.stdout
+    main(["--model", str(trained), "--data", str(work["dev"]), "--out", str(labelled),
+          "--eval-json", str(work["dir"] / "pred_eval.json")])
+    shown = capsys.readouterr().out
+    assert "micro-F1" in shown and "tuned thresholds" in shown
     ev = json.loads((trained / "eval.json").read_text())["dev"]["tuned"]
     assert json.loads((work["dir"] / "pred_eval.json").read_text())["tuned"]["micro_f1"] == pytest.approx(
         ev["micro_f1"], abs=1e-6)
@@ -161,7 +163,8 @@ def _finetune_worker(rank, argv):
 
 def _layout_argv(work, *extra):
     return ["--base", str(work["base"]), "--train", str(work["train"]), "--dev", str(work["dev"]),
-            "--deepspeed_config", str(work["ds"]), "--global-batch-size", "16", "--train-steps", "4",
+            "--deepspeed_config", str(work["ds"]), "--global-batch-size", "16", "--micro-batch-size", "8",
+            "--train-steps", "4",
             "--lr", "3e-3", "--lr-decay-style", "constant", "--warmup", "0", "--max-length", "32",
             "--pooling", "attention", "--mlp-hidden", "24", "--dropout", "0", "--aux-lm-weight", "0.5",
             "--layer-lr-decay", "0.5", "--pos-weight", "sqrt", "--hf-export", "no", *extra]
@@ -180,18 +183,14 @@ def _same(result, reference, what):
     assert len(diffs) == 4 and max(diffs) < 1e-4 and dev < 1e-4
 
 
-def test_tensor_parallel_finetune_equals_single_process(work, single):
-    # aux LM loss (vocab-parallel cross-entropy), attention pooling + MLP head, layer-wise LR decay, pos weights
-    results = run_distributed(_finetune_worker, 2, _layout_argv(work, "--tensor-parallel", "2"))
+def test_tensor_and_data_parallel_finetune_equals_single_process(work, single):
+    # TP=2 x DP=2. Aux LM loss (vocab-parallel cross-entropy), attention pooling + MLP head, layer-wise LR decay,
+    # positive weights. One process accumulates two micro-batches of 8; the two DP ranks take one each.
+    results = run_distributed(_finetune_worker, 4, _layout_argv(work, "--tensor-parallel", "2"))
     for r in results:
-        _same(r, single, "TP=2")
+        _same(r, single, "TP=2 x DP=2")
     lrs = dict(single["group_lrs"])
     assert lrs[1.0] == pytest.approx(3e-3) and lrs[0.5 ** 3] == pytest.approx(3e-3 * 0.125)  # embedding: L + 1 down
-
-
-def test_data_parallel_finetune_equals_single_process(work, single):
-    for r in run_distributed(_finetune_worker, 2, _layout_argv(work)):
-        _same(r, single, "DP=2")
 
 
 # ----------------------------------------------------------------------------------------- refusals
