@@ -81,7 +81,8 @@ def main(argv=None):
            args.deepspeed_config, "--epochs", str(args.epochs), "--lr", str(args.lr), "--pooling", args.pooling,
            "--global-batch-size", str(args.global_batch_size),
            "--micro-batch-size", str(args.micro_batch_size or args.global_batch_size),
-           "--max-length", str(args.max_length), "--holdout", str(args.holdout), "--save", str(out / "classifier"), "--log-interval", "10"]
+           "--max-length", str(args.max_length), "--holdout", str(args.holdout), "--save", str(out / "classifier"),
+           "--log-interval", "10"]
     if args.encoder_layers:
         job += ["--encoder-layers", str(args.encoder_layers)]
     if args.freeze_encoder:
