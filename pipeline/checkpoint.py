@@ -267,3 +267,22 @@ def restore_after_reshard(engine, load_dir, tag: str) -> tuple[int, dict | None]
     if data is not None and data.get("kind") != "map":
         data = None  # a streamed corpus's position belongs to its DP rank: it restarts
     return int(layout["step"]), data
+
+
+def is_deepspeed_run_dir(path) -> bool:
+    path = Path(path)
+    return (path / "latest").is_file() or any(path.glob("global_step*"))
+
+
+def read_full_checkpoint(path, tag: str | None = None):
+    """(GPTConfig, full TP=1 state dict, tokenizer dir) of any model directory the project writes:
+    a pretraining run directory (DeepSpeed checkpoints at any layout; ``tag`` or its latest), one of
+    its ``global_step<N>`` directories, or a ``config.json`` + ``model.safetensors`` directory
+    (what ``pipeline.import_hf`` writes)."""
+    path = Path(path)
+    if path.name.startswith("global_step") and (path.parent / "config.json").is_file():
+        return read_full_model_state(path.parent, path.name)
+    if is_deepspeed_run_dir(path):
+        return read_full_model_state(path, tag)
+    from .export_hf import read_model_dir
+    return read_model_dir(path)

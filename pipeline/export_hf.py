@@ -78,8 +78,9 @@ def read_model_dir(path: str | Path):
     return config, dict(read_state_dict(weights)), (path if has_tokenizer(path) else None)
 
 
-# The lead's reader of DeepSpeed checkpoints at any (TP, PP) replaces this one line.
-read_full_checkpoint = read_model_dir
+def read_full_checkpoint(path):
+    from .checkpoint import read_full_checkpoint as read_any
+    return read_any(path)
 
 
 # -- tokenizer -------------------------------------------------------------------------------------------------------

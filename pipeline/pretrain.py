@@ -28,8 +28,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--model-type", choices=["gpt"], default="gpt")
-    g.add_argument("--model-config", default="gpt2-tiny",
-                   help=f"a JSON file, or a preset name from {PRESETS.name}/ ({', '.join(presets())})")
+    g.add_argument("--model-config", default=None,
+                   help=f"a JSON file, or a preset name from {PRESETS.name}/ ({', '.join(presets())}); default: "
+                        f"the checkpoint's config with --load, else gpt2-tiny")
     g.add_argument("--seq-length", type=int, help="training sequence length (default: the config's seq_length)")
     g.add_argument("--activation-checkpointing", action="store_true")
     g = p.add_argument_group("parallelism and engine")
@@ -64,7 +65,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--save", default=None, help="directory for checkpoints and metrics.jsonl")
     g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the end)")
-    g.add_argument("--load", default=None, help="resume from this directory's latest complete checkpoint")
+    g.add_argument("--load", default=None,
+                   help="resume from this run directory's latest complete checkpoint (any TP/PP/DP layout), or "
+                        "start from the weights of a config.json + model.safetensors directory (pipeline.import_hf)")
     g.add_argument("--load-tag", default=None, help="resume from this tag (e.g. global_step200) instead of latest")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--eval-interval", type=int, default=None)
@@ -138,15 +141,19 @@ def main(argv=None) -> dict:
 
     # tokenizer: a resumed run keeps the one it trained with
     load_dir = Path(args.load) if args.load else None
+    resume = load_dir is not None and checkpoint.is_deepspeed_run_dir(load_dir)
+    if load_dir is not None:
+        saved_tokenizer = load_dir / "tokenizer" if (load_dir / "tokenizer").is_dir() else load_dir
     if load_dir is not None and args.tokenizer is None:
-        tokenizer = load_saved_tokenizer(load_dir / "tokenizer")
+        tokenizer = load_saved_tokenizer(saved_tokenizer)
     else:
         with main_process_first():
             tokenizer = load_tokenizer(args.tokenizer or "train-bpe", corpus=args.data, vocab_size=args.vocab_size)
         if load_dir is not None:
-            check_same_tokenizer(load_dir / "tokenizer", tokenizer)
-    raw_config = read_model_config(str(load_dir / "config.json") if load_dir and not args.model_config else
-                                   args.model_config)
+            check_same_tokenizer(saved_tokenizer, tokenizer)
+    if args.model_config is None:
+        args.model_config = str(load_dir / "config.json") if load_dir is not None else "gpt2-tiny"
+    raw_config = read_model_config(args.model_config)
     config = make_gpt_config(raw_config, tokenizer.vocab_size, args.seq_length)
     config.check_parallel(state.tensor_parallel, state.pipeline_parallel)
 
@@ -166,15 +173,17 @@ def main(argv=None) -> dict:
     layout = {"tensor_parallel": state.tensor_parallel, "pipeline_parallel": state.pipeline_parallel,
               "data_parallel": dp, "model_type": args.model_type, "precision": precision(ds)}
     full_state, tag = None, None
-    if load_dir is not None:
+    if resume:
         tag = checkpoint.resolve_tag(load_dir, args.load_tag)
         if not checkpoint.same_layout(checkpoint.saved_layout(load_dir, tag), layout):
             _, full_state, _ = checkpoint.read_full_model_state(load_dir, tag)
+    elif load_dir is not None:  # weights only (e.g. an imported Hugging Face model): a new run starts from them
+        _, full_state, _ = checkpoint.read_full_checkpoint(load_dir)
     engine = build_engine(config, ds, state, init_seed=args.seed, schedule=schedule,
                           activation_checkpointing=args.activation_checkpointing, full_state_dict=full_state)
 
     step = 0
-    if load_dir is not None:
+    if resume:
         if full_state is None:
             step, data_state = checkpoint.load(engine, load_dir, tag)
         else:
