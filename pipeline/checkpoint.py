@@ -216,7 +216,9 @@ def read_full_model_state(load_dir, tag: str | None = None):
     tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
     specs = gpt_shard_specs(config)
     per_rank: list[dict] = [dict() for _ in range(tp)]
-    if pp == 1:
+    if pp == 1 and not (tag_dir / "mp_rank_00_model_states.pt").is_file():
+        per_rank = _zero3_weights(load_dir, tag, tp)  # ZeRO-3 writes zero_pp_rank_<dp>_mp_rank_<tp> files only
+    elif pp == 1:
         for r in range(tp):
             state = torch.load(tag_dir / f"mp_rank_{r:02d}_model_states.pt", weights_only=True, map_location="cpu")
             per_rank[r] = state["module"]
