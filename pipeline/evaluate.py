@@ -15,6 +15,7 @@ import argparse
 import datetime
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (--hf only)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run the model directory's own Python code (off by default)")
+    p.add_argument("--plot", type=Path, help="wikitext/bpc: also save a PNG of the loss against the left context")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -152,8 +154,33 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if is_main:
         write_json_atomic(args.out, record)
+        if args.plot is not None and "loss_by_context" in results:
+            plot_loss_by_context(record, args.plot)
         print(summary(record), file=sys.stderr)
     return record
+
+
+def plot_loss_by_context(record: dict, path: Path) -> None:
+    """Mean token loss against the left context it was scored with (how much the window length matters)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = record["results"]["loss_by_context"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([math.sqrt(r["context_from"] * r["context_to"]) for r in rows], [r["mean_nll"] for r in rows], "o-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens of left context")
+    ax.set_ylabel("mean token NLL (nats)")
+    s = record["settings"]
+    ax.set_title(f"{record['task']}: {Path(record['model']['source']).name}\n"
+                 f"context {s['context_length']}, stride {s['stride']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
 
 
 def summary(record: dict) -> str:

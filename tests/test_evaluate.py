@@ -251,7 +251,8 @@ def test_cli_end_to_end_writes_the_result_json(tiny_hf_dir, tmp_path):
     out = tmp_path / "res" / "wikitext.json"
     record = evaluate_main(["--task", "wikitext", "--data", str(shared_data("wikitext", "wikitext-2", "test.txt")),
                             "--hf", str(tiny_hf_dir), "--out", str(out), "--max-examples", "1",
-                            "--stride", "48", "--batch-size", "16", "--no-progress"])
+                            "--stride", "48", "--batch-size", "16", "--no-progress",
+                            "--plot", str(tmp_path / "loss.png")])
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(record))
     r = saved["results"]
@@ -261,6 +262,10 @@ def test_cli_end_to_end_writes_the_result_json(tiny_hf_dir, tmp_path):
     assert r["word_perplexity"] == pytest.approx(math.exp(r["total_nll"] / (r["num_words"] - 1)))
     assert saved["model"]["format"] == "hf" and len(saved["data"]["sha256"]) == 64
     assert not list(out.parent.glob("*.tmp"))
+    by_context = r["loss_by_context"]
+    assert sum(b["tokens"] for b in by_context) == r["num_scored_tokens"]
+    assert by_context[0]["context_from"] == 1 and by_context[-1]["context_to"] >= N_POSITIONS - 48
+    assert (tmp_path / "loss.png").stat().st_size > 1000
 
     # The module as a command, on LAMBADA.
     out = tmp_path / "lambada.json"

@@ -73,4 +73,5 @@ def evaluate_bpc(scorer: Scorer, tokenizer: Tokenizer, data: HeldOutText, *, con
         "start_token": prefix[0] if prefix else None,
         "unscored_characters": len(unscored_text),
         "mean_context": stream.mean_context,
+        "loss_by_context": stream.loss_by_context(),
     }

@@ -121,6 +121,7 @@ def evaluate_lambada(scorer: Scorer, tokenizer: Tokenizer, examples: list[Lambad
         "num_correct": int(correct),
         "num_target_tokens": int(num_target_tokens),
         "num_correct_tokens": int(correct_tokens),
+        "num_tokens": sum(len(c) + len(t) for c, t in encoded),  # context (after truncation) + target
         "num_multi_token_targets": sum(len(t) > 1 for _, t in encoded),
         "num_truncated": truncated,
     }

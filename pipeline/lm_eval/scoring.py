@@ -141,6 +141,18 @@ class StreamScore:
     def mean_context(self) -> float:
         return self.context[self.scored].double().mean().item() if self.num_scored else 0.0
 
+    def loss_by_context(self) -> list[dict]:
+        """Mean NLL of the tokens scored with 1, 2-3, 4-7, ... tokens of left context."""
+        ctx, nll = self.context[self.scored], self.token_nll[self.scored]
+        rows, lo = [], 1
+        while ctx.numel() and lo <= int(ctx.max()):
+            inside = (ctx >= lo) & (ctx < 2 * lo)
+            if inside.any():
+                rows.append({"context_from": lo, "context_to": 2 * lo - 1, "tokens": int(inside.sum()),
+                             "mean_nll": nll[inside].mean().item()})
+            lo *= 2
+        return rows
+
 
 def score_token_stream(scorer: Scorer, ids: Sequence[int] | torch.Tensor, *, context_length: int, stride: int,
                        batch_size: int = 1, shard: DataShard | None = None, progress: bool = True,

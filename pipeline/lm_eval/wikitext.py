@@ -92,8 +92,8 @@ def load_wikitext(path: str | Path, max_articles: int | None = None) -> WikiText
         if max_articles < 1:
             raise ValueError(f"max_articles must be >= 1, got {max_articles}")
         if max_articles < len(titles):
-            # Keep the blank line that precedes the next title with the previous article.
-            lines = lines[:titles[max_articles] - 1] if titles[max_articles] > 0 else []
+            # Stop before the blank line that precedes the next article's title.
+            lines = lines[:titles[max_articles] - 1]
             titles = titles[:max_articles]
             text = "".join(lines)
     return WikiText(path=str(path), text=text, num_lines=len(lines), num_articles=len(titles),
@@ -124,6 +124,7 @@ def evaluate_wikitext(scorer: Scorer, tokenizer: Tokenizer, data: WikiText, *, c
         "num_articles": data.num_articles,
         "num_lines": data.num_lines,
         "mean_context": stream.mean_context,
+        "loss_by_context": stream.loss_by_context(),
     }
 
 
