@@ -33,8 +33,7 @@ MEGATRON_STRIDE = 32  # Megatron-LM's --overlapping-eval default
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data", required=True, type=Path,
                    help="wikitext: a WikiText file (wiki.test.tokens / test.txt, or wiki.test.raw); "
@@ -50,11 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int,
                    help=f"wikitext/bpc: new tokens scored per window; smaller gives each token more context "
                         f"and costs more (default: Megatron's {MEGATRON_STRIDE}, capped at --context-length)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows (wikitext, bpc) or passages (lambada) per forward")
+    p.add_argument("--batch-size", type=int, default=8, help="windows (wikitext, bpc) or passages (lambada) per forward (default: 8)")
     p.add_argument("--max-examples", type=int,
                    help="score a prefix only: the first N passages (lambada), articles (wikitext) or lines (bpc)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="model weights and compute")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (--hf only)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="model weights and compute (default: fp32)")
+    p.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu, cuda, cuda:1 ... (--hf only; default: auto)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run the model directory's own Python code (off by default)")
     p.add_argument("--plot", type=Path, help="wikitext/bpc: also save a PNG of the loss against the left context")
@@ -197,5 +196,13 @@ def summary(record: dict) -> str:
     return f"{task}: {text}; {record['elapsed_s']:.1f}s"
 
 
+def cli() -> None:
+    """``main`` with bad input reported as one line instead of a traceback."""
+    try:
+        main()
+    except (FileNotFoundError, ValueError, NotImplementedError) as e:
+        sys.exit(f"error: {e}")
+
+
 if __name__ == "__main__":
-    main()
+    cli()
