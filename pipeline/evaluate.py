@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf", type=Path, help="Hugging Face causal-LM directory or .gguf file")
     model.add_argument("--checkpoint", type=Path, help="project checkpoint directory")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="--checkpoint: tensor-parallel size to score with (launch TP x DP ranks like the main job)")
     p.add_argument("--tokenizer", type=Path,
                    help="tokenizer directory or .gguf file (default: the model's own)")
     p.add_argument("--context-length", type=int,
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         from models.parallel import get_parallel_state
         from pipeline.distributed import init_distributed
         init_distributed()
-        model, tokenizer = load_project_model(args.checkpoint)
+        model, tokenizer = load_project_model(args.checkpoint, args.tensor_parallel)
         if args.dtype != "fp32":
             model.to(dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype])
         if args.tokenizer is not None:

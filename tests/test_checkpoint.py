@@ -185,3 +185,28 @@ def test_zero_checkpoints_stay_deepspeed_checkpoints(setup, tmp_path, stage):
     # DeepSpeed's tool keeps the padded vocabulary rows; ours drops them
     for name, value in ours.items():
         torch.testing.assert_close(theirs[name][:value.shape[0]], value, rtol=0, atol=0, msg=name)
+
+
+def _evaluate(rank, argv):
+    from pipeline.evaluate import main
+    main(argv)
+    return 0
+
+
+def test_evaluate_checkpoint_at_tp2_equals_its_hf_export(setup, sources, tmp_path):
+    """python -m pipeline.evaluate --checkpoint (a TP2xPP2 run, scored at TP=2) == --hf of its export."""
+    from pipeline.evaluate import main as evaluate_main
+    from pipeline.export_hf import main as export_main
+    text = tmp_path / "heldout.txt"
+    text.write_text("def dumps(obj, *, skipkeys=False):\n    return obj\n\nclass JSONDecodeError(ValueError):\n    pass\n")
+    assert export_main(["--checkpoint", str(sources["2x2"]), "--out", str(tmp_path / "hf")]) == 0
+    common = ["--task", "bpc", "--data", str(text), "--context-length", "32", "--stride", "16", "--no-progress"]
+    run_distributed(_evaluate, 2, ["--checkpoint", str(sources["2x2"]), "--tensor-parallel", "2",
+                                   "--out", str(tmp_path / "ours.json"), *common])
+    evaluate_main(["--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "hf.json"), *common])
+    ours, theirs = (json.loads((tmp_path / f).read_text()) for f in ("ours.json", "hf.json"))
+    print("bpc project TP=2", ours["results"], "hf", theirs["results"])
+    assert ours["settings"]["tensor_parallel"] == 2
+    for key, value in theirs["results"].items():
+        if isinstance(value, float):
+            assert ours["results"][key] == pytest.approx(value, rel=1e-5), key

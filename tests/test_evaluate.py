@@ -104,7 +104,7 @@ def test_bad_input_names_the_file_and_line(tmp_path):
     not_wiki.write_text("just some text\n")
     with pytest.raises(ValueError, match="notes.txt: no article title line"):
         load_wikitext(not_wiki)
-    with pytest.raises(NotImplementedError, match="not wired yet"):
+    with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
         load_project_model(tmp_path)
 
 

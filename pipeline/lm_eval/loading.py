@@ -58,18 +58,23 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
     return scorer, info
 
 
-def load_project_model(checkpoint_dir: str | Path):
-    """TODO(lead): a project checkpoint directory -> (models.GPT, Tokenizer).
+def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1):
+    """A project model directory -> (models.GPT with this rank's shards, tokenizer).
 
-    To be wired once the checkpoint format exists. Called on every rank after
-    ``pipeline.distributed.init_distributed()``; it should read the model config,
-    ``models.parallel.initialize_model_parallel(tp, pp)`` for the launched layout,
-    build ``models.GPT`` and load this rank's shard (``torch.load(...,
-    weights_only=True)``), and return the model with its tokenizer (e.g.
-    ``HFTokenizer`` or ``ByteTokenizer``). Everything downstream takes the model
-    object: ``GPTScorer(model)`` works at any tensor-parallel size.
+    Any directory ``pipeline.checkpoint.read_full_checkpoint`` reads: a pretraining run (DeepSpeed
+    checkpoints saved at any TP/PP/DP layout), one of its ``global_step<N>`` tags, or an
+    ``import_hf`` directory. The full weights are re-cut for ``tensor_parallel`` (pipeline stages are
+    not needed to score); the data-parallel size is what is left of the launched world.
+    Called on every rank after ``pipeline.distributed.init_distributed()``.
     """
-    raise NotImplementedError(
-        f"cannot load project checkpoint {checkpoint_dir}: loading project checkpoints is not wired yet "
-        f"(pipeline.lm_eval.loading.load_project_model); export the checkpoint to a Hugging Face directory "
-        f"and pass --hf DIR, or build the model in Python and use pipeline.lm_eval.GPTScorer")
+    from models import GPT
+    from models.parallel import initialize_model_parallel
+    from pipeline.checkpoint import read_full_checkpoint
+    from pipeline.state_dicts import load_full_state_dict
+    initialize_model_parallel(tensor_parallel, 1)
+    config, full, tokenizer_dir = read_full_checkpoint(checkpoint_dir)
+    if tokenizer_dir is None:
+        raise FileNotFoundError(f"{checkpoint_dir} has no tokenizer; pass --tokenizer")
+    model = GPT(config, init_seed=0)
+    load_full_state_dict(model, full, source=str(checkpoint_dir))
+    return model.eval(), load_hf_tokenizer(tokenizer_dir)
