@@ -154,68 +154,78 @@ class _MLSTMRecurrence(torch.autograd.Function):
         H = H5 // 5
         hs = proj.new_empty(s, b, H)
         cs = torch.empty(s, b, H, dtype=c0.dtype, device=proj.device)
+        tcs = torch.empty_like(cs)               # tanh(c), reused by the backward
         act = proj.new_empty(s, b, 4 * H)        # activated gates: sigmoid(i, f, o), tanh(u)
         mh = proj.new_empty(s, b, H)             # W_mh h_prev (kept for d W_mx x)
         m = proj.new_empty(s, b, H)              # m (kept for d W_h)
         w_hT, w_mhT = w_h.t(), w_mh.t()
+        # Per-step views made once (slicing in the loop costs more than the small kernels at small H).
+        xg, xm = _steps(proj[..., :4 * H]), _steps(proj[..., 4 * H:])
+        sig, i, f, o, u = (_steps(act[..., lo:hi]) for lo, hi in ((0, 3 * H), (0, H), (H, 2 * H), (2 * H, 3 * H),
+                                                                   (3 * H, 4 * H)))
+        hs_, cs_, tcs_, mh_, m_ = map(_steps, (hs, cs, tcs, mh, m))
         h, c = h0, c0
         for t in range(s):
-            p = proj[t]
-            torch.mm(h, w_mhT, out=mh[t])
-            torch.mul(p[:, 4 * H:], mh[t], out=m[t])
-            g = torch.addmm(p[:, :4 * H], m[t], w_hT)
-            a = act[t]
-            torch.sigmoid(g[:, :3 * H], out=a[:, :3 * H])
-            torch.tanh(g[:, 3 * H:], out=a[:, 3 * H:])
-            c_t = cs[t]
-            torch.mul(a[:, H:2 * H], c, out=c_t)                      # f * c_prev  (>= fp32)
-            c_t.addcmul_(a[:, :H], a[:, 3 * H:])                      # + i * u
-            torch.mul(a[:, 2 * H:3 * H], torch.tanh(c_t), out=hs[t])  # o * tanh(c)
-            h, c = hs[t], c_t
-        ctx.save_for_backward(proj, h0, c0, w_h, w_mh, hs, cs, act, mh, m)
+            torch.mm(h, w_mhT, out=mh_[t])
+            torch.mul(xm[t], mh_[t], out=m_[t])
+            g = torch.addmm(xg[t], m_[t], w_hT)
+            torch.sigmoid(g[:, :3 * H], out=sig[t])
+            torch.tanh(g[:, 3 * H:], out=u[t])
+            c = torch.mul(f[t], c, out=cs_[t])                       # f * c_prev  (>= fp32)
+            c.addcmul_(i[t], u[t])                                   # + i * u
+            h = torch.mul(o[t], torch.tanh(c, out=tcs_[t]), out=hs_[t])   # o * tanh(c)
+        ctx.save_for_backward(proj, h0, c0, w_h, w_mh, hs, cs, tcs, act, mh, m)
         ctx.set_materialize_grads(False)
         return hs, cs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_hs, d_cs):
-        proj, h0, c0, w_h, w_mh, hs, cs, act, mh, m = ctx.saved_tensors
+        proj, h0, c0, w_h, w_mh, hs, cs, tcs, act, mh, m = ctx.saved_tensors
         s, b, H5 = proj.shape
         H = H5 // 5
         d_proj = torch.empty_like(proj)          # d gate pre-activations | d (W_mx x)
         d_mh = proj.new_empty(s, b, H)
+        sig, i, f, o, u = (_steps(act[..., lo:hi]) for lo, hi in ((0, 3 * H), (0, H), (H, 2 * H), (2 * H, 3 * H),
+                                                                   (3 * H, 4 * H)))
+        dg, dsig, di, df, do, du = (_steps(d_proj[..., lo:hi]) for lo, hi in (
+            (0, 4 * H), (0, 3 * H), (0, H), (H, 2 * H), (2 * H, 3 * H), (3 * H, 4 * H)))
+        d_xm, xm = _steps(d_proj[..., 4 * H:]), _steps(proj[..., 4 * H:])
+        tcs_, mh_, d_mh_ = map(_steps, (tcs, mh, d_mh))
+        c_prev = [c0] + _steps(cs)[:-1]
+        d_hs_ = _steps(d_hs) if d_hs is not None else None
+        d_cs_ = _steps(d_cs) if d_cs is not None else None
+        sig_bwd, tanh_bwd = torch.ops.aten.sigmoid_backward.grad_input, torch.ops.aten.tanh_backward.grad_input
         dh = torch.zeros_like(h0)                # reaches h_t from step t+1 through W_mh
         dc = torch.zeros_like(c0)
-        sig_bwd, tanh_bwd = torch.ops.aten.sigmoid_backward.grad_input, torch.ops.aten.tanh_backward.grad_input
         for t in range(s - 1, -1, -1):
-            a = act[t]
-            i, f, o, u = a[:, :H], a[:, H:2 * H], a[:, 2 * H:3 * H], a[:, 3 * H:]
-            c_prev = cs[t - 1] if t > 0 else c0
-            if d_hs is not None:
-                dh = dh + d_hs[t]
-            if d_cs is not None:
-                dc = dc + d_cs[t]
-            tc = torch.tanh(cs[t])
-            dc = dc + tanh_bwd(dh * o, tc, grad_input=torch.empty_like(tc))
-            dp = d_proj[t]
-            dg = dp[:, :4 * H]
-            torch.mul(dc, u, out=dg[:, :H])                           # d i
-            torch.mul(dc, c_prev, out=dg[:, H:2 * H])                  # d f
-            torch.mul(dh, tc, out=dg[:, 2 * H:3 * H])                  # d o
-            torch.mul(dc, i, out=dg[:, 3 * H:])                        # d u
-            sig_bwd(dg[:, :3 * H], a[:, :3 * H], grad_input=dg[:, :3 * H])
-            tanh_bwd(dg[:, 3 * H:], u, grad_input=dg[:, 3 * H:])
-            dc = dc * f
-            dm = torch.mm(dg, w_h)
-            torch.mul(dm, mh[t], out=dp[:, 4 * H:])
-            torch.mul(dm, proj[t, :, 4 * H:], out=d_mh[t])
-            dh = torch.mm(d_mh[t], w_mh)
+            if d_hs_ is not None:
+                dh = dh + d_hs_[t]
+            if d_cs_ is not None:
+                dc = dc + d_cs_[t]
+            dc_h = dh * o[t]
+            dc += tanh_bwd(dc_h, tcs_[t], grad_input=dc_h)               # through h = o * tanh(c)
+            torch.mul(dc, u[t], out=di[t])
+            torch.mul(dc, c_prev[t], out=df[t])
+            torch.mul(dh, tcs_[t], out=do[t])
+            torch.mul(dc, i[t], out=du[t])
+            sig_bwd(dsig[t], sig[t], grad_input=dsig[t])                # through the activations
+            tanh_bwd(du[t], u[t], grad_input=du[t])
+            dc = dc * f[t]
+            dm = torch.mm(dg[t], w_h)
+            torch.mul(dm, mh_[t], out=d_xm[t])
+            torch.mul(dm, xm[t], out=d_mh_[t])
+            dh = torch.mm(d_mh_[t], w_mh)
         # Weight gradients: one big matmul over all steps instead of s small ones.
         d_w_h = d_proj[..., :4 * H].reshape(s * b, 4 * H).t() @ m.view(s * b, H)
         d_w_mh = d_mh[0].t() @ h0
         if s > 1:
             d_w_mh = d_w_mh + d_mh[1:].reshape(-1, H).t() @ hs[:-1].reshape(-1, H)
         return d_proj, dh.to(h0.dtype), dc.to(c0.dtype), d_w_h, d_w_mh
+
+
+def _steps(x: torch.Tensor) -> list[torch.Tensor]:
+    return list(x.unbind(0))
 
 
 def mlstm_recurrence(proj, h0, c0, w_h, w_mh):
