@@ -389,8 +389,8 @@ class MLSTM(nn.Module):
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids {tuple(input_ids.shape)} "
                                  f"(labels are pre-shifted: inputs tokens[:, :-1], labels tokens[:, 1:])")
-            result = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.t().reshape(-1),
-                                     ignore_index=-100)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # the loss in >= fp32
+            result = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.t().reshape(-1), ignore_index=-100)
         if self.carry_state:
             self._state = tuple(t.detach() for t in new_state)
             return result
