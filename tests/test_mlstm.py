@@ -9,6 +9,15 @@ import torch.nn.functional as F
 from models import ConfigError, MLSTM, MLSTMConfig, load_mlstm, save_mlstm
 from pipeline.metrics_lm import bits_per_char, stream_bpc
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices: threads only add OpenMP synchronisation (and fight on a shared CI machine).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 TINY = dict(vocab_size=257, embed_dim=6, hidden_size=8, num_layers=2, seq_length=16)
 
 
