@@ -131,16 +131,22 @@ def main(argv=None):
     ap.add_argument("--points", type=int, default=8, help="curve points per run")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", default="small-const,small-sched,large-const,large-sched",
+                    help="which runs, comma-separated from small-const, small-sched, large-const, large-sched")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     train_ids, eval_ids = load_text(Path(args.text), args.heldout_bytes)
     large = args.small_batch * args.factor
-    plan = [(f"B={args.small_batch} constant LR", args.small_batch, False),
-            (f"B={args.small_batch} warmup+decay", args.small_batch, True),
-            (f"B={large} constant LR", large, False),
-            (f"B={large} scaled LR+warmup+decay", large, True)]
+    plan = {"small-const": (f"B={args.small_batch} constant LR", args.small_batch, False),
+            "small-sched": (f"B={args.small_batch} warmup+decay", args.small_batch, True),
+            "large-const": (f"B={large} constant LR", large, False),
+            "large-sched": (f"B={large} scaled LR+warmup+decay", large, True)}
+    unknown = set(args.runs.split(",")) - set(plan)
+    if unknown:
+        raise SystemExit(f"--runs: unknown run(s) {', '.join(sorted(unknown))}; choose from {', '.join(plan)}")
+    plan = [plan[k] for k in args.runs.split(",")]
     print(f"{Path(args.text).name}: {train_ids.numel()} training bytes, {eval_ids.numel()} held-out; "
           f"{args.tokens / 1e6:g}M characters per run; mLSTM H={args.hidden} E={args.embed} bptt={args.bptt}")
     runs = []

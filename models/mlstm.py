@@ -294,7 +294,12 @@ class MLSTM(nn.Module):
       - With ``model.carry_state = True`` the model keeps the (detached) state itself between
         calls and forward returns only the logits / loss, like the GPT, so a DeepSpeed engine
         does TBPTT unchanged: ``loss = engine(x, labels=y, reset=r)``. Each data-parallel rank
-        holds its own model and therefore follows its own stream.
+        holds its own model and therefore follows its own stream. Evaluate between training
+        steps inside ``with model.isolated_state():`` so the training stream's state survives.
+        The carried state is not part of ``state_dict()``: a resumed run restarts its streams
+        from zero (send ``reset`` for every row on the first batch after a resume).
+      - Labels are pre-shifted like the GPT's (inputs tokens[:, :-1], labels tokens[:, 1:]);
+        -100 is ignored. The loss is computed in fp32 whatever the compute dtype.
     """
 
     def __init__(self, config: MLSTMConfig):
@@ -342,6 +347,8 @@ class MLSTM(nn.Module):
             self.carry_state, self._state = saved
 
     def _initial_state(self, state: State | None, reset: torch.Tensor | None, b: int, dtype, device) -> State:
+        if reset is not None and tuple(reset.shape) != (b,):
+            raise ValueError(f"reset must be a Bool tensor of shape [batch]=({b},), got {tuple(reset.shape)}")
         if state is None:
             return self.zero_state(b, dtype, device)
         h, c = state
@@ -351,8 +358,6 @@ class MLSTM(nn.Module):
                              f"needs ({L}, {b}, {H}); the batch size changed between chunks of a stream - call "
                              f"reset_state() (or pass state=None) to start new streams")
         if reset is not None:
-            if reset.shape != (b,):
-                raise ValueError(f"reset must be a Bool tensor of shape [batch]=({b},), got {tuple(reset.shape)}")
             keep = (~reset.to(device=h.device, dtype=torch.bool)).view(1, b, 1)
             h, c = h * keep, c * keep
         return h, c
