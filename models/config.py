@@ -101,7 +101,7 @@ class GPTConfig:
 
     # -- (de)serialisation ----------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {"model_type": "gpt", **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "model config") -> "GPTConfig":

@@ -207,10 +207,20 @@ def read_full_model_state(load_dir, tag: str | None = None):
     computed with (bf16/fp16 runs store them in that precision). ZeRO-3 partitions the
     weights themselves: those runs are read with DeepSpeed's zero_to_fp32 (TP=1 only).
     """
-    from models import GPTConfig
+    from models import GPTConfig, MLSTMConfig
     load_dir = Path(load_dir)
     tag = resolve_tag(load_dir, tag)
     tag_dir = load_dir / tag
+    tokenizer_dir = load_dir / "tokenizer"
+    tokenizer_dir = tokenizer_dir if tokenizer_dir.is_dir() else None
+    if json.loads((load_dir / "config.json").read_text()).get("model_type") == "mlstm":
+        # data parallelism only: one copy of the weights (ZeRO-3: DeepSpeed's reader)
+        config = MLSTMConfig.from_file(load_dir / "config.json")
+        if (tag_dir / "mp_rank_00_model_states.pt").is_file():
+            full = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=True, map_location="cpu")["module"]
+        else:
+            full = _zero3_weights(load_dir, tag, 1)[0]
+        return config, dict(full), tokenizer_dir
     config = GPTConfig.from_file(load_dir / "config.json")
     layout = saved_layout(load_dir, tag)
     tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
@@ -241,8 +251,7 @@ def read_full_model_state(load_dir, tag: str | None = None):
     for name, spec in specs.items():
         shards = [per_rank[r][name] for r in range(tp)]
         full[name] = spec.gather(shards) if spec is not None else shards[0]
-    tokenizer_dir = load_dir / "tokenizer"
-    return config, full, (tokenizer_dir if tokenizer_dir.is_dir() else None)
+    return config, full, tokenizer_dir
 
 
 def _zero3_weights(load_dir: Path, tag: str, tp: int) -> list[dict]:

@@ -177,10 +177,12 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
 
 
 def lm_batches(loader):
-    """(inputs, labels) pairs from batches of packed token sequences [b, s + 1]."""
+    """(inputs, labels) pairs from batches of packed token sequences [b, s + 1]; (inputs, labels,
+    {"reset": ...}) for the streams of truncated BPTT."""
     for batch in loader:
         tokens = batch["tokens"]
-        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        pair = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        yield (*pair, {"reset": batch["reset"]}) if "reset" in batch else pair
 
 
 def train_step(engine, batches) -> float:
@@ -191,8 +193,9 @@ def train_step(engine, batches) -> float:
     total = 0.0
     gas = engine.gradient_accumulation_steps()
     for _ in range(gas):
-        inputs, labels = next(batches)
-        loss = engine(inputs.to(engine.device), labels.to(engine.device))
+        inputs, labels, *extra = next(batches)
+        kwargs = {k: v.to(engine.device) for k, v in (extra[0] if extra else {}).items()}
+        loss = engine(inputs.to(engine.device), labels.to(engine.device), **kwargs)
         engine.backward(loss)
         engine.step()
         total += loss.detach().float()
@@ -214,8 +217,9 @@ def eval_loss(engine, batches, num_batches: int) -> float:
     engine.eval()
     with torch.no_grad():
         for _ in range(num_batches * engine.gradient_accumulation_steps()):
-            inputs, labels = next(batches)
-            total += float(engine(inputs.to(engine.device), labels.to(engine.device)))
+            inputs, labels, *extra = next(batches)
+            kwargs = {k: v.to(engine.device) for k, v in (extra[0] if extra else {}).items()}
+            total += float(engine(inputs.to(engine.device), labels.to(engine.device), **kwargs))
     engine.train()
     total = torch.tensor(total / (num_batches * engine.gradient_accumulation_steps()), device=engine.device)
     if engine.mpu is not None and engine.mpu.get_data_parallel_world_size() > 1:

@@ -110,3 +110,28 @@ def test_bad_layout_is_refused_before_work(tmp_path, corpus):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "world size 1 is not tensor_parallel x pipeline_parallel x data_parallel" in proc.stderr
+
+
+def _pretrain(rank, argv):
+    from pipeline.pretrain import main
+    return main(argv)
+
+
+def test_mlstm_through_the_main_job_dp2(tmp_path, corpus):
+    """--model-type mlstm: byte tokenizer, TBPTT streams per DP rank, ZeRO-1, bits per character."""
+    from dist import run_distributed
+    save = tmp_path / "mlstm"
+    model = {"model_type": "mlstm", "embed_dim": 16, "hidden_size": 64, "num_layers": 1, "seq_length": 32}
+    (tmp_path / "mlstm.json").write_text(json.dumps(model))
+    (tmp_path / "ds.json").write_text(json.dumps({**FP32_DS, "train_batch_size": 8}))
+    argv = ["--model-type", "mlstm", "--model-config", str(tmp_path / "mlstm.json"), "--deepspeed_config",
+            str(tmp_path / "ds.json"), "--data", str(corpus), "--train-steps", "15", "--lr", "1e-2",
+            "--lr-decay-style", "linear", "--lr-warmup-steps", "2", "--lr-scale-base-batch", "4", "--lr-max", "1e-2",
+            "--eval-interval", "15", "--eval-iters", "2", "--cache-dir", str(tmp_path / "cache"), "--save", str(save)]
+    last = run_distributed(_pretrain, 2, argv)[0]
+    records = [r for r in metrics(save) if "loss" in r]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3
+    assert records[0]["lr"] == pytest.approx(1e-2 / 2)  # 1e-2 x 8/4 capped at 1e-2, first warmup step
+    assert last["valid_bpc"] == pytest.approx(last["valid_loss"] / 0.6931471805599453)
+    assert json.loads((save / "config.json").read_text())["model_type"] == "mlstm"
+    assert json.loads((save / "global_step15" / "layout.json").read_text())["data_parallel"] == 2
