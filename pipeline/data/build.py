@@ -56,10 +56,12 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
     if streaming:
         docs = [load_documents(s, streaming=True, **load) for s in sources]
         try:  # combining may read the first rows (to resolve features): name the file if that fails
-            train = _combine([d.filter(_HashSplit(seed, valid_fraction, False), batched=True,
-                                       input_columns="text") if valid_fraction else d for d in docs], weights, seed)
-            valid = (_combine([d.filter(_HashSplit(seed, valid_fraction, True), batched=True, input_columns="text")
-                               for d in docs], None, seed) if valid_fraction else None)
+            # The content-hash split is applied after mixing: repeats of a document all land on one side.
+            train = _combine(docs, weights, seed)
+            if valid_fraction:
+                train = train.filter(_HashSplit(seed, valid_fraction, False), batched=True, input_columns="text")
+            valid = (_combine(docs, None, seed).filter(_HashSplit(seed, valid_fraction, True), batched=True,
+                                                       input_columns="text") if valid_fraction else None)
         except Exception as e:
             raise explain_read_error(e, files, name) from e
         make = lambda d, part: StreamingSequences(d, tokenizer, seq_length, name=f"{part} of {name}", files=files)
