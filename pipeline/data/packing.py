@@ -40,20 +40,9 @@ class TokenizeDocuments:
         self.dtype = token_dtype(tokenizer)
 
     def __call__(self, texts):
-        texts = [t for t in texts if t]
-        ids = self.tokenizer.encode_batch(texts) if texts else []
-        eod = self.tokenizer.eod_id
-        lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-        flat = np.empty(int(lengths.sum()), dtype=self.dtype)
-        ends = np.cumsum(lengths)
-        pos = 0
-        for doc, end in zip(ids, ends):
-            flat[pos:end - 1] = doc
-            flat[end - 1] = eod
-            pos = end
-        offsets = np.concatenate([[0], ends]).astype(np.int32 if len(flat) < 2**31 else np.int64)
-        array_type = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
-        return pa.table({"input_ids": array_type.from_arrays(pa.array(offsets), pa.array(flat))})
+        flat, lengths = self.tokenizer.encode_documents(texts, dtype=self.dtype)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)  # a batch holds < 2**31 tokens
+        return pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))})
 
 
 def tokenize_dataset(ds: datasets.Dataset, tokenizer: Tokenizer, *, num_proc: int | None = None,
@@ -246,10 +235,8 @@ class PackingIterator:
             if empty_epochs > 1:
                 raise ValueError(f"{self.stream.name}: the stream has no documents (an empty corpus, or a "
                                  f"data-parallel shard that received none)")
-        ids = self.stream.tokenizer.encode_batch(texts)
-        eod = self.stream.tokenizer.eod_id
-        flat = [t for doc in ids for t in (*doc, eod)]
-        self._pending = np.asarray(self._carry + flat, dtype=np.int64)
+        flat, _ = self.stream.tokenizer.encode_documents(texts)
+        self._pending = np.concatenate([np.asarray(self._carry, dtype=np.int64), flat])
         self._carry_at_start = list(self._carry)
         self._skip = 0
 
