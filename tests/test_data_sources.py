@@ -256,3 +256,14 @@ def test_bad_weights_and_fractions(tmp_path):
         _build(f"{tmp_path / 'a.txt'},{tmp_path / 'a.txt'}", tmp_path, weights=[1.0])
     with pytest.raises(ValueError, match="valid_fraction must be in"):
         _build(str(tmp_path / "a.txt"), tmp_path, valid_fraction=1.5)
+
+
+def test_num_proc_2_equals_num_proc_1(tmp_path):
+    docs = _news_docs(30) + ["a literal <|endoftext|> inside a document stays text"]
+    (tmp_path / "a.txt").write_text("\n\n".join(docs), encoding="utf-8")
+    gpt2 = load_tokenizer(str(shared_data("tokenizers", "gpt2")))
+    one, _ = build_pretraining_data(str(tmp_path / "a.txt"), gpt2, 32, valid_fraction=0, num_proc=1,
+                                    cache_dir=str(tmp_path / "c1"))
+    two, _ = build_pretraining_data(str(tmp_path / "a.txt"), gpt2, 32, valid_fraction=0, num_proc=2,
+                                    cache_dir=str(tmp_path / "c2"))
+    assert _stream(two) == _stream(one) == [t for d in docs for t in (*gpt2.encode(d), gpt2.eod_id)]

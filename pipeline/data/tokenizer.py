@@ -50,6 +50,14 @@ class Tokenizer:
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         self._fingerprint: str | None = None
 
+    def __getstate__(self):
+        return dict(self.__dict__)
+
+    def __setstate__(self, state):
+        # tokenizers pickles the tokenizer.json only: re-apply the runtime flag in worker processes
+        self.__dict__.update(state)
+        self._backend.encode_special_tokens = True
+
     # --- codec -------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
