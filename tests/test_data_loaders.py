@@ -229,6 +229,42 @@ def test_bptt_resume_and_packed_source(tmp_path):
         StreamBatchLoader(torch.arange(500), 4, 100, 0, 2)
 
 
+def test_bptt_over_a_streamed_corpus(tmp_path):
+    path = _corpus(tmp_path, chars=30_000)
+    mapped, _ = build_pretraining_data(path, TOK, 16, valid_fraction=0, cache_dir=str(tmp_path / "c"))
+    streamed, _ = build_pretraining_data(path, TOK, 16, valid_fraction=0, streaming=True)
+    micro, bptt, windows = 3, 16, 4
+    make = lambda: StreamBatchLoader(streamed, micro, bptt, 0, 1, segment_windows=windows)
+    loader = make()
+    assert len(loader) == windows
+    ref = [next(loader) for _ in range(3 * windows)]
+    segments = []
+    for s in range(3):
+        rows = [[] for _ in range(micro)]
+        for k in range(windows):
+            batch = ref[s * windows + k]
+            assert batch["tokens"].shape == (micro, bptt + 1) and batch["reset"].tolist() == [k == 0] * micro
+            for j in range(micro):
+                window = batch["tokens"][j].tolist()
+                if k:
+                    assert window[0] == rows[j][-1]  # the row continues its stream
+                    window = window[1:]
+                rows[j] += window
+        segments += rows
+    # segments are dealt in stream order: together they are the packed token stream, without gaps
+    flat = segments[0] + [t for seg in segments[1:] for t in seg[1:]]
+    assert flat == mapped.tokens(0, len(flat)).tolist()
+    for k in (0, 2, windows, 2 * windows + 1):
+        first = make()
+        for _ in range(k):
+            next(first)
+        resumed = make()
+        resumed.load_state_dict(_roundtrip(first.state_dict()))
+        for i in range(k, len(ref)):
+            batch = next(resumed)
+            assert torch.equal(batch["tokens"], ref[i]["tokens"]) and torch.equal(batch["reset"], ref[i]["reset"])
+
+
 # --- a real multi-process build -----------------------------------------------------------------------
 
 def _rank_epoch(rank, path, cache_dir):
