@@ -267,3 +267,13 @@ def test_num_proc_2_equals_num_proc_1(tmp_path):
     two, _ = build_pretraining_data(str(tmp_path / "a.txt"), gpt2, 32, valid_fraction=0, num_proc=2,
                                     cache_dir=str(tmp_path / "c2"))
     assert _stream(two) == _stream(one) == [t for d in docs for t in (*gpt2.encode(d), gpt2.eod_id)]
+
+
+def test_derived_files_never_land_in_the_users_data(tmp_path):
+    docs = _news_docs()
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "saved"))
+    before = sorted(p.name for p in (tmp_path / "saved").iterdir())
+    train, valid = _build(str(tmp_path / "saved"), tmp_path, valid_fraction=0.2, seq_length=8)
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == before
+    assert any(p.name.startswith("tokenized-") for p in (tmp_path / "cache").iterdir())
+    assert sorted(_docs_of(_stream(train)) + _docs_of(_stream(valid))) == sorted(docs)

@@ -8,7 +8,7 @@ import os
 
 import datasets
 
-from .packing import PackedSequences, StreamingSequences, tokenize_dataset
+from .packing import PackedSequences, StreamingSequences, tokenize_dataset, work_dir
 from .sources import DataSourceError, explain_read_error, load_documents, resolve
 from .tokenizer import Tokenizer
 
@@ -78,7 +78,12 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
                     raise DataSourceError(
                         f"{source.describe()}: only one document, so no validation split can be held out "
                         f"(use valid_fraction=0, split the text into documents, or add data)")
-                split = docs.train_test_split(test_size=valid_fraction, seed=seed, shuffle=True)
+                key = hashlib.sha256(f"{docs._fingerprint}|{valid_fraction}|{seed}".encode()).hexdigest()[:24]
+                folder = work_dir(cache_dir)
+                split = docs.train_test_split(
+                    test_size=valid_fraction, seed=seed, shuffle=True,
+                    train_indices_cache_file_name=os.path.join(folder, f"split-{key}-train.arrow"),
+                    test_indices_cache_file_name=os.path.join(folder, f"split-{key}-valid.arrow"))
                 docs, held_out = split["train"], split["test"]
                 valids.append(held_out)
             trains.append(docs)

@@ -45,16 +45,19 @@ class TokenizeDocuments:
         return pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))})
 
 
+def work_dir(cache_dir: str | None) -> str:
+    """Where our derived files (token ids, split indices) go: ``cache_dir``, else a folder of the datasets
+    cache; never next to the user's data (a save_to_disk directory may be read-only or shared)."""
+    path = Path(cache_dir) if cache_dir is not None else Path(datasets.config.HF_DATASETS_CACHE) / "pipeline-data"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
 def tokenize_dataset(ds: datasets.Dataset, tokenizer: Tokenizer, *, num_proc: int | None = None,
                      cache_dir: str | None = None, desc: str = "tokenizing") -> datasets.Dataset:
     """``ds`` (column ``text``) -> column ``input_ids``, cached on disk under the dataset + tokenizer."""
     key = hashlib.sha256(f"{_CACHE_VERSION}|{ds._fingerprint}|{tokenizer.fingerprint()}".encode()).hexdigest()[:24]
-    cache_file = None
-    if cache_dir is not None:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        cache_file = os.path.join(cache_dir, f"tokenized-{key}.arrow")
-    elif ds.cache_files:
-        cache_file = os.path.join(os.path.dirname(ds.cache_files[0]["filename"]), f"tokenized-{key}.arrow")
+    cache_file = os.path.join(work_dir(cache_dir), f"tokenized-{key}.arrow")
     return ds.with_format("arrow").map(
         _ArrowTexts(TokenizeDocuments(tokenizer)), batched=True, batch_size=1000, num_proc=num_proc,
         remove_columns=ds.column_names, new_fingerprint=key, cache_file_name=cache_file,
