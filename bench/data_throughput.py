@@ -179,9 +179,11 @@ def memory(args):
                                           valid_fraction=0.01)
         loader = DistributedBatchLoader(train, args.micro_batch, 0, 1)
         baseline = rss_mb()
+        setup_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         watch = RssWatch(args.rss_cap_mb)
         watch.start()
         points, streamed, next_mark = [(0.0, baseline)], 0, 0
+        maxrss = [setup_peak]  # the kernel's high-water mark at each point: catches spikes between samples
         per_batch = args.micro_batch * args.seq_length
         start = time.perf_counter()
         with tqdm(total=total, unit="B", unit_scale=True, desc="streaming", mininterval=2) as bar:
@@ -191,6 +193,7 @@ def memory(args):
                 bar.update(per_batch)
                 if streamed >= next_mark:
                     points.append((streamed / 2**30, rss_mb()))
+                    maxrss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
                     next_mark += total // 200
                 if watch.exceeded is not None:
                     raise SystemExit(f"RSS {watch.exceeded:.0f} MiB passed the cap of {args.rss_cap_mb} MiB "
@@ -203,10 +206,12 @@ def memory(args):
         half = gb >= gb[-1] / 2
         slope = np.polyfit(gb[half], rss[half], 1)[0] if half.sum() > 2 else float("nan")
         print(f"   streamed {streamed / 2**30:.2f} GiB in {seconds:.0f} s ({streamed / seconds / 1e6:.1f} M tokens/s)")
-        print(f"   RSS before streaming {baseline:.0f} MiB; peak {watch.peak:.0f} MiB (sampled every 20 ms; "
+        print(f"   RSS before streaming {baseline:.0f} MiB (peak during set-up {setup_peak:.0f} MiB); peak {watch.peak:.0f} MiB (sampled every 20 ms; "
               f"ru_maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB); cap {args.rss_cap_mb} MiB")
         marks = [int(round(f * (len(points) - 1))) for f in np.linspace(0.1, 1.0, 10)]
         print("   RSS along the stream: " + ", ".join(f"{gb[i]:.2f} GiB: {rss[i]:.0f}" for i in marks) + " (MiB)")
+        jumps = [(points[i][0], maxrss[i]) for i in range(1, len(maxrss)) if maxrss[i] > maxrss[i - 1] + 8]
+        print("   ru_maxrss rose (by > 8 MiB) at: " + (", ".join(f"{g:.2f} GiB -> {m:.0f}" for g, m in jumps) or "never"))
         print(f"   RSS slope over the second half: {slope:+.2f} MiB per GiB streamed; corpus / peak RSS = "
               f"{total / 2**20 / watch.peak:.1f}x")
         if args.plot:

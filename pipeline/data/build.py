@@ -133,7 +133,8 @@ class _HashSplit:
 
 @contextlib.contextmanager
 def main_process_first():
-    """Local rank 0 builds (and caches) first; the other ranks then read its cache instead of racing it.
+    """Local rank 0 builds (and caches) first; the other ranks then read its cache instead of racing it,
+    with their progress bars off (one set of bars per node is enough).
 
     Rank 0 reaches the barrier even when its build fails, so the others do not hang: they then hit
     the same error themselves.
@@ -143,10 +144,14 @@ def main_process_first():
         yield
         return
     first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    bars = datasets.is_progress_bar_enabled()
     if not first:
+        datasets.disable_progress_bars()
         dist.barrier()
     try:
         yield
     finally:
         if first:
             dist.barrier()
+        elif bars:
+            datasets.enable_progress_bars()
