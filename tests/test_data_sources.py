@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import shared_data
-from pipeline.data import DataSourceError, build_pretraining_data, default_corpus, load_tokenizer
+from pipeline.data import (DataSourceError, DistributedBatchLoader, build_pretraining_data, default_corpus,
+                           load_tokenizer)
 
 TOK = load_tokenizer("bytes")
 EOD = TOK.eod_id
@@ -200,6 +201,9 @@ def test_empty_corpora(tmp_path):
     (tmp_path / "blank.txt").write_text("\n\n\n\n")
     with pytest.raises(DataSourceError, match="blank.txt: no documents"):
         _build(str(tmp_path / "blank.txt"), tmp_path)
+    stream, _ = _build(str(tmp_path / "blank.txt"), tmp_path, streaming=True)
+    with pytest.raises(ValueError, match="the stream has no text"):
+        next(iter(DistributedBatchLoader(stream, 2, 0, 1)))
     (tmp_path / "tiny.txt").write_text("two words")
     with pytest.raises(DataSourceError, match="10 training tokens, fewer than one sequence of seq_length \\+ 1 = 17"):
         _build(str(tmp_path / "tiny.txt"), tmp_path)

@@ -40,6 +40,8 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
         raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
     if encoding_errors not in ("strict", "replace", "ignore"):
         raise ValueError(f"encoding_errors must be 'strict', 'replace' or 'ignore', got {encoding_errors!r}")
+    # datasets runs even num_proc=1 in a worker pool (where tokenizers turns its threads off): 1 means in-process
+    num_proc = num_proc if num_proc and num_proc > 1 else None
     sources = resolve(data)
     if weights is not None:
         weights = [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
@@ -57,11 +59,13 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
         docs = [load_documents(s, streaming=True, **load) for s in sources]
         try:  # combining may read the first rows (to resolve features): name the file if that fails
             # The content-hash split is applied after mixing: repeats of a document all land on one side.
+            # Filtering Arrow batches keeps the stream in Arrow end to end (no per-document dicts).
             train = _combine(docs, weights, seed)
             if valid_fraction:
-                train = train.filter(_HashSplit(seed, valid_fraction, False), batched=True, input_columns="text")
-            valid = (_combine(docs, None, seed).filter(_HashSplit(seed, valid_fraction, True), batched=True,
-                                                       input_columns="text") if valid_fraction else None)
+                train = train.with_format("arrow").filter(_HashSplit(seed, valid_fraction, False),
+                                                          batched=True).with_format(None)
+            valid = (_combine(docs, None, seed).with_format("arrow").filter(
+                _HashSplit(seed, valid_fraction, True), batched=True).with_format(None) if valid_fraction else None)
         except Exception as e:
             raise explain_read_error(e, files, name) from e
         make = lambda d, part: StreamingSequences(d, tokenizer, seq_length, name=f"{part} of {name}", files=files)
@@ -122,7 +126,8 @@ class _HashSplit:
         self.threshold = int(fraction * 2**64)
         self.keep_valid = keep_valid
 
-    def __call__(self, texts):
+    def __call__(self, batch):
+        texts = batch.column("text").to_pylist() if hasattr(batch, "column") else batch
         out = []
         for text in texts:
             h = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8,

@@ -194,51 +194,49 @@ class PackingIterator:
         self._pending: np.ndarray | None = None
         self._doc_iter = None
         self._docs = None
+        self._whole_epoch_tokens = None  # None: this epoch was resumed midway, so its count is unknown
 
     # -- document side -------------------------------------------------------------------------------
     def _open_epoch(self, doc_state=None):
         import copy
-        docs = copy.deepcopy(self.stream.documents)
+        docs = copy.deepcopy(self.stream.documents).with_format("arrow")  # batches as Arrow tables
         docs.set_epoch(self.epoch)
         if doc_state is not None:
             docs.load_state_dict(doc_state)
         self._docs = docs
-        self._doc_iter = iter(docs)
+        self._doc_iter = docs.iter(batch_size=self.stream.doc_batch_size)
 
     def _next_doc_batch(self) -> list[str] | None:
-        texts = []
-        while len(texts) < self.stream.doc_batch_size:
-            try:
-                example = next(self._doc_iter)
-            except StopIteration:
-                break
-            except Exception as e:
-                from .sources import explain_read_error
-                raise explain_read_error(e, self.stream.files, self.stream.name) from e
-            text = example["text"]
-            if text:
-                texts.append(text)
-        return texts or None
+        """The next ``doc_batch_size`` documents (fewer at the end of the stream); None when it is over."""
+        try:
+            table = next(self._doc_iter)
+        except StopIteration:
+            return None
+        except Exception as e:
+            from .sources import explain_read_error
+            raise explain_read_error(e, self.stream.files, self.stream.name) from e
+        return table.column("text").to_pylist()
 
     def _fill(self) -> None:
         """Tokenize the next document batch into the pending buffer, crossing epochs as needed."""
-        empty_epochs = 0
         while True:
             if self._doc_iter is None:
                 self._open_epoch()
+                self._whole_epoch_tokens = 0  # counted only for epochs read from their start
             self._start_state = self._docs.state_dict()
             texts = self._next_doc_batch()
             if texts is not None:
                 break
             self._doc_iter = None
+            if self._whole_epoch_tokens == 0:
+                raise ValueError(f"{self.stream.name}: the stream has no text (an empty corpus, or a "
+                                 f"data-parallel shard that received no documents)")
             if self.epochs is not None and self.epoch + 1 >= self.epochs:
                 raise StopIteration
             self.epoch += 1
-            empty_epochs += 1
-            if empty_epochs > 1:
-                raise ValueError(f"{self.stream.name}: the stream has no documents (an empty corpus, or a "
-                                 f"data-parallel shard that received none)")
         flat, _ = self.stream.tokenizer.encode_documents(texts)
+        if self._whole_epoch_tokens is not None:
+            self._whole_epoch_tokens += len(flat)
         self._pending = np.concatenate([np.asarray(self._carry, dtype=np.int64), flat])
         self._carry_at_start = list(self._carry)
         self._skip = 0
@@ -270,6 +268,7 @@ class PackingIterator:
         self._pending = None
         self._carry = list(state["carry"])
         self._open_epoch(state["docs"])
+        self._whole_epoch_tokens = None
         if state["in_batch"]:
             self._fill()
             self._skip = int(state["skip"])
