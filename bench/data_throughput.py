@@ -47,6 +47,16 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def anon_mb() -> float:
+    """Anonymous resident memory (heap, buffers): what the data flow allocates. Unlike total RSS it does not
+    move when the kernel drops file-backed pages (library code) under memory pressure from other processes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def documents(files) -> list[str]:
     """The documents the text builder makes of a .txt file: blank-line separated paragraphs."""
     docs = []
@@ -137,12 +147,13 @@ class RssWatch(threading.Thread):
     def __init__(self, cap_mb, every=0.02):
         super().__init__(daemon=True)
         self.cap_mb, self.every = cap_mb, every
-        self.peak, self.exceeded, self._halt = 0.0, None, threading.Event()
+        self.peak, self.peak_anon, self.exceeded, self._halt = 0.0, 0.0, None, threading.Event()
 
     def run(self):
         while not self._halt.is_set():
             rss = rss_mb()
             self.peak = max(self.peak, rss)
+            self.peak_anon = max(self.peak_anon, anon_mb())
             if rss > self.cap_mb and self.exceeded is None:
                 self.exceeded = rss
             time.sleep(self.every)
@@ -178,12 +189,12 @@ def memory(args):
         train, _ = build_pretraining_data(str(workdir / "part*.txt"), tok, args.seq_length, streaming=True,
                                           valid_fraction=0.01)
         loader = DistributedBatchLoader(train, args.micro_batch, 0, 1)
-        baseline = rss_mb()
+        baseline, baseline_anon = rss_mb(), anon_mb()
         setup_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         watch = RssWatch(args.rss_cap_mb)
         watch.start()
         points, streamed, next_mark = [(0.0, baseline)], 0, 0
-        maxrss = [setup_peak]  # the kernel's high-water mark at each point: catches spikes between samples
+        maxrss, anon = [setup_peak], [baseline_anon]  # the kernel's high-water mark at each point: catches spikes between samples
         per_batch = args.micro_batch * args.seq_length
         start = time.perf_counter()
         with tqdm(total=total, unit="B", unit_scale=True, desc="streaming", mininterval=2) as bar:
@@ -193,6 +204,7 @@ def memory(args):
                 bar.update(per_batch)
                 if streamed >= next_mark:
                     points.append((streamed / 2**30, rss_mb()))
+                    anon.append(anon_mb())
                     maxrss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
                     next_mark += total // 200
                 if watch.exceeded is not None:
@@ -201,25 +213,33 @@ def memory(args):
         seconds = time.perf_counter() - start
         watch.stop()
         points.append((streamed / 2**30, rss_mb()))
+        anon.append(anon_mb())
         gb = np.array([p[0] for p in points])
         rss = np.array([p[1] for p in points])
+        anon = np.array(anon)
         half = gb >= gb[-1] / 2
         slope = np.polyfit(gb[half], rss[half], 1)[0] if half.sum() > 2 else float("nan")
-        print(f"   streamed {streamed / 2**30:.2f} GiB in {seconds:.0f} s ({streamed / seconds / 1e6:.1f} M tokens/s)")
-        print(f"   RSS before streaming {baseline:.0f} MiB (peak during set-up {setup_peak:.0f} MiB); peak {watch.peak:.0f} MiB (sampled every 20 ms; "
-              f"ru_maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB); cap {args.rss_cap_mb} MiB")
+        slope_anon = np.polyfit(gb[half], anon[half], 1)[0] if half.sum() > 2 else float("nan")
+        maxrss_end = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         marks = [int(round(f * (len(points) - 1))) for f in np.linspace(0.1, 1.0, 10)]
-        print("   RSS along the stream: " + ", ".join(f"{gb[i]:.2f} GiB: {rss[i]:.0f}" for i in marks) + " (MiB)")
         jumps = [(points[i][0], maxrss[i]) for i in range(1, len(maxrss)) if maxrss[i] > maxrss[i - 1] + 8]
+        print(f"   streamed {streamed / 2**30:.2f} GiB in {seconds:.0f} s ({streamed / seconds / 1e6:.1f} M tokens/s)")
+        print(f"   RSS: {baseline:.0f} MiB before streaming (set-up peak {setup_peak:.0f}); sampled peak "
+              f"{watch.peak:.0f} MiB (every 20 ms); kernel high-water mark (ru_maxrss) {maxrss_end:.0f} MiB; "
+              f"cap {args.rss_cap_mb} MiB")
+        print("   RSS along the stream: " + ", ".join(f"{gb[i]:.2f} GiB: {rss[i]:.0f}" for i in marks) + " (MiB)")
+        print(f"   anonymous RSS (heap, buffers): {baseline_anon:.0f} MiB before, sampled peak {watch.peak_anon:.0f} MiB; "
+              "along the stream: " + ", ".join(f"{anon[i]:.0f}" for i in marks) + " (MiB)")
         print("   ru_maxrss rose (by > 8 MiB) at: " + (", ".join(f"{g:.2f} GiB -> {m:.0f}" for g, m in jumps) or "never"))
-        print(f"   RSS slope over the second half: {slope:+.2f} MiB per GiB streamed; corpus / peak RSS = "
-              f"{total / 2**20 / watch.peak:.1f}x")
+        print(f"   slope over the second half: RSS {slope:+.2f}, anonymous {slope_anon:+.2f} MiB per GiB streamed; "
+              f"corpus / RSS high-water mark = {total / 2**20 / maxrss_end:.1f}x")
         if args.plot:
             import matplotlib
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
             fig, ax = plt.subplots(figsize=(7, 4))
             ax.plot(gb, rss, label="process RSS")
+            ax.plot(gb, anon, label="anonymous RSS")
             ax.axhline(args.rss_cap_mb, color="r", linestyle="--", label=f"cap {args.rss_cap_mb} MiB")
             ax.set(xlabel="GiB streamed (byte tokens)", ylabel="RSS (MiB)", ylim=(0, args.rss_cap_mb * 1.1),
                    title=f"Streaming {total / 2**30:.1f} GiB: memory stays flat")
