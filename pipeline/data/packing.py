@@ -148,7 +148,7 @@ class StreamingSequences:
     """
 
     def __init__(self, documents: datasets.IterableDataset, tokenizer: Tokenizer, seq_length: int, *,
-                 name: str = "data", files=(), doc_batch_size: int = 256):
+                 name: str = "data", files=(), doc_batch_size: int = 1000):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         self.documents = documents
@@ -234,10 +234,10 @@ class PackingIterator:
             if self.epochs is not None and self.epoch + 1 >= self.epochs:
                 raise StopIteration
             self.epoch += 1
-        flat, _ = self.stream.tokenizer.encode_documents(texts)
+        flat, _ = self.stream.tokenizer.encode_documents(texts, dtype=np.int32)  # int32 halves the buffer
         if self._whole_epoch_tokens is not None:
             self._whole_epoch_tokens += len(flat)
-        self._pending = np.concatenate([np.asarray(self._carry, dtype=np.int64), flat])
+        self._pending = np.concatenate([np.asarray(self._carry, dtype=np.int32), flat])
         self._carry_at_start = list(self._carry)
         self._skip = 0
 
@@ -251,7 +251,7 @@ class PackingIterator:
                 start = self._skip * L
                 if start + L + 1 <= len(self._pending):
                     self._skip += 1
-                    return torch.from_numpy(self._pending[start:start + L + 1].copy())
+                    return torch.from_numpy(self._pending[start:start + L + 1].astype(np.int64))
                 self._carry = self._pending[start:].tolist()
                 self._pending = None
             self._fill()
