@@ -287,7 +287,7 @@ def check_text_field(part: Part, text_field: str) -> None:
             if f is None:
                 continue
             with f:
-                header = f.readline().decode("utf-8", errors="replace").rstrip("\r\n")
+                header = f.readline().decode("utf-8-sig", errors="replace").rstrip("\r\n")
             columns = next(csv.reader([header], delimiter="\t" if part.fmt == "tsv" else ","), [])
         elif part.fmt == "json":
             f = _open(path)
