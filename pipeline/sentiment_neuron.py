@@ -231,8 +231,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    from models.mlstm import load_mlstm
-    model = load_mlstm(args.model, map_location=args.device)
+    from models.mlstm import MLSTM, load_mlstm
+    from pipeline.checkpoint import is_deepspeed_run_dir, read_full_checkpoint
+    if is_deepspeed_run_dir(args.model):  # a pretraining run of the main job (--model-type mlstm)
+        config, state, _ = read_full_checkpoint(args.model)
+        model = MLSTM(config)
+        model.load_state_dict(state)
+        model.to(args.device)
+    else:
+        model = load_mlstm(args.model, map_location=args.device)
     Cs = [float(c) for c in args.Cs.split(",")]
     r = run_sentiment_neuron(model, args.data_dir, args.out, args.batch_size, args.max_length, args.limit, Cs,
                              progress=not args.no_progress, model_name=str(args.model))
