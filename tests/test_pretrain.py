@@ -136,3 +136,26 @@ def test_mlstm_through_the_main_job_dp2(tmp_path, corpus):
     assert last["valid_bpc"] == pytest.approx(last["valid_loss"] / 0.6931471805599453)
     assert json.loads((save / "config.json").read_text())["model_type"] == "mlstm"
     assert json.loads((save / "global_step15" / "layout.json").read_text())["data_parallel"] == 2
+
+
+def test_main_job_trains_from_every_source_form(tmp_path, corpus):
+    """One run over .txt, .jsonl (another text field), .csv, .parquet, a folder glob and a save_to_disk dir."""
+    import datasets
+    docs = [d for d in corpus.read_text().split("\n\n") if d.strip()]
+    parts = [docs[i::5] for i in range(5)]
+    (tmp_path / "a.txt").write_text("\n\n".join(parts[0]))
+    with open(tmp_path / "b.jsonl", "w") as f:
+        for d in parts[1]:
+            f.write(json.dumps({"body": d, "id": 1}) + "\n")
+    datasets.Dataset.from_dict({"body": parts[2]}).to_csv(str(tmp_path / "c.csv"))
+    datasets.Dataset.from_dict({"body": parts[3]}).to_parquet(str(tmp_path / "d.parquet"))
+    datasets.Dataset.from_dict({"body": parts[4]}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "e.txt").write_text("\n\n".join(parts[0][:5]))
+    sources = [tmp_path / "b.jsonl", tmp_path / "c.csv", tmp_path / "d.parquet", tmp_path / "saved",
+               f"{tmp_path}/folder/*.txt"]
+    save = tmp_path / "run"
+    argv = job_args(tmp_path, corpus, "--train-steps", "3", "--save", str(save), "--text-field", "body")
+    argv[argv.index("--data") + 1] = ",".join(map(str, sources))
+    run([sys.executable, "-m", "pipeline.pretrain", *argv], tmp_path)
+    assert len([r for r in metrics(save) if "loss" in r]) == 3
