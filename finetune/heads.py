@@ -43,6 +43,7 @@ class HeadConfig:
     problem_type: str = MULTILABEL  # multilabel: sigmoid + BCE; single_label: softmax + cross-entropy
     attention_hidden: int | None = None  # attention pooling scorer: None = linear, else a tanh MLP this wide
     label_names: tuple[str, ...] | None = None
+    output_bias: bool = True  # False: a bias-free output layer (what Hugging Face's Llama classifier can hold)
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_hidden", tuple(int(w) for w in self.mlp_hidden))
@@ -165,10 +166,11 @@ class ClassificationHead(nn.Module):
         for hidden in config.mlp_hidden:
             layers += [nn.Linear(width, hidden), _ACTIVATIONS[config.activation](), nn.Dropout(config.dropout)]
             width = hidden
-        self.output = nn.Linear(width, config.num_labels)
+        self.output = nn.Linear(width, config.num_labels, bias=config.output_bias)
         self.classifier = nn.Sequential(*layers, self.output)
         nn.init.normal_(self.output.weight, std=0.02)
-        nn.init.zeros_(self.output.bias)
+        if self.output.bias is not None:
+            nn.init.zeros_(self.output.bias)
 
     def pool(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
              lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
@@ -217,6 +219,8 @@ class ClassificationHead(nn.Module):
     def set_output_bias_from_priors(self, priors: Sequence[float] | np.ndarray | torch.Tensor):
         """Start the output at the label base rates (bias = logit of each prior) instead of 0.5 each: with
         rare labels the first BCE steps then refine instead of first unlearning a 50% positive rate."""
+        if self.output.bias is None:
+            raise ValueError("this head has no output bias (HeadConfig.output_bias=False)")
         p = torch.as_tensor(np.asarray(priors, dtype=np.float64)).clamp(1e-4, 1 - 1e-4)
         if p.shape != (self.config.num_labels,):
             raise ValueError(f"{p.numel()} priors for {self.config.num_labels} labels")

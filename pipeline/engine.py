@@ -123,12 +123,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> l
 
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
                  schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None,
-                 full_state_dict: dict | None = None):
+                 full_state_dict: dict | None = None, param_groups_fn=None):
     """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only).
 
     ``ds_config`` must have been through ``resolve_ds_config``. ``full_state_dict`` (full TP=1 weights,
     e.g. of a checkpoint saved at another layout) is loaded into this rank's shards before DeepSpeed
-    takes the model, so its fp32 master weights start from it. Returns the engine; ``engine.is_pipe``
+    takes the model, so its fp32 master weights start from it. ``param_groups_fn(model)`` gives the
+    optimizer's parameter groups (default ``param_groups``); a group's ``lr_mult`` scales the scheduled
+    learning rate (e.g. layer-wise decay when finetuning). Returns the engine; ``engine.is_pipe``
     tells which training step to use.
     """
     import deepspeed
@@ -170,7 +172,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         raise EngineConfigError("the DeepSpeed config has a \"scheduler\" section and a learning-rate schedule was "
                                 "given too; remove one of them")
     lr_scheduler = (lambda opt: Scheduler(opt, schedule)) if schedule is not None else None
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config,
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=(param_groups_fn or param_groups)(model),
+                                           config=ds_config,
                                            mpu=mpu, lr_scheduler=lr_scheduler)
     engine.is_pipe = state.pipeline_parallel > 1
     return engine

@@ -1,0 +1,149 @@
+"""Texts -> token ids -> right-padded batches, for training (shuffled, sharded over data-parallel ranks) and for
+prediction (sorted by length, so that a batch wastes little on padding).
+
+Right padding with the lengths alongside: the classifier reads position ``length - 1`` (last-token pooling)
+or masks the padding (mean/max/attention pooling), and under causal attention no real token sees a pad.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+
+def encode_texts(tokenizer, texts: Sequence[str], max_length: int) -> list[list[int]]:
+    """Token ids of each text, cut to its first ``max_length`` tokens. A text that encodes to nothing is refused
+    (its row would have no token to classify from)."""
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    encoded = tokenizer.encode_batch(list(texts))
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"text {i} ({texts[i]!r:.60}) encodes to no tokens")
+    return [ids[:max_length] for ids in encoded]
+
+
+def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids long [b, max length], lengths long [b]), right padded with ``pad_id``."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+    return ids, lengths
+
+
+class TrainBatches:
+    """Endless micro-batches ``{"input_ids", "lengths", "labels"}`` for one data-parallel rank; from pooled
+    features [n, h] instead of token ids (a frozen encoder's, computed once): ``{"pooled", "labels"}``.
+
+    Each epoch is a permutation of the examples drawn from ``(seed, epoch)``, cut into global micro-batches of
+    ``micro_batch_size x dp_world_size`` examples (the incomplete tail is left out, a different one each
+    epoch); DP rank r takes the r-th slice of each. Ranks of one DP slot (TP peers) get the same batches.
+    """
+
+    def __init__(self, encoded: Sequence[Sequence[int]] | torch.Tensor, labels: np.ndarray, micro_batch_size: int,
+                 dp_rank: int, dp_world_size: int, pad_id: int, seed: int = 1234):
+        if len(encoded) != len(labels):
+            raise ValueError(f"{len(encoded)} encoded texts for {len(labels)} label rows")
+        self.encoded, self.labels = encoded, torch.as_tensor(np.asarray(labels), dtype=torch.float32)
+        self.micro, self.rank, self.dp = int(micro_batch_size), int(dp_rank), int(dp_world_size)
+        self.global_micro = self.micro * self.dp
+        if len(encoded) < self.global_micro:
+            raise ValueError(f"{len(encoded)} training examples are fewer than one global micro-batch "
+                             f"({self.micro} x {self.dp} data-parallel ranks)")
+        self.pad_id, self.seed = int(pad_id), int(seed)
+        self.epoch, self.consumed = 0, 0
+        self._order = None
+
+    def micro_batches_per_epoch(self) -> int:
+        return len(self.encoded) // self.global_micro
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        if self.consumed + self.global_micro > len(self.encoded):
+            self.epoch, self.consumed, self._order = self.epoch + 1, 0, None
+        if self._order is None:
+            rng = np.random.Generator(np.random.PCG64([self.seed, self.epoch, 17]))
+            self._order = rng.permutation(len(self.encoded))
+        start = self.consumed + self.rank * self.micro
+        idx = self._order[start:start + self.micro]
+        self.consumed += self.global_micro
+        labels = self.labels[torch.as_tensor(idx)]
+        if isinstance(self.encoded, torch.Tensor):
+            return {"pooled": self.encoded[torch.as_tensor(idx)], "labels": labels}
+        ids, lengths = pad_batch([self.encoded[i] for i in idx], self.pad_id)
+        return {"input_ids": ids, "lengths": lengths, "labels": labels}
+
+
+def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[np.ndarray]:
+    """Index arrays of batches of similar lengths (longest first, so a memory problem shows at once)."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+@torch.no_grad()
+def predict_encoded(model, encoded: Sequence[Sequence[int]], pad_id: int, *, batch_size: int = 64,
+                    dp_rank: int = 0, dp_world_size: int = 1, dp_group=None, progress: bool = False,
+                    desc: str = "predict") -> np.ndarray:
+    """Probabilities float32 [n, k] of a ``Classifier`` (or an engine's module) for token id lists.
+
+    With several data-parallel ranks each computes every ``dp_world_size``-th batch and the results are
+    summed over ``dp_group`` (collective: every rank of the group calls it)."""
+    def run(ids, lengths):
+        return model.head.probabilities(model(ids, lengths=lengths))
+    return _over_batches(model, run, encoded, pad_id, batch_size, dp_rank, dp_world_size, dp_group, progress,
+                         desc).numpy()
+
+
+@torch.no_grad()
+def pooled_features(model, encoded: Sequence[Sequence[int]], pad_id: int, *, batch_size: int = 64,
+                    dp_rank: int = 0, dp_world_size: int = 1, dp_group=None, progress: bool = False,
+                    desc: str = "features") -> torch.Tensor:
+    """The head's inputs float32 [n, h] (encoder features pooled), split over DP ranks like ``predict_encoded``."""
+    def run(ids, lengths):
+        return model.pool(ids, lengths=lengths).float()
+    return _over_batches(model, run, encoded, pad_id, batch_size, dp_rank, dp_world_size, dp_group, progress, desc)
+
+
+@torch.no_grad()
+def predict_pooled(model, pooled: torch.Tensor, *, batch_size: int = 1024) -> np.ndarray:
+    """Probabilities float32 [n, k] from pooled features [n, h] (the head alone)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        out = [model.head.probabilities(model(pooled=pooled[i:i + batch_size].to(device))).cpu()
+               for i in range(0, len(pooled), batch_size)]
+    finally:
+        model.train(was_training)
+    return torch.cat(out).numpy()
+
+
+def _over_batches(model, run, encoded, pad_id, batch_size, dp_rank, dp_world_size, dp_group, progress,
+                  desc) -> torch.Tensor:
+    from tqdm import tqdm
+    device = next(model.parameters()).device
+    batches = length_sorted_batches([len(s) for s in encoded], batch_size)[dp_rank::dp_world_size]
+    out = None
+    was_training = model.training
+    model.eval()
+    try:
+        for idx in tqdm(batches, desc=desc, disable=not progress, leave=False, dynamic_ncols=True):
+            ids, lengths = pad_batch([encoded[i] for i in idx], pad_id)
+            values = run(ids.to(device), lengths.to(device)).float().cpu()
+            if out is None:
+                out = torch.zeros(len(encoded), values.shape[1], dtype=torch.float32)
+            out[torch.as_tensor(idx)] = values
+    finally:
+        model.train(was_training)
+    if dp_world_size > 1:
+        import torch.distributed as dist
+        width = torch.tensor([0 if out is None else out.shape[1]], device=device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=dp_group)
+        total = (out if out is not None else torch.zeros(len(encoded), int(width))).to(device)
+        dist.all_reduce(total, group=dp_group)
+        out = total.cpu()
+    return out

@@ -1,0 +1,196 @@
+"""Export a finetuned classifier as Hugging Face ``GPT2ForSequenceClassification`` / ``LlamaForSequenceClassification``.
+
+    python -m finetune.export_hf --model runs/ec --out runs/ec/hf [--dtype float32] [--force] [--verify]
+
+    from transformers import pipeline
+    clf = pipeline("text-classification", model="runs/ec/hf", top_k=None)   # sigmoid scores per label
+    clf("so happy today @user http")                                        # texts normalised as in training
+
+The export computes the project classifier's probabilities (``--verify`` measures it). What the
+``transformers`` classes can hold, and so what is exported:
+  * last-token pooling and a linear head: ``*ForSequenceClassification`` pools the last non-pad token and
+    has a single bias-free ``score`` layer; other poolings and MLP heads are refused, naming the setting;
+  * the head's output bias: GPT-2 takes it into the final LayerNorm's bias (b' = b + W^+ bias: the hidden
+    state only feeds ``score`` there, so ``score`` sees W b' = W b + bias exactly); Llama's RMSNorm has no
+    bias, so a llama classifier must have been trained without one (``--head-bias no``, the default for llama).
+The config carries ``problem_type``, ``id2label``/``label2id``, ``pad_token_id`` (the padding id used in
+training), the tuned per-class ``thresholds`` (a list in label order), ``max_text_tokens`` and the
+``tweet_normalizer`` settings (apply ``finetune.normalize.TweetNormalizer(**config.tweet_normalizer)`` to
+texts first, as training did). The tokenizer adds no special tokens and pads on the right, as in training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .heads import MULTILABEL
+from .saved import read_classifier_dir
+
+HF_PROBLEM_TYPE = {MULTILABEL: "multi_label_classification", "single_label": "single_label_classification"}
+HF_CLASS = {"gpt2": "GPT2ForSequenceClassification", "llama": "LlamaForSequenceClassification"}
+# post-processors that add tokens around a text (training encoded texts without any)
+_ADDING_POST_PROCESSORS = {"TemplateProcessing", "BertProcessing", "RobertaProcessing"}
+
+
+class ExportError(ValueError):
+    """A classifier that a ``transformers`` sequence-classification model cannot compute exactly."""
+
+
+def check_exportable(info: dict) -> None:
+    head, config = info["head_config"], info["encoder_config"]
+    problems = []
+    if info["encoder_type"] != "gpt":
+        problems.append(f"the encoder is {info['encoder_type']!r}; only GPT encoders have a transformers class")
+    if head.pooling != "last":
+        problems.append(f"pooling is {head.pooling!r}, but transformers' *ForSequenceClassification pools the last "
+                        f"token (train with --pooling last)")
+    if head.mlp_hidden:
+        problems.append(f"the head has an MLP ({list(head.mlp_hidden)}), but transformers' classifier is one linear "
+                        f"layer (train without --mlp-hidden)")
+    if problems:
+        raise ExportError("cannot export to Hugging Face: " + "; ".join(problems))
+
+
+def classifier_to_hf(info: dict, full: dict[str, torch.Tensor], dtype: torch.dtype | None = None):
+    """(transformers config, state dict) of the saved classifier ``(info, full)``."""
+    from pipeline.hf_convert import to_hf
+    check_exportable(info)
+    head, config = info["head_config"], info["encoder_config"]
+    encoder = {k.removeprefix("encoder."): v.float() for k, v in full.items() if k.startswith("encoder.")}
+    cfg, sd = to_hf(encoder, config)
+    sd.pop("lm_head.weight", None)  # the classifier has a score layer instead of an LM head
+    weight = full["head.output.weight"].double()  # [k, h]
+    bias = full.get("head.output.bias")
+    if bias is not None and bool(bias.abs().max() > 0):
+        if config.variant != "gpt2":
+            raise ExportError("cannot export to Hugging Face: LlamaForSequenceClassification's score layer has no "
+                              "bias and RMSNorm none to take it into; train the llama classifier with --head-bias no")
+        ln_bias = sd["transformer.ln_f.bias"].double()
+        shift = torch.linalg.lstsq(weight, bias.double().unsqueeze(1)).solution.squeeze(1)  # W shift = bias
+        error = (weight @ shift - bias.double()).abs().max().item()
+        if error > 1e-6 * max(1.0, bias.abs().max().item()):
+            raise ExportError(f"cannot take the output bias into the final LayerNorm (its weight rows are dependent; "
+                              f"residual {error:.2e})")
+        sd["transformer.ln_f.bias"] = (ln_bias + shift).float()
+    sd["score.weight"] = weight.float()
+    names = info["label_names"]
+    cfg.architectures = [HF_CLASS[config.variant]]
+    cfg.num_labels = len(names)
+    cfg.id2label = {i: name for i, name in enumerate(names)}
+    cfg.label2id = {name: i for i, name in enumerate(names)}
+    cfg.problem_type = HF_PROBLEM_TYPE[head.problem_type]
+    cfg.pad_token_id = int(info["pad_id"])
+    cfg.max_text_tokens = int(info["max_length"])
+    cfg.tweet_normalizer = None if info["normalizer"] is None else info["normalizer"].to_dict()
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+        cfg.dtype = dtype
+    else:
+        cfg.dtype = torch.float32
+    return cfg, sd
+
+
+def export_classifier(model_dir: str | Path, out: str | Path, *, dtype: torch.dtype | str | None = None,
+                      force: bool = False) -> Path:
+    """Write the Hugging Face classifier of a classifier directory to ``out`` (atomically)."""
+    from huggingface_hub import save_torch_state_dict
+
+    from pipeline.export_hf import copy_tokenizer_files
+    from pipeline.hf_convert import parse_dtype
+    from pipeline.state_dicts import atomic_output_dir
+
+    from .thresholds import load_thresholds
+    model_dir = Path(model_dir)
+    info, full = read_classifier_dir(model_dir)
+    cfg, sd = classifier_to_hf(info, full, parse_dtype(dtype))
+    if info.get("thresholds_file"):
+        cfg.thresholds = [float(t) for t in load_thresholds(model_dir / info["thresholds_file"], info["label_names"])]
+    with atomic_output_dir(out, force=force) as tmp:
+        copy_tokenizer_files(model_dir / "tokenizer", tmp)
+        _training_tokenization(tmp, info)
+        cfg.save_pretrained(tmp)
+        save_torch_state_dict(sd, tmp)
+    return Path(out)
+
+
+def _training_tokenization(directory: Path, info: dict) -> None:
+    """Make the exported tokenizer encode as training did: no added special tokens, right padding with the
+    training pad id, cut at the training length."""
+    tok_file = directory / "tokenizer.json"
+    tok = json.loads(tok_file.read_text(encoding="utf-8"))
+    post = tok.get("post_processor") or {}
+    kinds = {post.get("type")} | {p.get("type") for p in post.get("processors", [])}
+    if kinds & _ADDING_POST_PROCESSORS:
+        tok["post_processor"] = None
+        tok_file.write_text(json.dumps(tok, ensure_ascii=False, indent=2), encoding="utf-8")
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    pad_token = _token_of(tok, int(info["pad_id"]))
+    config.update(pad_token=pad_token, padding_side="right", truncation_side="right",
+                  model_max_length=int(info["max_length"]), add_bos_token=False, add_eos_token=False)
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _token_of(tokenizer_json: dict, token_id: int) -> str:
+    for added in tokenizer_json.get("added_tokens", []):
+        if added["id"] == token_id:
+            return added["content"]
+    for token, i in (tokenizer_json.get("model", {}).get("vocab") or {}).items():
+        if i == token_id:
+            return token
+    raise ExportError(f"the training pad id {token_id} is not in the tokenizer's vocabulary")
+
+
+@torch.no_grad()
+def compare_with_project(model_dir: str | Path, hf_dir: str | Path, texts: list[str]) -> dict:
+    """Probabilities of the exported model (transformers, fp32, one padded batch) against the project
+    classifier's on ``texts``: ``{"max_abs_diff", "tokens_equal"}``."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from .saved import load_classifier
+    ours = load_classifier(model_dir)
+    normalizer = ours.info["normalizer"]
+    normalized = [normalizer(t) for t in texts] if normalizer else list(texts)
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    batch = tok(normalized, padding=True, truncation=True, return_tensors="pt")
+    hf = AutoModelForSequenceClassification.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    logits = hf(**batch).logits.float()
+    probs = torch.sigmoid(logits) if hf.config.problem_type == HF_PROBLEM_TYPE[MULTILABEL] else logits.softmax(-1)
+    reference = ours.predict_proba(texts)
+    hf_ids = [ids[:int(m.sum())] for ids, m in zip(batch["input_ids"].tolist(), batch["attention_mask"])]
+    return {"max_abs_diff": float(np.abs(probs.numpy() - reference).max()),
+            "tokens_equal": hf_ids == ours.encode(texts)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m finetune.export_hf", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="classifier directory (what finetune/train.py --save wrote)")
+    p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the exported weights (default float32)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--verify", action="store_true", help="reload with transformers and compare probabilities")
+    args = p.parse_args(argv)
+    from pipeline.hf_convert import ConversionError
+
+    from .saved import ClassifierDirError
+    try:
+        out = export_classifier(args.model, args.out, dtype=args.dtype, force=args.force)
+    except (ExportError, ConversionError, ClassifierDirError, FileNotFoundError, FileExistsError) as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    print(f"exported {args.model} to {out}")
+    if args.verify:
+        texts = ["I am so happy today!", "This is terrible, I'm furious #angry", "not sure what to expect tomorrow",
+                 "Thank you @user for the lovely flowers http://t.co/x"]
+        result = compare_with_project(args.model, out, texts)
+        print(f"max |p_hf - p_project| = {result['max_abs_diff']:.2e}; same tokens: {result['tokens_equal']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""A text classifier: a project language model (the encoder) with a ``ClassificationHead`` on top.
+
+    encoder = build_encoder("gpt", gpt_config, init_seed=0)          # any GPT variant, any TP size
+    model = Classifier(encoder, HeadConfig(gpt_config.hidden_size, 11, pooling="last"), aux_lm_weight=0.5)
+    loss = model(input_ids, labels, lengths=lengths)                 # BCE (or CE) [+ weight x LM loss]
+    probs = model.predict_proba(input_ids, lengths=lengths)          # fp32 [b, k]
+
+The encoder interface is small on purpose (the mLSTM will implement it too):
+  ``features(input_ids)``     -> hidden states [b, s, h] (or one vector per text [b, h], with pooling="none");
+  ``lm_loss(features, ids, lengths)`` -> the next-token loss over real tokens (the auxiliary LM objective);
+  ``depth_of(param_name)``    -> 0 (input side) .. ``num_depths`` - 1 (output side), for layer-wise LR decay.
+
+Inputs are right padded: the GPT's attention is causal, so padding after a text changes none of its
+positions. Base weights come from ``load_full_gpt_state(directory)``: a pretraining checkpoint of this
+project (DeepSpeed files at any TP/PP layout), a directory of ``config.json`` + ``model.safetensors``
+(a full TP=1 state dict, what ``pipeline.import_hf`` writes), or a finetuned classifier directory.
+Each TP rank cuts its own shard of every full tensor (``pipeline.state_dicts.load_full_state_dict``).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from models import GPT, GPTConfig
+from models.parallel import vocab_parallel_cross_entropy
+
+from .heads import MULTILABEL, ClassificationHead, HeadConfig
+from .saved import CLASSIFIER_FILE, WEIGHTS_FILE
+
+CONFIG_FILE = "config.json"
+ENCODER_PREFIX = "encoder."
+
+
+class BaseModelError(ValueError):
+    """A base model directory that cannot be read (the message names the directory and the file)."""
+
+
+# ------------------------------------------------------------------------------------------- encoders
+
+class GPTEncoder(GPT):
+    """The project GPT, with the encoder interface. Same parameters and names as ``GPT``, so a GPT state
+    dict loads into it unchanged."""
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hidden_states(input_ids)
+
+    def lm_loss(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over the real tokens of right-padded rows (position t predicts
+        t + 1 while t + 1 < length); vocab-parallel, so it never gathers the full logits."""
+        s = input_ids.shape[1]
+        if s < 2:
+            return features.new_zeros((), dtype=torch.float32)
+        targets = input_ids[:, 1:].masked_fill(
+            torch.arange(1, s, device=input_ids.device)[None, :] >= lengths[:, None], -100)
+        if not bool((targets != -100).any()):
+            return features.new_zeros((), dtype=torch.float32)
+        h = features[:, :-1]
+        logits = self.embedding.logits(h) if self.lm_head is None else self.lm_head(h)
+        return vocab_parallel_cross_entropy(logits, targets, vocab_size=self.config.vocab_size, ignore_index=-100)
+
+    @property
+    def num_depths(self) -> int:
+        return self.config.num_layers + 2
+
+    def depth_of(self, name: str) -> int:
+        """embedding 0, layers.i -> i + 1, final norm and output layer L + 1."""
+        if name.startswith("embedding."):
+            return 0
+        m = re.match(r"layers\.(\d+)\.", name)
+        if m:
+            return int(m.group(1)) + 1
+        return self.config.num_layers + 1
+
+
+ENCODERS = {"gpt": GPTEncoder}
+
+
+def build_encoder(encoder_type: str, config, init_seed: int | None = None) -> nn.Module:
+    try:
+        cls = ENCODERS[encoder_type]
+    except KeyError:
+        raise ValueError(f"unknown encoder type {encoder_type!r}; known: {', '.join(ENCODERS)}") from None
+    return cls(config, init_seed=init_seed)
+
+
+def encoder_config_from_dict(encoder_type: str, d: dict, source: str = "encoder config"):
+    if encoder_type == "gpt":
+        return GPTConfig.from_dict(d, source=source)
+    raise ValueError(f"{source}: unknown encoder type {encoder_type!r}; known: {', '.join(ENCODERS)}")
+
+
+# ----------------------------------------------------------------------------------------- classifier
+
+class Classifier(nn.Module):
+    """``encoder`` + ``ClassificationHead``. ``forward(input_ids, labels, lengths=...)`` is the training loss;
+    without labels it returns the logits [b, k].
+
+    ``labels`` are the 0/1 matrix [b, k] (float or int) for both problem types: a single-label head takes
+    each row's one-hot class. ``pos_weight`` [k] weighs the positives of each label in BCE.
+    ``aux_lm_weight`` > 0 adds that multiple of the encoder's next-token loss on the same texts (the
+    auxiliary language-model objective of GPT-1 and of the paper). ``freeze_encoder`` trains the head
+    alone (a linear probe with a linear head); the encoder then runs without gradients.
+    """
+
+    def __init__(self, encoder: nn.Module, head_config: HeadConfig, *, aux_lm_weight: float = 0.0,
+                 pos_weight: Sequence[float] | torch.Tensor | None = None, freeze_encoder: bool = False,
+                 encoder_type: str = "gpt"):
+        super().__init__()
+        if head_config.hidden_size != encoder.hidden_size:
+            raise ValueError(f"head hidden_size {head_config.hidden_size} differs from the encoder's "
+                             f"{encoder.hidden_size}")
+        if aux_lm_weight < 0:
+            raise ValueError(f"aux_lm_weight must be >= 0, got {aux_lm_weight}")
+        if aux_lm_weight and freeze_encoder:
+            raise ValueError("an auxiliary LM loss trains the encoder: it cannot be combined with a frozen encoder")
+        self.encoder = encoder
+        self.head = ClassificationHead(head_config)
+        self.encoder_type = encoder_type
+        self.aux_lm_weight = float(aux_lm_weight)
+        self.pos_weight = None if pos_weight is None else torch.as_tensor(pos_weight, dtype=torch.float32)
+        if self.pos_weight is not None and self.pos_weight.shape != (head_config.num_labels,):
+            raise ValueError(f"pos_weight {list(self.pos_weight.shape)} must be [{head_config.num_labels}]")
+        self.freeze_encoder = bool(freeze_encoder)
+        if freeze_encoder:
+            encoder.requires_grad_(False)
+        self.last_losses: dict[str, float] = {}  # parts of the last training loss, for logging
+
+    @property
+    def config(self) -> HeadConfig:
+        return self.head.config
+
+    def _lengths(self, input_ids, lengths, attention_mask) -> torch.Tensor:
+        b, s = input_ids.shape
+        if lengths is not None and attention_mask is not None:
+            raise ValueError("give lengths or attention_mask, not both")
+        if attention_mask is not None:
+            mask = attention_mask.to(input_ids.device) != 0
+            lengths = mask.sum(dim=1)
+            if not torch.equal(mask, torch.arange(s, device=mask.device)[None, :] < lengths[:, None]):
+                raise ValueError("the classifier takes right-padded inputs (each attention_mask row 1...1 0...0): "
+                                 "with left padding the padding would sit inside the causal context")
+        elif lengths is None:
+            return torch.full((b,), s, dtype=torch.long, device=input_ids.device)
+        lengths = torch.as_tensor(lengths, device=input_ids.device).long()
+        if lengths.shape != (b,) or bool((lengths < 1).any()) or bool((lengths > s).any()):
+            raise ValueError(f"lengths must be [{b}] values in 1..{s}, got {lengths.tolist()}")
+        return lengths
+
+    def _features(self, input_ids):
+        if self.freeze_encoder:
+            with torch.no_grad():
+                return self.encoder.features(input_ids)
+        return self.encoder.features(input_ids)
+
+    def pool(self, input_ids: torch.Tensor, *, lengths: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's input [b, h]: encoder features pooled over the real tokens."""
+        lengths = self._lengths(input_ids, lengths, attention_mask)
+        features = self._features(input_ids)
+        return features if features.dim() == 2 else self.head.pool(features, lengths=lengths)
+
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                lengths: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                pooled: torch.Tensor | None = None):
+        """The loss with ``labels``, else the logits [b, k]. ``pooled`` [b, h] (from ``pool``, e.g. computed
+        once for a frozen encoder) replaces ``input_ids``: the head alone runs."""
+        if pooled is not None:
+            if input_ids is not None or self.training and not self.freeze_encoder:
+                raise ValueError("pooled features replace input_ids, and train only the head of a frozen encoder")
+            logits = self.head.classifier(pooled.to(self.head.output.weight.dtype))
+            features = None
+        else:
+            lengths = self._lengths(input_ids, lengths, attention_mask)
+            features = self._features(input_ids)
+            if features.dim() == 2:  # the encoder summarises each text itself ([b, h]; pooling "none")
+                logits = self.head(features)
+            else:
+                logits = self.head(features, lengths=lengths)
+        if labels is None:
+            return logits
+        loss = self.classification_loss(logits, labels)
+        self.last_losses = {"cls_loss": float(loss.detach())}
+        if self.aux_lm_weight and self.training:
+            lm = self.encoder.lm_loss(features, input_ids, lengths)
+            self.last_losses["lm_loss"] = float(lm.detach())
+            loss = loss + self.aux_lm_weight * lm
+        return loss
+
+    def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type == MULTILABEL:
+            return self.head.loss(logits, labels.float(), pos_weight=self.pos_weight)
+        return self.head.loss(logits, labels.argmax(dim=-1) if labels.dim() == 2 else labels)
+
+    @torch.no_grad()
+    def predict_proba(self, input_ids: torch.Tensor, *, lengths: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Probabilities fp32 [b, k] (sigmoid per label, or softmax), in eval mode (no dropout)."""
+        was_training = self.training
+        self.eval()
+        try:
+            return self.head.probabilities(self(input_ids, lengths=lengths, attention_mask=attention_mask))
+        finally:
+            self.train(was_training)
+
+    def param_groups(self, *, weight_decay: float | None = None, layer_lr_decay: float = 1.0,
+                     head_lr_mult: float = 1.0) -> list[dict]:
+        """Optimizer groups with an ``lr_mult`` (the project's LR scheduler multiplies each group's
+        learning rate by it). Layer-wise decay: the head and the encoder's top get 1, each depth below
+        one more factor ``layer_lr_decay`` (ULMFiT's discriminative rates, BEiT/ELECTRA's layer decay).
+        Biases and norm weights (1-D tensors) get no weight decay. Frozen parameters are left out."""
+        if not 0.0 < layer_lr_decay <= 1.0:
+            raise ValueError(f"layer_lr_decay must be in (0, 1], got {layer_lr_decay}")
+        if head_lr_mult <= 0:
+            raise ValueError(f"head_lr_mult must be > 0, got {head_lr_mult}")
+        top = self.encoder.num_depths - 1
+        groups: dict[tuple[float, bool], list] = {}
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name.startswith(ENCODER_PREFIX):
+                mult = layer_lr_decay ** (top - self.encoder.depth_of(name[len(ENCODER_PREFIX):]))
+            else:
+                mult = head_lr_mult
+            groups.setdefault((mult, p.ndim < 2), []).append(p)
+        out = []
+        for (mult, no_decay), params in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            group = {"params": params, "lr_mult": mult}
+            if no_decay:
+                group["weight_decay"] = 0.0
+            elif weight_decay is not None:
+                group["weight_decay"] = weight_decay
+            out.append(group)
+        return out
+
+
+# ------------------------------------------------------------------------------ full state dicts in
+
+def load_full_gpt_state(directory: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], Path | None]:
+    """(GPTConfig, full TP=1 state dict, tokenizer directory or None) of a base model directory:
+
+    * a project pretraining checkpoint (``config.json``, ``tokenizer/``, ``latest`` -> ``global_stepN/``) saved
+      at any TP/PP layout (``pipeline.checkpoint.read_full_model_state``); a ``global_stepN`` directory picks
+      that step;
+    * ``config.json`` + ``model.safetensors`` (a full state dict, what ``pipeline.import_hf`` writes; tokenizer
+      files beside them or in tokenizer/);
+    * a finetuned classifier directory (its encoder).
+
+    Torch files are read with ``weights_only=True``. The tensors keep their stored dtype."""
+    from pipeline.checkpoint import read_full_model_state
+    d = Path(directory)
+    if not d.exists():
+        raise BaseModelError(f"base model directory {d} does not exist")
+    if not d.is_dir():
+        raise BaseModelError(f"base model {d} is a file; give its directory")
+    if d.name.startswith("global_step") and (d.parent / CONFIG_FILE).is_file():
+        return read_full_model_state(d.parent, d.name)
+    if (d / CLASSIFIER_FILE).is_file():
+        from .saved import read_classifier_dir
+        info, full = read_classifier_dir(d)
+        if info["encoder_type"] != "gpt":
+            raise BaseModelError(f"{d}: the classifier's encoder is {info['encoder_type']!r}, not a GPT")
+        encoder = {k[len(ENCODER_PREFIX):]: v for k, v in full.items() if k.startswith(ENCODER_PREFIX)}
+        return info["encoder_config"], encoder, _tokenizer_dir(d)
+    if (d / WEIGHTS_FILE).is_file():
+        from pipeline.export_hf import read_model_dir
+        config, full, _ = read_model_dir(d)
+        return config, full, _tokenizer_dir(d)
+    if (d / "latest").is_file() or any(d.glob("global_step*")):
+        return read_full_model_state(d)
+    found = ", ".join(sorted(p.name for p in d.iterdir())[:12]) or "nothing"
+    raise BaseModelError(f"{d} is not a base model directory: expected {CONFIG_FILE} with {WEIGHTS_FILE}, a "
+                         f"pretraining checkpoint (latest, global_stepN/) or a classifier ({CLASSIFIER_FILE}); "
+                         f"found: {found}")
+
+
+def _tokenizer_dir(d: Path) -> Path | None:
+    for candidate in (d / "tokenizer", d):
+        if (candidate / "tokenizer.json").is_file() or (candidate / "vocab.json").is_file():
+            return candidate
+    return None
+
+
+# ----------------------------------------------------------------------------------------- building
+
+def build_classifier(encoder_config, head_config: HeadConfig, *, encoder_type: str = "gpt",
+                     encoder_state: Mapping[str, torch.Tensor] | None = None, init_seed: int = 1234,
+                     aux_lm_weight: float = 0.0, pos_weight=None, freeze_encoder: bool = False,
+                     label_priors: Sequence[float] | np.ndarray | None = None,
+                     source: str = "base model") -> Classifier:
+    """A classifier for this rank's TP shard: the encoder from ``encoder_state`` (a full state dict; None =
+    random init from ``init_seed``), the head from its own seed (same on every rank) and, given label
+    priors and an output bias, with its bias at the priors' logits."""
+    from models.gpt import seeded_init
+    from pipeline.state_dicts import load_full_state_dict
+    encoder = build_encoder(encoder_type, encoder_config, init_seed=init_seed)
+    if encoder_state is not None:
+        load_full_state_dict(encoder, encoder_state, source=source)
+    with seeded_init(init_seed + 7919):
+        model = Classifier(encoder, head_config, aux_lm_weight=aux_lm_weight, pos_weight=pos_weight,
+                           freeze_encoder=freeze_encoder, encoder_type=encoder_type)
+    if label_priors is not None and head_config.output_bias:
+        model.head.set_output_bias_from_priors(label_priors)
+    return model

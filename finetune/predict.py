@@ -1,0 +1,138 @@
+"""Classify a file of texts with a finetuned classifier; write the predictions in the official E-c format.
+
+    python -m finetune.predict --model runs/ec --data E-c-En-test.txt --out E-C_en_pred.txt
+
+``--data``: an E-c file (labelled with 0/1, or unlabelled with NONE in every label cell, as the official test
+file before the gold release), or any CSV/TSV/JSON(L) file with ``--text-column`` (and ``--id-column``).
+The model's tuned thresholds decide each label (``--threshold`` sets one for all instead). When the file
+holds the model's labels, the scores at 0.5 and at the thresholds are printed too (and written with
+``--eval-json``). Texts are normalised and tokenised as in training. ``--probabilities FILE`` also writes
+each text's probabilities (TSV: ID then one column per label).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m finetune.predict", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="classifier directory (finetune/train.py --save)")
+    p.add_argument("--data", required=True, help="texts to classify (E-c file, or CSV/TSV/JSON(L))")
+    p.add_argument("--out", required=True, help="predictions file to write (E-c format)")
+    p.add_argument("--text-column", default=None, help="text column of a non-E-c file (default 'text')")
+    p.add_argument("--id-column", default=None, help="ID column of a non-E-c file (default: row numbers)")
+    p.add_argument("--threshold", type=float, default=None, help="one threshold for every label instead of the "
+                                                                 "tuned ones")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--probabilities", default=None, help="also write the probabilities to this TSV file")
+    p.add_argument("--eval-json", default=None, help="write the scores to this JSON file (labelled data)")
+    args = p.parse_args(argv)
+    if args.threshold is not None and not 0.0 < args.threshold < 1.0:
+        p.error(f"--threshold must be in (0, 1), got {args.threshold}")
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    return p, args
+
+
+def read_texts(path: str, label_names, text_column: str | None, id_column: str | None):
+    """The file's texts, with the model's label columns when it has them all (else unlabelled)."""
+    from finetune.data import DataFormatError, load_labeled_file, load_semeval_ec
+    p = Path(path)
+    if not p.is_file():
+        raise DataFormatError(p, "no such file")
+    with open(p, encoding="utf-8-sig", errors="replace") as f:
+        header = f.readline().rstrip("\r\n").split("\t")
+    if text_column is None and header[:2] == ["ID", "Tweet"]:
+        data = load_semeval_ec(p, labels=None, require_labels=False)
+        if data.labels is not None and all(name in data.label_names for name in label_names):
+            return data.select_labels(label_names)
+        return _unlabelled(data)  # labelled with other columns than the model's: predictions only
+    columns = _columns(p)
+    kwargs = {"text_column": text_column or "text", "id_column": id_column}
+    if all(name in columns for name in label_names):
+        kwargs["label_columns"] = list(label_names)
+    return load_labeled_file(p, **kwargs)
+
+
+def _unlabelled(data):
+    from dataclasses import replace
+    return replace(data, labels=None)
+
+
+def _columns(path: Path) -> list[str]:
+    suffix = path.suffix.lower()
+    if suffix in (".json", ".jsonl", ".ndjson"):
+        import json
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "{}")
+        try:
+            record = json.loads(first)
+            return list(record) if isinstance(record, dict) else []
+        except ValueError:
+            return []
+    sep = "," if suffix == ".csv" else "\t"
+    import csv
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        return next(csv.reader(f, delimiter=sep), [])
+
+
+def main(argv=None) -> dict:
+    parser, args = parse_args(argv)
+    import torch
+
+    from finetune.data import DataFormatError
+    from finetune.metrics import evaluate_probabilities, format_comparison, single_label_scores, write_eval_json
+    from finetune.predictions import write_predictions
+    from finetune.saved import ClassifierDirError, load_classifier
+    from finetune.thresholds import apply_thresholds
+    from pipeline.state_dicts import StateDictError
+
+    try:
+        clf = load_classifier(args.model, dtype=getattr(torch, args.dtype))
+        data = read_texts(args.data, clf.label_names, args.text_column, args.id_column)
+    except (ClassifierDirError, DataFormatError, StateDictError, FileNotFoundError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    names = clf.label_names
+    probs = clf.predict_proba(data.texts, batch_size=args.batch_size, progress=True)
+    if clf.multilabel:
+        thresholds = np.full(len(names), args.threshold) if args.threshold is not None else (
+            clf.thresholds if clf.thresholds is not None else np.full(len(names), 0.5))
+        predictions = apply_thresholds(probs, thresholds)
+    else:
+        thresholds = None
+        predictions = np.eye(len(names), dtype=np.int8)[probs.argmax(axis=1)]
+    write_predictions(args.out, data.ids, data.texts, predictions, names)
+    print(f"wrote predictions for {len(data)} texts to {args.out}")
+    if args.probabilities:
+        from finetune._io import atomic_write_text
+        rows = ["\t".join(["ID", *names])] + ["\t".join([i, *(f"{p:.6f}" for p in row)])
+                                              for i, row in zip(data.ids, probs)]
+        atomic_write_text(args.probabilities, "\n".join(rows) + "\n")
+    result = {"n": len(data), "predictions": predictions, "probabilities": probs}
+    if data.labels is not None:
+        if clf.multilabel:
+            scores = evaluate_probabilities(data.labels, probs, names, thresholds)
+            shown = {"threshold 0.5": scores["at_0.5"],
+                     "given threshold" if args.threshold is not None else "tuned thresholds": scores["tuned"]}
+            print(f"scores on {args.data} ({len(data)} texts):\n" + format_comparison(shown))
+        else:
+            scores = {"single_label": single_label_scores(data.class_indices(), probs.argmax(1), names)}
+            s = scores["single_label"]
+            print(f"scores on {args.data}: accuracy {s['accuracy']:.4f}, macro-F1 {s['macro_f1']:.4f}")
+        if args.eval_json:
+            write_eval_json(args.eval_json, scores, model=str(args.model), data=str(args.data))
+        result["scores"] = scores
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""A finetuned classifier on disk, and loading it back to classify texts.
+
+Layout of a classifier directory (what ``finetune/train.py --save DIR`` writes)::
+
+    classifier.json     encoder type + config, head config, labels, max length, tweet normalisation, pad id,
+                        training settings; written last (a directory without it is incomplete)
+    model.safetensors   the full TP=1 state dict: ``encoder.*`` (the GPT's names) and ``head.*``
+    thresholds.json     tuned per-class thresholds (multilabel)
+    tokenizer/          the tokenizer the classifier was trained with
+
+    clf = load_classifier("runs/ec")               # one process, TP=1, fp32 on the CPU by default
+    probs = clf.predict_proba(["so happy today!"]) # normalised, tokenised, batched by length
+    preds = clf.predict(texts)                     # 0/1 at the tuned thresholds
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ._io import atomic_write_text
+from .heads import MULTILABEL, HeadConfig
+from .normalize import TweetNormalizer
+from .thresholds import THRESHOLDS_FILE, apply_thresholds, load_thresholds, save_thresholds
+
+CLASSIFIER_FILE = "classifier.json"
+WEIGHTS_FILE = "model.safetensors"
+FORMAT = "finetune.classifier/v1"
+
+
+class ClassifierDirError(ValueError):
+    pass
+
+
+def save_classifier_dir(directory: str | os.PathLike, *, full_state: Mapping[str, torch.Tensor], encoder_type: str,
+                        encoder_config, head_config: HeadConfig, tokenizer, max_length: int,
+                        normalizer: TweetNormalizer | None, thresholds: Sequence[float] | None = None,
+                        training: dict | None = None) -> Path:
+    """Write a classifier directory. Complete-or-invisible: ``classifier.json`` is removed first and written
+    last, every file atomically, so a reader never pairs new weights with an old description."""
+    from safetensors.torch import save_file
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / CLASSIFIER_FILE).unlink(missing_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in full_state.items()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS_FILE}.", suffix=".tmp", dir=d)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt", "content": FORMAT})
+        os.replace(tmp, d / WEIGHTS_FILE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    names = head_config.label_names or tuple(f"label_{j}" for j in range(head_config.num_labels))
+    if thresholds is not None:
+        save_thresholds(d / THRESHOLDS_FILE, thresholds, names)
+    tok_tmp = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=d))
+    tokenizer.save(tok_tmp)
+    if (d / "tokenizer").exists():
+        shutil.rmtree(d / "tokenizer")
+    os.replace(tok_tmp, d / "tokenizer")
+    pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
+    info = {
+        "format": FORMAT,
+        "encoder_type": encoder_type,
+        "encoder_config": encoder_config.to_dict(),
+        "head_config": head_config.to_dict(),
+        "label_names": list(names),
+        "problem_type": head_config.problem_type,
+        "max_length": int(max_length),
+        "normalizer": None if normalizer is None else normalizer.to_dict(),
+        "pad_id": int(pad_id if pad_id is not None else tokenizer.eod_id),
+        "thresholds_file": THRESHOLDS_FILE if thresholds is not None else None,
+        "training": training or {},
+    }
+    atomic_write_text(d / CLASSIFIER_FILE, json.dumps(info, indent=2) + "\n")
+    return d
+
+
+def read_classifier_info(directory: str | os.PathLike) -> dict:
+    """classifier.json with the configs as objects (``encoder_config``, ``head_config``, ``normalizer``)."""
+    from .model import encoder_config_from_dict
+    d = Path(directory)
+    path = d / CLASSIFIER_FILE
+    if not path.is_file():
+        hint = " (an interrupted save?)" if (d / WEIGHTS_FILE).is_file() else ""
+        raise ClassifierDirError(f"{d} is not a classifier directory: no {CLASSIFIER_FILE}{hint}")
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ClassifierDirError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    if info.get("format") != FORMAT:
+        raise ClassifierDirError(f"{path}: format is {info.get('format')!r}, expected {FORMAT!r}")
+    info["encoder_config"] = encoder_config_from_dict(info["encoder_type"], info["encoder_config"], str(path))
+    try:
+        info["head_config"] = HeadConfig.from_dict(info["head_config"])
+        info["normalizer"] = None if info["normalizer"] is None else TweetNormalizer.from_dict(info["normalizer"])
+    except ValueError as e:
+        raise ClassifierDirError(f"{path}: {e}") from None
+    return info
+
+
+def read_classifier_dir(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(info, full state dict) of a classifier directory."""
+    from safetensors.torch import load_file
+    d = Path(directory)
+    info = read_classifier_info(d)
+    try:
+        full = load_file(str(d / WEIGHTS_FILE))
+    except FileNotFoundError:
+        raise ClassifierDirError(f"{d} has no {WEIGHTS_FILE}") from None
+    except Exception as e:
+        raise ClassifierDirError(f"{d / WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
+    return info, full
+
+
+@dataclass
+class LoadedClassifier:
+    """A classifier ready to classify raw texts the way it was trained (normalisation, tokenizer, max length)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    info: dict
+    thresholds: np.ndarray | None
+    directory: Path
+
+    @property
+    def label_names(self) -> list[str]:
+        return list(self.info["label_names"])
+
+    @property
+    def multilabel(self) -> bool:
+        return self.info["problem_type"] == MULTILABEL
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        from .batching import encode_texts
+        normalizer = self.info["normalizer"]
+        texts = [normalizer(t) for t in texts] if normalizer is not None else list(texts)
+        return encode_texts(self.tokenizer, texts, self.info["max_length"])
+
+    def predict_proba(self, texts: Sequence[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
+        from .batching import predict_encoded
+        return predict_encoded(self.model, self.encode(texts), self.info["pad_id"], batch_size=batch_size,
+                               progress=progress)
+
+    def predict(self, texts: Sequence[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
+        """0/1 [n, k]: at the tuned thresholds (0.5 without them) for multilabel, one-hot argmax otherwise."""
+        probs = self.predict_proba(texts, batch_size, progress)
+        if self.multilabel:
+            return apply_thresholds(probs, self.thresholds if self.thresholds is not None else 0.5)
+        return np.eye(probs.shape[1], dtype=np.int8)[probs.argmax(axis=1)]
+
+
+def load_classifier(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> LoadedClassifier:
+    """A saved classifier in one process (TP=1), in eval mode."""
+    from pipeline.data import load_saved_tokenizer
+
+    from .model import build_classifier
+    d = Path(directory)
+    info, full = read_classifier_dir(d)
+    model = build_classifier(info["encoder_config"], info["head_config"], encoder_type=info["encoder_type"],
+                             init_seed=0)
+    from pipeline.state_dicts import load_full_state_dict
+    load_full_state_dict(model, full, source=str(d / WEIGHTS_FILE))
+    model = model.to(device=device, dtype=dtype).eval()
+    thresholds = None
+    if info.get("thresholds_file"):
+        thresholds = load_thresholds(d / info["thresholds_file"], info["label_names"])
+    return LoadedClassifier(model=model, tokenizer=load_saved_tokenizer(d / "tokenizer"), info=info,
+                            thresholds=thresholds, directory=d)

@@ -1,0 +1,562 @@
+"""The finetuning job: a text classifier (multilabel emotions, or single-label) on a pretrained project model.
+
+    deepspeed --num_gpus N finetune/train.py --base runs/gpt2 --train E-c-train.tsv --dev E-c-dev.tsv \
+        --deepspeed_config ds_configs/bf16_zero1.json --tensor-parallel 2 --global-batch-size 32 \
+        --epochs 3 --lr 3e-5 --save runs/ec [--test E-c-test.tsv] [--labels plutchik]
+
+Also runs under ``torchrun`` and as ``python -m finetune.train`` (one process). ``--base`` is a pretraining
+checkpoint of this project (any TP/PP layout), a ``config.json`` + ``model.safetensors`` directory (e.g. an
+imported Hugging Face model) or a finetuned classifier. Texts are tokenised with the base model's tokenizer.
+
+Writes into ``--save``: the classifier (classifier.json, model.safetensors as a full TP=1 state dict,
+thresholds.json tuned on dev or on a held-out part of train, tokenizer/), metrics.jsonl, eval.json (scores at
+0.5 and at the tuned thresholds), per_class_f1.png, predictions in the official E-c format
+(dev_predictions.txt, test_predictions.txt) and, when the head is one Hugging Face can hold, the exported
+``transformers`` classifier in hf/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torchrun
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
+
+
+class FinetuneError(ValueError):
+    """Arguments or inputs the job cannot work with (the message says which and why)."""
+
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--base", required=True, help="base model directory (pretraining checkpoint, config.json + "
+                                                  "model.safetensors, or a classifier)")
+    g.add_argument("--tokenizer", default=None, help="override the base model's tokenizer (a directory or "
+                                                      "tokenizer.json; it must fit the model's vocabulary)")
+    g.add_argument("--pooling", choices=["last", "mean", "max", "attention"], default="last")
+    g.add_argument("--mlp-hidden", default="", help="comma-separated hidden widths of an MLP head (default: linear)")
+    g.add_argument("--dropout", type=float, default=0.1, help="head dropout")
+    g.add_argument("--encoder-dropout", type=float, default=None,
+                   help="hidden and attention dropout of the encoder (default: the base model's config)")
+    g.add_argument("--head-bias", choices=["auto", "yes", "no"], default="auto",
+                   help="output bias of the head; auto: yes for gpt2, no for llama (Hugging Face's "
+                        "LlamaForSequenceClassification has none, so the classifier stays exportable)")
+    g.add_argument("--aux-lm-weight", type=float, default=0.0, help="weight of the auxiliary language-model loss")
+    g.add_argument("--freeze-encoder", action="store_true",
+                   help="train the head only (a linear probe with a linear head); the pooled features are computed "
+                        "once, before training, unless the pooling is 'attention'")
+    g.add_argument("--encoder-layers", type=int, default=None,
+                   help="keep only the base model's first N transformer layers (a cheaper encoder)")
+    g.add_argument("--max-length", type=int, default=128, help="tokens per text (longer texts are cut)")
+    g = p.add_argument_group("data")
+    g.add_argument("--train", required=True, help="labelled training file (E-c TSV, SST-2 TSV, CSV/TSV/JSON(L))")
+    g.add_argument("--dev", required=True, help="labelled development file (thresholds, evaluation)")
+    g.add_argument("--test", default=None, help="file to predict (labelled: scored too; E-c with NONE labels: "
+                                                "predictions only)")
+    g.add_argument("--labels", default=None,
+                   help="label subset: 'ec' (the 11 E-c emotions), 'plutchik' (8), or comma-separated names")
+    g.add_argument("--text-column", default="text")
+    g.add_argument("--id-column", default=None)
+    g.add_argument("--label-columns", default=None, help="comma-separated 0/1 label columns (multilabel)")
+    g.add_argument("--label-list-column", default=None, help="column with each row's list of labels (multilabel)")
+    g.add_argument("--label-column", default=None, help="column with one class per row (single-label)")
+    g.add_argument("--label-names", default=None, help="comma-separated label names and order")
+    g.add_argument("--label-separator", default=",")
+    g.add_argument("--no-normalize", action="store_true", help="keep texts as written (no tweet normalisation)")
+    g.add_argument("--lowercase", action="store_true")
+    g.add_argument("--holdout", type=float, default=0.0,
+                   help="fraction of train held out to tune thresholds on (0: tune on dev, which makes the dev "
+                        "scores at tuned thresholds optimistic)")
+    g = p.add_argument_group("parallelism and engine")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
+                   help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
+    g.add_argument("--tensor-parallel", type=int, default=1)
+    g.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
+    g.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
+    g.add_argument("--eval-batch-size", type=int, default=64)
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    g = p.add_argument_group("optimization")
+    g.add_argument("--epochs", type=float, default=3.0)
+    g.add_argument("--train-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--warmup", type=float, default=0.1, help="warmup steps, as a fraction of the training steps")
+    g.add_argument("--lr-decay-style", choices=["linear", "cosine", "constant"], default="linear")
+    g.add_argument("--weight-decay", type=float, default=None, help="default: the DeepSpeed config's")
+    g.add_argument("--layer-lr-decay", type=float, default=1.0,
+                   help="learning-rate factor per encoder layer from the top (e.g. 0.9); 1 = none")
+    g.add_argument("--head-lr-mult", type=float, default=1.0, help="learning-rate multiple of the head")
+    g.add_argument("--pos-weight", default="none",
+                   help="BCE positive weights: none, balanced (negatives/positives), sqrt (its square root), or "
+                        "comma-separated numbers, one per label")
+    g.add_argument("--pos-weight-max", type=float, default=10.0, help="cap of balanced/sqrt positive weights")
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("output")
+    g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...)")
+    g.add_argument("--hf-export", choices=["auto", "no"], default="auto",
+                   help="auto: write the Hugging Face classifier to SAVE/hf when the head allows it")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=None, help="steps between dev evaluations "
+                                                                   "(default: each epoch)")
+    g.add_argument("--verbose", action="store_true", help="DeepSpeed's INFO logs")
+    args = p.parse_args(argv)
+    problems = []
+    if args.epochs <= 0 and args.train_steps is None:
+        problems.append(f"--epochs must be > 0, got {args.epochs}")
+    if args.train_steps is not None and args.train_steps < 1:
+        problems.append(f"--train-steps must be >= 1, got {args.train_steps}")
+    if not 0.0 <= args.holdout < 1.0:
+        problems.append(f"--holdout must be in [0, 1), got {args.holdout}")
+    if not 0.0 <= args.warmup < 1.0:
+        problems.append(f"--warmup is a fraction of the training steps in [0, 1), got {args.warmup}")
+    if args.encoder_layers is not None and args.encoder_layers < 1:
+        problems.append(f"--encoder-layers must be >= 1, got {args.encoder_layers}")
+    if args.freeze_encoder and args.aux_lm_weight:
+        problems.append("--aux-lm-weight trains the encoder: it cannot be combined with --freeze-encoder")
+    if args.max_length < 1:
+        problems.append(f"--max-length must be >= 1, got {args.max_length}")
+    if args.lr <= 0:
+        problems.append(f"--lr must be > 0, got {args.lr}")
+    try:
+        args.mlp_hidden = tuple(int(w) for w in args.mlp_hidden.split(",") if w.strip())
+    except ValueError:
+        problems.append(f"--mlp-hidden takes comma-separated integers, got {args.mlp_hidden!r}")
+    if problems:
+        p.error("; ".join(problems))
+    return args
+
+
+def is_rank0() -> bool:
+    import torch.distributed as dist
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def load_split(path: str, args, require_labels: bool = True):
+    """A data file as ``LabeledTexts`` with the job's label options."""
+    from finetune.data import load_data, load_semeval_ec
+    kwargs = {}
+    for name in ("label_list_column", "label_column"):
+        if getattr(args, name):
+            kwargs[name] = getattr(args, name)
+    if args.label_columns:
+        kwargs["label_columns"] = _names(args.label_columns)
+    if args.label_names:
+        kwargs["label_names"] = _names(args.label_names)
+    if kwargs or args.text_column != "text" or args.id_column:
+        kwargs.update(text_column=args.text_column, id_column=args.id_column, label_separator=args.label_separator)
+        from finetune.data import load_labeled_file
+        data = load_labeled_file(path, **kwargs)
+    elif not require_labels and Path(path).is_file() and _is_ec(path):
+        data = load_semeval_ec(path, labels=None, require_labels=False)
+    else:
+        data = load_data(path)
+    if require_labels and data.labels is None:
+        raise FinetuneError(f"{path} has no labels (name the label columns: --label-columns, --label-list-column or "
+                            f"--label-column)")
+    return data
+
+
+def _is_ec(path) -> bool:
+    with open(path, encoding="utf-8-sig") as f:
+        return f.readline().split("\t")[:2] == ["ID", "Tweet"]
+
+
+def _names(spec: str) -> list[str]:
+    return [s.strip() for s in spec.split(",") if s.strip()]
+
+
+def label_subset(spec: str | None):
+    if spec is None:
+        return None
+    if spec in LABEL_SETS:
+        import finetune.data as data
+        return list(getattr(data, LABEL_SETS[spec]))
+    return _names(spec)
+
+
+def parse_pos_weight(spec: str, labels: np.ndarray, cap: float):
+    from finetune.heads import pos_weight_from_labels
+    if spec == "none":
+        return None
+    if spec in ("balanced", "sqrt"):
+        w = pos_weight_from_labels(labels, max_weight=None)
+        w = w.sqrt() if spec == "sqrt" else w
+        return w.clamp(max=cap)
+    try:
+        w = torch.tensor([float(x) for x in spec.split(",")], dtype=torch.float32)
+    except ValueError:
+        raise FinetuneError(f"--pos-weight: expected none, balanced, sqrt or comma-separated numbers, "
+                            f"got {spec!r}") from None
+    if w.numel() != labels.shape[1] or bool((w <= 0).any()):
+        raise FinetuneError(f"--pos-weight: {w.numel()} weights for {labels.shape[1]} labels "
+                            f"(need one > 0 per label)")
+    return w
+
+
+def first_layers(config, state: dict, n: int, source: str):
+    """The base model cut to its first ``n`` transformer layers (config and full state dict)."""
+    import dataclasses
+    if n > config.num_layers:
+        raise FinetuneError(f"--encoder-layers {n}: {source} has only {config.num_layers} layers")
+    kept = {k: v for k, v in state.items() if not k.startswith("layers.") or int(k.split(".")[1]) < n}
+    return dataclasses.replace(config, num_layers=n), kept
+
+
+def holdout_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.Generator(np.random.PCG64([seed, 4242]))
+    order = rng.permutation(n)
+    k = int(round(n * fraction))
+    return np.sort(order[k:]), np.sort(order[:k])
+
+
+# ------------------------------------------------------------------------------------------- training
+
+def finetune_step(engine, batches) -> dict:
+    """One optimizer step over all micro-batches of the global batch; mean losses over them and over DP."""
+    import torch.distributed as dist
+    gas = engine.gradient_accumulation_steps()
+    sums = torch.zeros(3, dtype=torch.float64)  # loss, classification loss, LM loss
+    tokens = 0
+    for _ in range(gas):
+        b = next(batches)
+        dev = engine.device
+        if "pooled" in b:
+            loss = engine(None, b["labels"].to(dev), pooled=b["pooled"].to(dev))
+        else:
+            loss = engine(b["input_ids"].to(dev), b["labels"].to(dev), lengths=b["lengths"].to(dev))
+        engine.backward(loss)
+        engine.step()
+        parts = engine.module.last_losses
+        sums += torch.tensor([float(loss.detach()), parts.get("cls_loss", 0.0), parts.get("lm_loss", 0.0)],
+                             dtype=torch.float64)
+        tokens += int(b["lengths"].sum()) if "lengths" in b else 0
+    sums /= gas
+    extra = torch.tensor([tokens], dtype=torch.float64)
+    mpu = engine.mpu
+    if mpu is not None and mpu.get_data_parallel_world_size() > 1:
+        both = torch.cat([sums, extra]).to(engine.device)
+        dist.all_reduce(both, group=mpu.get_data_parallel_group())
+        both = both.cpu()
+        sums, extra = both[:3] / mpu.get_data_parallel_world_size(), both[3:]
+    out = {"loss": float(sums[0]), "cls_loss": float(sums[1]), "tokens": int(extra[0])}
+    if engine.module.aux_lm_weight:
+        out["lm_loss"] = float(sums[2])
+    return out
+
+
+def full_fp32_state(engine) -> dict[str, torch.Tensor]:
+    """The classifier's full TP=1 state dict from the fp32 master weights (collective over all ranks)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from models.parallel import gather_full, get_shard_spec
+    out = {}
+    for name, p in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(p) if p.requires_grad else None
+        value = (master if master is not None else p.detach()).float()
+        out[name] = gather_full(value, get_shard_spec(p)).cpu()
+    return out
+
+
+def user_errors() -> tuple:
+    """Exceptions that are the input's fault: reported as one line, without a traceback."""
+    from finetune.data import DataFormatError
+    from finetune.model import BaseModelError
+    from finetune.saved import ClassifierDirError
+    from models import ConfigError
+    from models.parallel import ParallelConfigError
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.engine import EngineConfigError
+    from pipeline.state_dicts import StateDictError
+    return (FinetuneError, DataFormatError, BaseModelError, ClassifierDirError, ConfigError, ParallelConfigError,
+            CheckpointError, EngineConfigError, StateDictError, FileNotFoundError)
+
+
+def main(argv=None) -> dict:
+    """Run the job; bad arguments or inputs exit with ``finetune/train.py: error: <what and where>``."""
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except user_errors() as e:
+        sys.exit(f"finetune/train.py: error: {e}")
+
+
+def run(args) -> dict:
+    if not args.verbose:
+        from deepspeed.utils import logger as ds_logger
+        ds_logger.setLevel(logging.WARNING)
+    from finetune.batching import TrainBatches, encode_texts, pooled_features, predict_encoded, predict_pooled
+    from finetune.heads import MULTILABEL, HeadConfig
+    from finetune.model import build_classifier, load_full_gpt_state
+    from finetune.normalize import TweetNormalizer
+    from models.parallel import initialize_model_parallel, model_parallel_seed
+    from pipeline.data import load_tokenizer
+    from pipeline.distributed import init_distributed
+    from pipeline.engine import build_engine, load_ds_config, precision, resolve_ds_config
+    from pipeline.metrics import MetricsWriter, StepTimer
+    from pipeline.pretrain import default_ds_config
+    from pipeline.schedules import LRSchedule
+
+    # base model and tokenizer. Inputs are read and checked before any process group exists: a bad file
+    # fails at once, on every rank.
+    config, base_state, tokenizer_dir = load_full_gpt_state(args.base)
+    if args.tokenizer is None and tokenizer_dir is None:
+        raise FinetuneError(f"{args.base} holds no tokenizer; pass --tokenizer")
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or str(tokenizer_dir))
+    except ValueError as e:
+        raise FinetuneError(f"tokenizer: {e}") from None
+    if tokenizer.vocab_size > config.vocab_size:
+        raise FinetuneError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model in {args.base} only "
+                            f"{config.vocab_size}: it is not this model's tokenizer")
+    if args.encoder_dropout is not None:
+        config.hidden_dropout = config.attention_dropout = args.encoder_dropout
+    if args.encoder_layers is not None:
+        config, base_state = first_layers(config, base_state, args.encoder_layers, args.base)
+    config.check_parallel(args.tensor_parallel)
+    max_length = min(args.max_length, config.max_position_embeddings)
+    pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
+    pad_id = tokenizer.eod_id if pad_id is None else pad_id
+
+    # data
+    subset = label_subset(args.labels)
+    train, dev = load_split(args.train, args), load_split(args.dev, args)
+    test = load_split(args.test, args, require_labels=False) if args.test else None
+    if subset is not None:
+        try:
+            train, dev = train.select_labels(subset), dev.select_labels(subset)
+            test = test.select_labels(subset) if test is not None and test.labels is not None else test
+        except ValueError as e:
+            raise FinetuneError(f"--labels: {e}") from None
+    for name, split in (("dev", dev), ("test", test)):
+        if split is not None and split.labels is not None and split.label_names != train.label_names:
+            raise FinetuneError(f"{name} labels {list(split.label_names)} differ from train labels "
+                                f"{list(train.label_names)} (choose a common subset with --labels)")
+    normalizer = None if args.no_normalize else TweetNormalizer(lowercase=args.lowercase)
+    norm = (lambda texts: [normalizer(t) for t in texts]) if normalizer else list
+    tune_on = dev
+    if args.holdout:
+        keep, held = holdout_split(len(train), args.holdout, args.seed)
+        train, tune_on = train.subset(keep), train.subset(held)
+    multilabel = train.task == MULTILABEL
+    encoded = {name: encode_texts(tokenizer, norm(split.texts), max_length)
+               for name, split in (("train", train), ("dev", dev), ("tune", tune_on), ("test", test))
+               if split is not None}
+    truncated = sum(len(ids) == max_length for ids in encoded["train"])
+
+    # model
+    head_bias = {"yes": True, "no": False, "auto": config.variant != "llama"}[args.head_bias]
+    try:
+        head_config = HeadConfig(config.hidden_size, train.num_labels, pooling=args.pooling,
+                                 mlp_hidden=args.mlp_hidden, dropout=args.dropout, problem_type=train.task,
+                                 label_names=train.label_names, output_bias=head_bias)
+    except ValueError as e:
+        raise FinetuneError(str(e)) from None
+    if args.pos_weight != "none" and not multilabel:
+        raise FinetuneError("--pos-weight is for multilabel data")
+    pos_weight = parse_pos_weight(args.pos_weight, train.labels, args.pos_weight_max) if multilabel else None
+    priors = train.labels.mean(axis=0)
+
+    # the process groups, the DeepSpeed config
+    init_distributed()
+    state = initialize_model_parallel(args.tensor_parallel, 1)
+    model_parallel_seed(args.seed)
+    ds_source = args.deepspeed_config or default_ds_config()
+    ds = load_ds_config(ds_source)
+    ds.pop("peak_tflops", None)
+    ds = resolve_ds_config(ds, data_parallel=state.data_parallel, micro_batch_size=args.micro_batch_size,
+                           global_batch_size=args.global_batch_size, source=ds_source)
+
+    def builder(cfg, init_seed):
+        return build_classifier(cfg, head_config, encoder_state=base_state, init_seed=init_seed,
+                                aux_lm_weight=args.aux_lm_weight, pos_weight=pos_weight,
+                                freeze_encoder=args.freeze_encoder, label_priors=priors, source=str(args.base))
+
+    def groups(model):
+        return model.param_groups(weight_decay=args.weight_decay, layer_lr_decay=args.layer_lr_decay,
+                                  head_lr_mult=args.head_lr_mult)
+
+    micro, dp = ds["train_micro_batch_size_per_gpu"], state.data_parallel
+    steps_per_epoch = len(train) // ds["train_batch_size"]
+    if steps_per_epoch < 1:
+        raise FinetuneError(f"{len(train)} training examples are fewer than one global batch "
+                            f"({ds['train_batch_size']}); use a smaller --global-batch-size")
+    total_steps = args.train_steps or max(1, math.ceil(args.epochs * steps_per_epoch))
+    schedule = LRSchedule(args.lr, int(args.warmup * total_steps), total_steps, args.lr_decay_style, args.min_lr)
+    engine = build_engine(config, ds, state, init_seed=args.seed, schedule=schedule, model_builder=builder,
+                          param_groups_fn=groups)
+    del base_state
+    dp_kwargs = dict(dp_rank=state.get_data_parallel_rank(), dp_world_size=dp, dp_group=state.get_data_parallel_group())
+    cached = args.freeze_encoder and args.pooling != "attention"
+    t_features = time.perf_counter()
+    if cached:  # a frozen encoder gives the same features every epoch: compute them once
+        encoded = {name: pooled_features(engine.module, ids, pad_id, batch_size=args.eval_batch_size,
+                                         progress=is_rank0(), desc=f"features {name}", **dp_kwargs)
+                   for name, ids in encoded.items()}
+    feature_seconds = time.perf_counter() - t_features if cached else 0.0
+    batches = TrainBatches(encoded["train"], train.labels, micro, state.get_data_parallel_rank(), dp, pad_id,
+                           seed=args.seed)
+
+    save = Path(args.save) if args.save else None
+    metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None)
+    settings = {"base": str(args.base), "train": train.source, "dev": dev.source, "labels": list(train.label_names),
+                "examples": {"train": len(train), "dev": len(dev), "threshold_tuning": len(tune_on)},
+                "thresholds_tuned_on": "holdout" if args.holdout else "dev", "max_length": max_length,
+                "truncated_train_texts": truncated, "global_batch": ds["train_batch_size"], "micro_batch": micro,
+                "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
+                "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
+                "pos_weight": None if pos_weight is None else pos_weight.tolist(), "aux_lm_weight": args.aux_lm_weight,
+                "freeze_encoder": args.freeze_encoder, "features_computed_once": cached,
+                "encoder_layers": config.num_layers, "pooling": args.pooling, "mlp_hidden": list(args.mlp_hidden),
+                "precision": precision(ds), "tensor_parallel": state.tensor_parallel, "data_parallel": dp,
+                "seed": args.seed}
+    metrics.write({"settings": settings})
+
+    def predict(name, progress=False):
+        if cached:
+            return predict_pooled(engine.module, encoded[name])
+        return predict_encoded(engine.module, encoded[name], pad_id, batch_size=args.eval_batch_size,
+                               progress=progress and is_rank0(), desc=f"predict {name}", **dp_kwargs)
+
+    def dev_scores() -> dict:
+        from finetune.metrics import evaluate_probabilities, single_label_scores
+        probs = predict("dev")
+        if multilabel:
+            s = evaluate_probabilities(dev.labels, probs, dev.label_names)["at_0.5"]
+            return {"dev_micro_f1": s["micro_f1"], "dev_macro_f1": s["macro_f1"], "dev_jaccard": s["jaccard"]}
+        s = single_label_scores(dev.class_indices(), probs.argmax(1), dev.label_names)
+        return {"dev_accuracy": s["accuracy"], "dev_macro_f1": s["macro_f1"]}
+
+    from tqdm import tqdm
+    eval_every = args.eval_interval or steps_per_epoch
+    losses, timer, t0 = [], StepTimer(), time.perf_counter()
+    bar = tqdm(total=total_steps, desc="finetune", disable=not is_rank0(), dynamic_ncols=True)
+    window_tokens, window_seconds = 0, 0.0
+    for step in range(1, total_steps + 1):
+        timer.start()
+        out = finetune_step(engine, batches)
+        seconds = timer.stop()
+        losses.append(out["loss"])
+        window_tokens += out["tokens"]
+        window_seconds += seconds
+        bar.update(1)
+        if step % args.log_interval == 0 or step == total_steps:
+            norm_ = engine.get_global_grad_norm()
+            record = {"step": step, "epoch": step / steps_per_epoch, **{k: v for k, v in out.items() if k != "tokens"},
+                      "lr": schedule(step - 1), "grad_norm": None if norm_ is None else float(norm_),
+                      "tokens_per_s": window_tokens / window_seconds,
+                      "examples_per_s": ds["train_batch_size"] * args.log_interval / window_seconds
+                      if step % args.log_interval == 0 else None}
+            metrics.write(record)
+            bar.set_postfix(loss=f"{out['loss']:.4f}", lr=f"{record['lr']:.2e}")
+            window_tokens, window_seconds = 0, 0.0
+        if step % eval_every == 0 and step != total_steps:
+            scores = dev_scores()
+            metrics.write({"step": step, "epoch": step / steps_per_epoch, **scores})
+            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+    bar.close()
+    train_seconds = time.perf_counter() - t0
+
+    # thresholds, scores, predictions
+    result = finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, metrics, settings,
+                    config, head_config, tokenizer, max_length, normalizer)
+    result.update(losses=losses, train_seconds=train_seconds, feature_seconds=feature_seconds, steps=total_steps,
+                  group_lrs=[(g.get("lr_mult", 1.0), g["lr"]) for g in engine.optimizer.param_groups])
+    metrics.close()
+    return result
+
+
+def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, metrics, settings, config,
+           head_config, tokenizer, max_length, normalizer) -> dict:
+    from finetune.metrics import (evaluate_probabilities, format_comparison, plot_per_class_f1,
+                                  single_label_scores, write_eval_json)
+    from finetune.predictions import write_predictions
+    from finetune.saved import save_classifier_dir
+    from finetune.thresholds import apply_thresholds, tune_thresholds
+
+    dev_probs = predict("dev", progress=True)
+    tune_probs = dev_probs if tune_on is dev else predict("tune", progress=True)
+    test_probs = predict("test", progress=True) if test is not None else None
+    thresholds = tune_thresholds(tune_on.labels, tune_probs) if multilabel else None
+    results = {}
+
+    def scores(data, probs):
+        if multilabel:
+            return evaluate_probabilities(data.labels, probs, data.label_names, thresholds)
+        return {"single_label": single_label_scores(data.class_indices(), probs.argmax(1), data.label_names)}
+
+    def decide(probs):
+        if multilabel:
+            return apply_thresholds(probs, thresholds)
+        return np.eye(probs.shape[1], dtype=np.int8)[probs.argmax(1)]
+
+    results["dev"] = scores(dev, dev_probs)
+    if test is not None and test.labels is not None:
+        results["test"] = scores(test, test_probs)
+    state = full_fp32_state(engine)  # collective: every rank takes part
+    out = {"dev": results["dev"], "thresholds": None if thresholds is None else thresholds.tolist(),
+           "dev_probabilities": dev_probs, "test_probabilities": test_probs}
+    if save is None or not is_rank0():
+        _barrier()
+        return out
+    if multilabel:
+        systems = {"threshold 0.5": results["dev"]["at_0.5"],
+                   f"tuned on {settings['thresholds_tuned_on']}": results["dev"]["tuned"]}
+        print(f"dev ({len(dev)} texts):\n" + format_comparison(systems))
+        plot_per_class_f1(save / "per_class_f1.png", results["dev"],
+                          title=f"Per-class F1 on dev ({Path(dev.source).name})")
+    else:
+        s = results["dev"]["single_label"]
+        print(f"dev ({len(dev)} texts): accuracy {s['accuracy']:.4f}, macro-F1 {s['macro_f1']:.4f}")
+    write_eval_json(save / "eval.json", results, settings=settings)
+    write_predictions(save / "dev_predictions.txt", dev.ids, dev.texts, decide(dev_probs), train.label_names)
+    if test is not None:
+        write_predictions(save / "test_predictions.txt", test.ids, test.texts, decide(test_probs), train.label_names)
+    training = {k: v for k, v in settings.items() if k not in ("examples",)}
+    save_classifier_dir(save, full_state=state, encoder_type="gpt", encoder_config=config, head_config=head_config,
+                        tokenizer=tokenizer, max_length=max_length, normalizer=normalizer, thresholds=thresholds,
+                        training=training)
+    metrics.write({"saved": str(save), **({"dev_tuned_micro_f1": results["dev"]["tuned"]["micro_f1"]}
+                                          if multilabel else {})})
+    if args.hf_export == "auto":
+        out["hf_export"] = _export(save)
+    _barrier()
+    return out
+
+
+def _export(save: Path):
+    try:
+        from finetune.export_hf import ExportError, export_classifier
+    except ImportError as e:  # the LM conversion (pipeline.hf_convert) is not installed in this tree
+        print(f"Hugging Face export skipped: {e}")
+        return None
+    try:
+        path = export_classifier(save, save / "hf", force=True)
+    except ExportError as e:
+        print(f"Hugging Face export skipped: {e}")
+        return None
+    print(f"Hugging Face classifier written to {path}")
+    return str(path)
+
+
+def _barrier():
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The finetuning job end to end on real E-c tweets: it learns (beats the best constant predictor), writes the
+classifier, eval.json, predictions in the official format and the Hugging Face export; TP=2 and DP=2 give the
+single-process losses; predict; clear refusals of bad arguments and inputs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, shared_data
+from dist import run_distributed
+
+FP32_DS = {"train_batch_size": 32, "optimizer": {"type": "AdamW", "params": {
+    "lr": 3e-3, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True}},
+    "gradient_clipping": 1.0, "steps_per_print": 10**9}
+
+
+def write_base(out: Path, variant: str = "gpt2", **overrides) -> Path:
+    """A randomly initialised tiny GPT as a base model directory (config.json + model.safetensors + the GPT-2
+    BPE tokenizer): what ``pipeline.import_hf`` writes for a real model."""
+    from safetensors.torch import save_file
+
+    from models import GPT, GPTConfig
+    from models.parallel import full_state_dict
+    from pipeline.data import load_tokenizer
+    tok = load_tokenizer(str(shared_data("tokenizers", "gpt2")))
+    fields = dict(variant=variant, vocab_size=tok.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
+                  max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+    if variant == "llama":
+        fields.update(num_kv_heads=2, ffn_hidden_size=128, tie_embeddings=False)
+    config = GPTConfig(**{**fields, **overrides})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config.to_dict()))
+    save_file({k: v.contiguous() for k, v in full_state_dict(GPT(config, init_seed=0)).items()},
+              str(out / "model.safetensors"))
+    tok.save(out)
+    return out
+
+
+def ec_slice(src: Path, dst: Path, n: int, unlabelled: bool = False) -> Path:
+    lines = src.read_text(encoding="utf-8").splitlines()[:n + 1]
+    if unlabelled:
+        lines = [lines[0]] + ["\t".join(f.split("\t")[:2] + ["NONE"] * 11) for f in lines[1:]]
+    dst.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("finetune")
+    ec = shared_data("semeval2018-ec")
+    (d / "ds.json").write_text(json.dumps(FP32_DS))
+    return {"dir": d, "base": write_base(d / "base"), "ds": d / "ds.json",
+            "train": ec_slice(ec / "train.tsv", d / "train.tsv", 2000),
+            "dev": ec_slice(ec / "dev.tsv", d / "dev.tsv", 300),
+            "unlabelled": ec_slice(ec / "dev.tsv", d / "unlabelled.tsv", 40, unlabelled=True)}
+
+
+def run(cmd, cwd, timeout=1200):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n" \
+                                 f"{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trained(work):
+    """One real run of the job (one process): 1,600 training tweets, thresholds on 400 held-out ones."""
+    save = work["dir"] / "run"
+    run([sys.executable, "-m", "finetune.train", "--base", str(work["base"]), "--train", str(work["train"]),
+         "--dev", str(work["dev"]), "--test", str(work["unlabelled"]), "--deepspeed_config", str(work["ds"]),
+         "--epochs", "3", "--lr", "3e-3", "--max-length", "48", "--holdout", "0.2", "--log-interval", "5",
+         "--save", str(save)], work["dir"])
+    return save
+
+
+def test_finetune_learns_and_writes_everything(trained, work):
+    from finetune.data import load_semeval_ec
+    from finetune.metrics import multilabel_scores
+    from finetune.predictions import read_predictions
+    from finetune.thresholds import apply_thresholds, load_thresholds, tune_thresholds
+
+    ev = json.loads((trained / "eval.json").read_text())
+    assert ev["settings"]["thresholds_tuned_on"] == "holdout"
+    ours = ev["dev"]["tuned"]
+    # The best constant predictor: each label's training rate as its probability, thresholds tuned on dev itself.
+    train, dev = load_semeval_ec(work["train"]), load_semeval_ec(work["dev"])
+    prior = np.tile(train.labels.mean(axis=0), (len(dev), 1))
+    constant = multilabel_scores(dev.labels, apply_thresholds(prior, tune_thresholds(dev.labels, prior)))
+    print(f"dev micro-F1: finetuned {ours['micro_f1']:.3f} (at 0.5: {ev['dev']['at_0.5']['micro_f1']:.3f}), "
+          f"best constant predictor {constant['micro_f1']:.3f}, all-zero 0")
+    assert ours["micro_f1"] > constant["micro_f1"] + 0.02
+    assert ev["dev"]["at_0.5"]["micro_f1"] > 0.2  # the all-zero predictor scores 0
+
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) >= 10 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.05
+    assert any("dev_micro_f1" in r for r in records)  # evaluated after each epoch
+
+    thresholds = load_thresholds(trained, list(dev.label_names))
+    assert ours["thresholds"] == dict(zip(dev.label_names, thresholds.tolist()))
+    predicted = read_predictions(trained / "dev_predictions.txt")
+    assert predicted.ids == dev.ids and predicted.texts == dev.texts and predicted.labels.shape == dev.labels.shape
+    assert multilabel_scores(dev.labels, predicted.labels)["micro_f1"] == pytest.approx(ours["micro_f1"])
+    assert read_predictions(trained / "test_predictions.txt").ids == load_semeval_ec(
+        work["unlabelled"], require_labels=False).ids
+    for name in ("classifier.json", "model.safetensors", "tokenizer/tokenizer.json", "per_class_f1.png",
+                 "hf/config.json", "hf/model.safetensors"):
+        assert (trained / name).is_file(), name
+
+
+def test_predict_writes_official_format_with_tuned_thresholds(trained, work, capsys):
+    from finetune.data import load_semeval_ec
+    from finetune.predictions import read_predictions
+    from finetune.saved import load_classifier
+    from finetune.thresholds import apply_thresholds
+
+    out = work["dir"] / "pred_unlabelled.txt"
+    proc = run([sys.executable, "-m", "finetune.predict", "--model", str(trained), "--data", str(work["unlabelled"]),
+                "--out", str(out)], work["dir"])
+    assert "micro-F1" not in proc.stdout  # nothing to score
+    data = load_semeval_ec(work["unlabelled"], require_labels=False)
+    clf = load_classifier(trained)
+    written = read_predictions(out)
+    assert written.ids == data.ids and written.texts == data.texts
+    assert out.read_text().splitlines()[0].split("\t") == ["ID", "Tweet", *clf.label_names]
+    assert np.array_equal(written.labels, apply_thresholds(clf.predict_proba(data.texts), clf.thresholds))
+
+    from finetune.predict import main
+    labelled = work["dir"] / "pred_dev.txt"
+    main(["--model", str(trained), "--data", str(work["dev"]), "--out", str(labelled),
+          "--eval-json", str(work["dir"] / "pred_eval.json")])
+    shown = capsys.readouterr().out
+    assert "micro-F1" in shown and "tuned thresholds" in shown
+    ev = json.loads((trained / "eval.json").read_text())["dev"]["tuned"]
+    assert json.loads((work["dir"] / "pred_eval.json").read_text())["tuned"]["micro_f1"] == pytest.approx(
+        ev["micro_f1"], abs=1e-6)
+
+
+def test_classifier_dir_is_a_base_model(trained):
+    from finetune.model import load_full_gpt_state
+    from finetune.saved import read_classifier_dir
+    config, encoder, tokenizer_dir = load_full_gpt_state(trained)
+    info, full = read_classifier_dir(trained)
+    assert config.hidden_size == 64 and tokenizer_dir == trained / "tokenizer"
+    assert set(encoder) == {k.removeprefix("encoder.") for k in full if k.startswith("encoder.")}
+    assert torch.equal(encoder["final_norm.norm.weight"], full["encoder.final_norm.norm.weight"])
+
+
+# ------------------------------------------------------------------------------------------- layouts
+
+def _finetune_worker(rank, argv):
+    from finetune.train import main
+    out = main(argv)
+    return {"losses": out["losses"], "dev": torch.tensor(out["dev_probabilities"]), "group_lrs": out["group_lrs"]}
+
+
+def _layout_argv(work, *extra):
+    return ["--base", str(work["base"]), "--train", str(work["train"]), "--dev", str(work["dev"]),
+            "--deepspeed_config", str(work["ds"]), "--global-batch-size", "16", "--micro-batch-size", "8",
+            "--train-steps", "4",
+            "--lr", "3e-3", "--lr-decay-style", "constant", "--warmup", "0", "--max-length", "32",
+            "--pooling", "attention", "--mlp-hidden", "24", "--dropout", "0", "--aux-lm-weight", "0.5",
+            "--layer-lr-decay", "0.5", "--pos-weight", "sqrt", "--hf-export", "no", *extra]
+
+
+@pytest.fixture(scope="module")
+def single(work):
+    return run_distributed(_finetune_worker, 1, _layout_argv(work))[0]
+
+
+def _same(result, reference, what):
+    diffs = [abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"])]
+    dev = (result["dev"] - reference["dev"]).abs().max().item()
+    print(f"{what}: max relative loss difference {max(diffs):.2e} over {len(diffs)} steps; "
+          f"max dev probability difference {dev:.2e}")
+    assert len(diffs) == 4 and max(diffs) < 1e-4 and dev < 1e-4
+
+
+def test_tensor_and_data_parallel_finetune_equals_single_process(work, single):
+    # TP=2 x DP=2. Aux LM loss (vocab-parallel cross-entropy), attention pooling + MLP head, layer-wise LR decay,
+    # positive weights. One process accumulates two micro-batches of 8; the two DP ranks take one each.
+    results = run_distributed(_finetune_worker, 4, _layout_argv(work, "--tensor-parallel", "2"))
+    for r in results:
+        _same(r, single, "TP=2 x DP=2")
+    lrs = dict(single["group_lrs"])
+    assert lrs[1.0] == pytest.approx(3e-3) and lrs[0.5 ** 3] == pytest.approx(3e-3 * 0.125)  # embedding: L + 1 down
+
+
+# ----------------------------------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("change,message", [
+    ({"--labels": "anger,bliss"}, "--labels: labels ['bliss'] are not in"),
+    ({"--base": "{dir}/missing"}, "base model directory {dir}/missing does not exist"),
+    ({"--train": "{dir}/bad.tsv"}, "{dir}/bad.tsv, line 3, column 'joy': label must be 0 or 1, found '2'"),
+    ({"--tensor-parallel": "3"}, "num_heads 4 is not divisible by the tensor-parallel size 3"),
+    ({"--pos-weight": "1,2"}, "--pos-weight: 2 weights for 11 labels"),
+    ({"--encoder-layers": "5"}, "--encoder-layers 5: {dir}/base has only 2 layers"),
+])
+def test_bad_inputs_are_refused_with_a_clear_message(work, change, message):
+    from finetune.train import main
+    d = work["dir"]
+    rows = work["train"].read_text().splitlines()[:4]
+    fields = rows[2].split("\t")
+    fields[2 + 4] = "2"  # joy
+    (d / "bad.tsv").write_text("\n".join(rows[:2] + ["\t".join(fields)] + rows[3:]) + "\n")
+    args = {"--base": str(work["base"]), "--train": str(work["train"]), "--dev": str(work["dev"]),
+            "--deepspeed_config": str(work["ds"])}
+    args.update({k: v.format(dir=d) for k, v in change.items()})
+    with pytest.raises(SystemExit) as e:
+        main([x for kv in args.items() for x in kv])
+    assert message.format(dir=d) in str(e.value.code), e.value.code
+
+
+def test_bad_arguments_are_refused_by_the_parser(work, capsys):
+    from finetune.train import main
+    with pytest.raises(SystemExit):
+        main(["--base", "b", "--train", "t", "--dev", "d", "--holdout", "1.5", "--mlp-hidden", "a,b"])
+    err = capsys.readouterr().err
+    assert "--holdout must be in [0, 1), got 1.5" in err and "--mlp-hidden takes comma-separated integers" in err
