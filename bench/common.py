@@ -102,8 +102,13 @@ def count_training_flops(model_step: Callable[[], None]) -> int:
     return counter.get_total_flops()
 
 
-def matmul_peak(dtype: torch.dtype, device="cpu", n: int | None = None, seconds: float = 0.3) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def matmul_peak(dtype: torch.dtype, device="cpu", n: int | None = None, seconds: float = 0.3,
+                clock: str = "wall") -> float:
     """FLOP/s of a square matrix product loop in ``dtype`` (the rate model FLOPs are compared with)."""
+    now = CLOCKS[clock]
     if n is None:
         n = 8192 if device != "cpu" else 1024
     a = torch.randn(n, n, device=device).to(dtype)
@@ -111,13 +116,13 @@ def matmul_peak(dtype: torch.dtype, device="cpu", n: int | None = None, seconds:
     out = torch.empty(n, n, device=device, dtype=dtype)
     torch.matmul(a, b, out=out)  # warm-up
     sync(device)
-    reps, t0 = 0, time.perf_counter()
+    reps, t0 = 0, now()
     while True:
         for _ in range(4 if device == "cpu" else 20):
             torch.matmul(a, b, out=out)
             reps += 1
         sync(device)
-        elapsed = time.perf_counter() - t0
+        elapsed = now() - t0
         if elapsed >= seconds:
             return 2.0 * n ** 3 * reps / elapsed
 
@@ -144,9 +149,15 @@ class System:
     owner: object = None                          # keeps the model / engine alive while it is timed
 
 
-def interleaved(systems: list[System], rounds: int, warmup: int = 1, device="cpu", progress: str | None = None):
-    """Warm each system up, then time one step of each per round, the order rotating each round (ABC, BCA, ...)."""
+def interleaved(systems: list[System], rounds: int, warmup: int = 1, device="cpu", progress: str | None = None,
+                clock: str = "wall"):
+    """Warm each system up, then time one step of each per round, the order rotating each round (ABC, BCA, ...).
+
+    ``clock="cpu"`` times with this process's CPU time: on a CPU shared with other jobs it leaves out the time
+    the process waited for a core, which is what wall time mostly measures there (one torch thread: CPU time
+    = the wall time the step would take on an idle core)."""
     from tqdm import tqdm
+    now = CLOCKS[clock]
     for s in systems:
         for _ in range(warmup):
             s.step()
@@ -155,10 +166,10 @@ def interleaved(systems: list[System], rounds: int, warmup: int = 1, device="cpu
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for s in order:
             sync(device)
-            t0 = time.perf_counter()
+            t0 = now()
             result = s.step()
             sync(device)
-            s.times.append(time.perf_counter() - t0)
+            s.times.append(now() - t0)
             s.results.append(result)
     return {s.name: s.times for s in systems}
 

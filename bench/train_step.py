@@ -158,10 +158,10 @@ def run_size(variant: str, size_name: str, size: dict, precisions, args, base_ds
     for p in precisions:
         systems += make_systems(config, tokens, p, base_ds, args.systems, zero_stage=args.zero_stage,
                                 compile=args.compile)
-    peaks = {p: System(f"matmul {p}", lambda d=common.DTYPES[p]: common.matmul_peak(d, seconds=args.peak_seconds))
+    peaks = {p: System(f"matmul {p}", lambda d=common.DTYPES[p]: common.matmul_peak(d, seconds=args.peak_seconds, clock=args.clock))
              for p in precisions}
     timed = interleaved(systems + list(peaks.values()), args.rounds, args.warmup,
-                        progress=f"{variant} {size_name}")
+                        progress=f"{variant} {size_name}", clock=args.clock)
     step_flops = flops["formula"]
     n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
     rows = []
@@ -230,6 +230,9 @@ def main(argv=None):
     p.add_argument("--peak-seconds", type=float, default=0.3, help="length of each matmul-peak measurement")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared, busy machine one thread per process is steadier)")
+    p.add_argument("--clock", choices=["cpu", "wall"], default=None,
+                   help="time with this process's CPU time (default with one thread: robust to other jobs on a "
+                        "shared machine) or wall time (default with several threads)")
     p.add_argument("--compile", action="store_true", help="torch.compile every model (engine.compile() for DeepSpeed)")
     p.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables here instead of timing")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
@@ -239,6 +242,8 @@ def main(argv=None):
     args.precisions = args.precisions.split(",")
     args.systems = args.systems.split(",")
     torch.set_num_threads(args.threads)
+    if args.clock is None:
+        args.clock = "cpu" if args.threads == 1 else "wall"
     common.quiet_deepspeed()
 
     from models.parallel import initialize_model_parallel
@@ -253,8 +258,8 @@ def main(argv=None):
 
     print(f"# GPT training step, TP=1, one process: {common.machine_note()}")
     print(f"# DeepSpeed config {Path(args.ds_config).name} (ZeRO-{args.zero_stage if args.zero_stage is not None else base_ds.get('zero_optimization', {}).get('stage', 0)}), "
-          f"{args.warmup} warm-up + {args.rounds} timed steps per system, interleaved; medians; the machine may be "
-          f"shared, so single numbers are noisy, ratios less so")
+          f"{args.warmup} warm-up + {args.rounds} timed steps per system, interleaved; medians of {args.clock} time; "
+          f"the machine may be shared, so single numbers are noisy, ratios less so")
     rows = []
     for variant in args.variants:
         for size_name in args.sizes:
