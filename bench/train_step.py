@@ -40,7 +40,7 @@ from common import CPU_SIZES, ROOT, System, format_table, interleaved, median, p
 
 import torch  # noqa: E402
 
-SYSTEMS = ("deepspeed", "hf", "plain")
+SYSTEMS = ("deepspeed", "deepspeed-z0", "hf", "plain")
 
 
 def bench_ds_config(base: dict, precision: str, micro: int, zero_stage: int | None = None) -> dict:
@@ -96,12 +96,14 @@ def make_systems(config, tokens, precision: str, base_ds: dict, which, *, device
     systems = []
     for name in which:
         torch.manual_seed(seed)
-        if name == "deepspeed":
-            engine = build_engine(config, ds, get_parallel_state(), init_seed=seed)
+        if name.startswith("deepspeed"):
+            stage = int(name.split("-z")[1]) if "-z" in name else zero_stage
+            engine = build_engine(config, bench_ds_config(base_ds, precision, tokens.shape[0], stage),
+                                  get_parallel_state(), init_seed=seed)
             if compile:
                 engine.compile()
             batches = _repeat((x, y))
-            systems.append(System(f"deepspeed {precision}", lambda e=engine, b=batches: train_step(e, b)))
+            systems.append(System(f"{name} {precision}", lambda e=engine, b=batches: train_step(e, b)))
             systems[-1].owner = engine
         elif name == "plain":
             model = GPT(config, init_seed=seed).to(device).train()
@@ -221,7 +223,8 @@ def main(argv=None):
     p.add_argument("--variants", default="gpt2,llama")
     p.add_argument("--sizes", default="small,medium", help=f"of {', '.join(CPU_SIZES)}")
     p.add_argument("--precisions", default="fp32,bf16")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain")
     p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "cpu.json"),
                    help="the DeepSpeed config of the deepspeed system (its optimizer is used by all)")
     p.add_argument("--zero-stage", type=int, default=None, help="override the config's ZeRO stage")
