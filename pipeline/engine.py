@@ -82,7 +82,18 @@ def resolve_ds_config(ds: dict, *, data_parallel: int, pipeline_parallel: int = 
     ds.update(train_batch_size=glob, train_micro_batch_size_per_gpu=micro,
               gradient_accumulation_steps=glob // (micro * data_parallel))
     check_supported(ds, pipeline_parallel, source)
+    _prefer_fused_torch_adam(ds)
     return ds
+
+
+def _prefer_fused_torch_adam(ds: dict) -> None:
+    """``torch_adam`` makes DeepSpeed build ``torch.optim.AdamW`` with torch's default implementation, which
+    for CPU tensors is a Python loop of one kernel per operation; unless the config chooses ``foreach`` or
+    ``fused`` itself, take torch's fused kernel (CPU and CUDA alike: one pass over each tensor)."""
+    params = ds.get("optimizer", {}).get("params", {})
+    if (ds.get("optimizer", {}).get("type", "").lower() in ("adam", "adamw") and params.get("torch_adam")
+            and "fused" not in params and "foreach" not in params):
+        params["fused"] = True
 
 
 def check_supported(ds: dict, pipeline_parallel: int, source: str = "DeepSpeed config") -> None:
@@ -176,6 +187,10 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
                                            config=ds_config,
                                            mpu=mpu, lr_scheduler=lr_scheduler)
     engine.is_pipe = state.pipeline_parallel > 1
+    if not engine.is_pipe and zero_stage(ds_config) == 0 and state.data_parallel == 1:
+        # Without ZeRO, DeepSpeed flattens every gradient into buckets, all-reduces them over the
+        # data-parallel group and copies them back, even when that group is this one process.
+        engine.enable_backward_allreduce = False
     return engine
 
 
