@@ -85,7 +85,8 @@ def hf_config(config: GPTConfig):
 def hf_model(config: GPTConfig, device="cpu", dtype=torch.float32):
     """GPT2LMHeadModel / LlamaForCausalLM of the same shapes, SDPA attention, training mode."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="sdpa", dtype=dtype)
+    with torch.device(device):  # initialised where it will run (fast for large models on a GPU)
+        model = AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="sdpa", dtype=dtype)
     return model.to(device).train()
 
 

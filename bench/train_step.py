@@ -44,13 +44,15 @@ SYSTEMS = ("deepspeed", "deepspeed-z0", "hf", "plain")
 
 
 def bench_ds_config(base: dict, precision: str, micro: int, zero_stage: int | None = None) -> dict:
-    """The project's DeepSpeed config at this precision and batch (one rank, no accumulation)."""
+    """The project's DeepSpeed config at this precision and batch (one rank, no accumulation). A precision
+    section the config enables itself (e.g. fp16_zero1.json's loss scaling) is kept as it is."""
     from pipeline.engine import resolve_ds_config
+    own = base.get(precision, {}) if precision != "fp32" and base.get(precision, {}).get("enabled") else None
     ds = {k: v for k, v in base.items() if k not in ("bf16", "fp16", "peak_tflops", "train_batch_size",
                                                       "gradient_accumulation_steps")}
     if precision != "fp32":
-        ds[precision] = {"enabled": True, **({"loss_scale": 0, "initial_scale_power": 16}
-                                             if precision == "fp16" else {})}
+        ds[precision] = own or {"enabled": True, **({"loss_scale": 0, "initial_scale_power": 16}
+                                                     if precision == "fp16" else {})}
     if zero_stage is not None:
         ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": zero_stage}
     return resolve_ds_config(ds, data_parallel=1, micro_batch_size=micro, global_batch_size=micro)
@@ -70,58 +72,68 @@ def plain_optimizer(model, ds: dict):
 
 
 def plain_step_fn(model, optimizer, loss_fn, precision: str, clip: float, device):
+    """forward under autocast, backward, clip, step, zero_grad; fp16 with torch's dynamic loss scaler."""
     params = [p for p in model.parameters() if p.requires_grad]
+    scaler = torch.amp.GradScaler(str(device).split(":")[0]) if precision == "fp16" else None
 
     def step():
         with common.autocast(device, precision):
             loss = loss_fn()
-        loss.backward()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss)
     return step
 
 
-def make_systems(config, tokens, precision: str, base_ds: dict, which, *, device="cpu", zero_stage=None,
-                 compile=False, seed=1234):
-    """``System``s for one (model, precision): each owns its model, optimizer and step function."""
+def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, device="cpu", zero_stage=None,
+                compile=False, seed=1234) -> System:
+    """One contender for one (model, precision), owning its model, optimizer and step function.
+
+    ``name``: deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain."""
     from models import GPT
     from models.parallel import get_parallel_state
     from pipeline.engine import build_engine, train_step
+    if name.startswith("deepspeed-z"):
+        zero_stage = int(name.split("-z")[1])
     ds = bench_ds_config(base_ds, precision, tokens.shape[0], zero_stage)
     clip = float(ds.get("gradient_clipping", 0.0))
     x, y = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
-    systems = []
-    for name in which:
-        torch.manual_seed(seed)
-        if name.startswith("deepspeed"):
-            stage = int(name.split("-z")[1]) if "-z" in name else zero_stage
-            engine = build_engine(config, bench_ds_config(base_ds, precision, tokens.shape[0], stage),
-                                  get_parallel_state(), init_seed=seed)
-            if compile:
-                engine.compile()
-            batches = _repeat((x, y))
-            systems.append(System(f"{name} {precision}", lambda e=engine, b=batches: train_step(e, b)))
-            systems[-1].owner = engine
-        elif name == "plain":
-            model = GPT(config, init_seed=seed).to(device).train()
-            fwd = torch.compile(model) if compile else model
-            opt = plain_optimizer(model, ds)
-            systems.append(System(f"plain {precision}",
-                                  plain_step_fn(model, opt, lambda f=fwd: f(x, y), precision, clip, device)))
-            systems[-1].owner = (model, opt)
-        elif name == "hf":
-            model = common.hf_model(config, device)
-            fwd = torch.compile(model) if compile else model
-            opt = plain_optimizer(model, ds)
-            systems.append(System(f"hf {precision}", plain_step_fn(
-                model, opt, lambda f=fwd: f(input_ids=x, labels=x, use_cache=False).loss, precision, clip, device)))
-            systems[-1].owner = (model, opt)
-        else:
-            raise ValueError(name)
-    return systems
+    torch.manual_seed(seed)
+    if name.startswith("deepspeed"):
+        engine = build_engine(config, ds, get_parallel_state(), init_seed=seed)
+        if compile:
+            engine.compile()
+        batches = _repeat((x, y))
+        return System(f"{name} {precision}", lambda: train_step(engine, batches), owner=engine)
+    if name == "plain":
+        model = GPT(config, init_seed=seed).to(device).train()
+        fwd = torch.compile(model) if compile else model
+        opt = plain_optimizer(model, ds)
+        return System(f"plain {precision}", plain_step_fn(model, opt, lambda: fwd(x, y), precision, clip, device),
+                      owner=(model, opt))
+    if name == "hf":
+        model = common.hf_model(config, device)
+        fwd = torch.compile(model) if compile else model
+        opt = plain_optimizer(model, ds)
+        return System(f"hf {precision}", plain_step_fn(
+            model, opt, lambda: fwd(input_ids=x, labels=x, use_cache=False).loss, precision, clip, device),
+            owner=(model, opt))
+    raise ValueError(f"unknown system {name!r}; choose deepspeed, deepspeed-zN, hf or plain")
+
+
+def make_systems(config, tokens, precision: str, base_ds: dict, which, **kwargs) -> list[System]:
+    return [make_system(name, config, tokens, precision, base_ds, **kwargs) for name in which]
 
 
 def _repeat(item):
