@@ -1,29 +1,32 @@
 """GPT training step, TP=1, one process: the project through DeepSpeed against Hugging Face, side by side.
 
-Three systems train the same model shapes on the same batch with the same optimizer (torch AdamW, the
-DeepSpeed config's hyper-parameters and foreach/fused choice, no weight decay on 1-D tensors, gradient
-clipping) in the same precision:
+The systems train the same model shapes on the same batch with the same optimizer (torch AdamW with the
+DeepSpeed config's hyper-parameters and foreach/fused choice, fused by default, no weight decay on 1-D
+tensors, gradient clipping 1.0) in the same precision:
 
-  deepspeed  the project's GPT through ``pipeline.engine.build_engine`` (a one-rank gloo group) and
-             ``pipeline.engine.train_step``, with the project's CPU DeepSpeed config (ds_configs/cpu.json:
-             ZeRO-1; bf16 on, or off for fp32);
-  hf         ``transformers``' GPT2LMHeadModel (gpt2) / LlamaForCausalLM (llama), SDPA attention, in a plain
-             PyTorch loop (forward, backward, clip, step, zero_grad);
-  plain      the project's GPT in the same plain loop: the difference to ``deepspeed`` is the engine's cost.
+  deepspeed     the project's GPT through ``pipeline.engine.build_engine`` (a one-rank gloo group) and
+                ``pipeline.engine.train_step``, with the project's CPU DeepSpeed config (ds_configs/cpu.json:
+                ZeRO-1; bf16 on, or off for fp32);
+  deepspeed-z0  the same with ZeRO stage 0 (at one rank ZeRO-1 partitions nothing and only adds copies);
+  hf            ``transformers``' GPT2LMHeadModel (gpt2) / LlamaForCausalLM (llama), SDPA attention, in a
+                plain PyTorch loop (forward, backward, clip, step, zero_grad);
+  plain         the project's GPT in the same plain loop: the difference to ``deepspeed`` is the engine's cost.
 
 Precision. fp32: everything fp32. bf16: DeepSpeed keeps bf16 weights and activations and an fp32 master
 copy that its optimizer updates; the plain loops get the matching standard treatment, fp32 weights
 with ``torch.autocast(bfloat16)`` (bf16 matrix products and activations, fp32 weights = master weights,
-fp32 optimizer). The loss is computed from fp32 logits in all three.
+fp32 optimizer). The loss is computed from fp32 logits in all of them. Dropout is 0 everywhere.
 
 Each round times one step of every system and one matrix-product loop per precision (the peak MFU is
 measured against), the order rotating each round; warm-up steps are not timed. Ratios are medians over
-rounds of the per-round ratios, so load on a shared machine cancels out. MFU = model FLOPs per second
-(``GPTConfig.flops_per_token``, PaLM's count, checked here against torch's FLOP counter) over the
-measured matmul rate in the same precision.
+rounds of the per-round ratios, so load on a shared machine cancels out. With one torch thread (the
+default) steps are timed in process CPU time, which leaves out the time spent waiting for a core on a
+busy machine; ``--clock wall`` for wall time. MFU = model FLOPs per second (``GPTConfig.flops_per_token``,
+PaLM's count, checked here against torch's FLOP counter) over the measured matmul rate in the same precision.
 
     python bench/train_step.py [--variants gpt2,llama] [--sizes small,medium] [--precisions fp32,bf16]
-                               [--rounds 8] [--threads 1] [--compile] [--profile DIR]
+                               [--systems deepspeed,deepspeed-z0,hf,plain] [--rounds 8] [--threads 1]
+                               [--clock cpu|wall] [--compile] [--profile DIR] [--json FILE]
 """
 from __future__ import annotations
 
@@ -100,10 +103,14 @@ def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, dev
                 compile=False, seed=1234) -> System:
     """One contender for one (model, precision), owning its model, optimizer and step function.
 
-    ``name``: deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain."""
+    ``name``: deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain; a "+compile"
+    suffix compiles that one system's model (``engine.compile()`` / ``torch.compile``)."""
     from models import GPT
     from models.parallel import get_parallel_state
     from pipeline.engine import build_engine, train_step
+    label = name
+    if name.endswith("+compile"):
+        name, compile = name[:-len("+compile")], True
     if name.startswith("deepspeed-z"):
         zero_stage = int(name.split("-z")[1])
     ds = bench_ds_config(base_ds, precision, tokens.shape[0], zero_stage)
@@ -115,18 +122,18 @@ def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, dev
         if compile:
             engine.compile()
         batches = _repeat((x, y))
-        return System(f"{name} {precision}", lambda: train_step(engine, batches), owner=engine)
+        return System(f"{label} {precision}", lambda: train_step(engine, batches), owner=engine)
     if name == "plain":
         model = GPT(config, init_seed=seed).to(device).train()
         fwd = torch.compile(model) if compile else model
         opt = plain_optimizer(model, ds)
-        return System(f"plain {precision}", plain_step_fn(model, opt, lambda: fwd(x, y), precision, clip, device),
+        return System(f"{label} {precision}", plain_step_fn(model, opt, lambda: fwd(x, y), precision, clip, device),
                       owner=(model, opt))
     if name == "hf":
         model = common.hf_model(config, device)
         fwd = torch.compile(model) if compile else model
         opt = plain_optimizer(model, ds)
-        return System(f"hf {precision}", plain_step_fn(
+        return System(f"{label} {precision}", plain_step_fn(
             model, opt, lambda: fwd(input_ids=x, labels=x, use_cache=False).loss, precision, clip, device),
             owner=(model, opt))
     raise ValueError(f"unknown system {name!r}; choose deepspeed, deepspeed-zN, hf or plain")
@@ -236,7 +243,8 @@ def main(argv=None):
     p.add_argument("--sizes", default="small,medium", help=f"of {', '.join(CPU_SIZES)}")
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain")
+                   help="deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain; "
+                        "NAME+compile compiles that system (e.g. plain,plain+compile)")
     p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "cpu.json"),
                    help="the DeepSpeed config of the deepspeed system (its optimizer is used by all)")
     p.add_argument("--zero-stage", type=int, default=None, help="override the config's ZeRO stage")

@@ -22,7 +22,7 @@ master weights and Adam moments per parameter, Psi parameters, N_d = 2 ranks):
 DeepSpeed's communication buckets are set to 1% of the model here so that they do not hide the partitioning
 (the GPU configs use 5e8 elements; see --bucket).
 
-    python bench/zero_memory.py [--variant gpt2] [--size medium] [--stages 0,1,2,3]
+    python bench/zero_memory.py [--variant gpt2] [--size medium] [--stages 0,1,2,3] [--seq 32] [--steps 2]
 """
 from __future__ import annotations
 
@@ -78,14 +78,14 @@ def ds_config(stage: int, bucket: int) -> dict:
             "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
-def worker(rank: int, variant: str, size_name: str, stage: int, bucket: int, steps: int) -> dict:
+def worker(rank: int, variant: str, size_name: str, stage: int, bucket: int, steps: int, seq: int) -> dict:
     common.quiet_deepspeed()
     from models.parallel import initialize_model_parallel
     from pipeline.engine import build_engine, resolve_ds_config, train_step
     state = initialize_model_parallel(1, 1)
     size = dict(CPU_SIZES[size_name])
     config = common.model_config(size, variant)
-    tokens = torch.randint(0, config.vocab_size, (2, size["seq"] + 1), generator=torch.Generator().manual_seed(rank))
+    tokens = torch.randint(0, config.vocab_size, (2, seq + 1), generator=torch.Generator().manual_seed(rank))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     ds = resolve_ds_config(ds_config(stage, bucket), data_parallel=WORLD)
     rss_before = resident_bytes()
@@ -117,6 +117,8 @@ def main(argv=None):
     p.add_argument("--variant", default="gpt2", choices=["gpt2", "llama"])
     p.add_argument("--size", default="medium", help=f"of {', '.join(CPU_SIZES)}")
     p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--seq", type=int, default=32,
+                   help="tokens per sequence (micro batch 2): short, so that activations do not hide the model states")
     p.add_argument("--steps", type=int, default=2, help="at least 2: Adam's moments appear at the first step")
     p.add_argument("--bucket", type=int, default=None,
                    help="DeepSpeed bucket sizes in elements (default: 1%% of the parameters)")
@@ -130,10 +132,11 @@ def main(argv=None):
     config = common.model_config(CPU_SIZES[args.size], args.variant)
     bucket = args.bucket or max(10_000, config.num_parameters() // 100)
     print(f"# ZeRO memory per rank, DP={WORLD} gloo CPU ranks, {args.variant} {args.size} "
-          f"({config.num_parameters() / 1e6:.1f}M parameters), bf16 + AdamW, buckets {bucket:,} elements")
+          f"({config.num_parameters() / 1e6:.1f}M parameters), bf16 + AdamW, micro batch 2 x {args.seq} tokens, "
+          f"buckets {bucket:,} elements")
     rows, results = [], {}
     for stage in map(int, args.stages.split(",")):
-        out = run_distributed(worker, WORLD, args.variant, args.size, stage, bucket, args.steps)
+        out = run_distributed(worker, WORLD, args.variant, args.size, stage, bucket, args.steps, args.seq)
         results[stage] = out
         psi = out[0]["padded_params"]
         rep, part = EXPECTED_BYTES_PER_PARAM[stage]
