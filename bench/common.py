@@ -34,7 +34,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Hugging Face's have the same shape; dropout 0 in every system (DeepSpeed, HF and plain alike).
 CPU_SIZES = {
     "small": dict(hidden_size=256, num_layers=4, num_heads=4, vocab_size=8192, seq=256, batch=4),
-    "medium": dict(hidden_size=512, num_layers=6, num_heads=8, vocab_size=8192, seq=256, batch=4),
+    "medium": dict(hidden_size=768, num_layers=4, num_heads=12, vocab_size=8192, seq=256, batch=4),  # GPT-2 small width
 }
 # GPU sizes: GPT-2 medium / XL-like shapes (Megatron's 355M and 1.3B), GPT-2's vocabulary padded to 128.
 GPU_SIZES = {
@@ -85,7 +85,8 @@ def hf_config(config: GPTConfig):
 def hf_model(config: GPTConfig, device="cpu", dtype=torch.float32):
     """GPT2LMHeadModel / LlamaForCausalLM of the same shapes, SDPA attention, training mode."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="sdpa", dtype=dtype)
+    with torch.device(device):  # initialised where it will run (fast for large models on a GPU)
+        model = AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="sdpa", dtype=dtype)
     return model.to(device).train()
 
 

@@ -1,29 +1,32 @@
 """GPT training step, TP=1, one process: the project through DeepSpeed against Hugging Face, side by side.
 
-Three systems train the same model shapes on the same batch with the same optimizer (torch AdamW, the
-DeepSpeed config's hyper-parameters and foreach/fused choice, no weight decay on 1-D tensors, gradient
-clipping) in the same precision:
+The systems train the same model shapes on the same batch with the same optimizer (torch AdamW with the
+DeepSpeed config's hyper-parameters and foreach/fused choice, fused by default, no weight decay on 1-D
+tensors, gradient clipping 1.0) in the same precision:
 
-  deepspeed  the project's GPT through ``pipeline.engine.build_engine`` (a one-rank gloo group) and
-             ``pipeline.engine.train_step``, with the project's CPU DeepSpeed config (ds_configs/cpu.json:
-             ZeRO-1; bf16 on, or off for fp32);
-  hf         ``transformers``' GPT2LMHeadModel (gpt2) / LlamaForCausalLM (llama), SDPA attention, in a plain
-             PyTorch loop (forward, backward, clip, step, zero_grad);
-  plain      the project's GPT in the same plain loop: the difference to ``deepspeed`` is the engine's cost.
+  deepspeed     the project's GPT through ``pipeline.engine.build_engine`` (a one-rank gloo group) and
+                ``pipeline.engine.train_step``, with the project's CPU DeepSpeed config (ds_configs/cpu.json:
+                ZeRO-1; bf16 on, or off for fp32);
+  deepspeed-z0  the same with ZeRO stage 0 (at one rank ZeRO-1 partitions nothing and only adds copies);
+  hf            ``transformers``' GPT2LMHeadModel (gpt2) / LlamaForCausalLM (llama), SDPA attention, in a
+                plain PyTorch loop (forward, backward, clip, step, zero_grad);
+  plain         the project's GPT in the same plain loop: the difference to ``deepspeed`` is the engine's cost.
 
 Precision. fp32: everything fp32. bf16: DeepSpeed keeps bf16 weights and activations and an fp32 master
 copy that its optimizer updates; the plain loops get the matching standard treatment, fp32 weights
 with ``torch.autocast(bfloat16)`` (bf16 matrix products and activations, fp32 weights = master weights,
-fp32 optimizer). The loss is computed from fp32 logits in all three.
+fp32 optimizer). The loss is computed from fp32 logits in all of them. Dropout is 0 everywhere.
 
 Each round times one step of every system and one matrix-product loop per precision (the peak MFU is
 measured against), the order rotating each round; warm-up steps are not timed. Ratios are medians over
-rounds of the per-round ratios, so load on a shared machine cancels out. MFU = model FLOPs per second
-(``GPTConfig.flops_per_token``, PaLM's count, checked here against torch's FLOP counter) over the
-measured matmul rate in the same precision.
+rounds of the per-round ratios, so load on a shared machine cancels out. With one torch thread (the
+default) steps are timed in process CPU time, which leaves out the time spent waiting for a core on a
+busy machine; ``--clock wall`` for wall time. MFU = model FLOPs per second (``GPTConfig.flops_per_token``,
+PaLM's count, checked here against torch's FLOP counter) over the measured matmul rate in the same precision.
 
     python bench/train_step.py [--variants gpt2,llama] [--sizes small,medium] [--precisions fp32,bf16]
-                               [--rounds 8] [--threads 1] [--compile] [--profile DIR]
+                               [--systems deepspeed,deepspeed-z0,hf,plain] [--rounds 8] [--threads 1]
+                               [--clock cpu|wall] [--compile] [--profile DIR] [--json FILE]
 """
 from __future__ import annotations
 
@@ -44,13 +47,15 @@ SYSTEMS = ("deepspeed", "deepspeed-z0", "hf", "plain")
 
 
 def bench_ds_config(base: dict, precision: str, micro: int, zero_stage: int | None = None) -> dict:
-    """The project's DeepSpeed config at this precision and batch (one rank, no accumulation)."""
+    """The project's DeepSpeed config at this precision and batch (one rank, no accumulation). A precision
+    section the config enables itself (e.g. fp16_zero1.json's loss scaling) is kept as it is."""
     from pipeline.engine import resolve_ds_config
+    own = base.get(precision, {}) if precision != "fp32" and base.get(precision, {}).get("enabled") else None
     ds = {k: v for k, v in base.items() if k not in ("bf16", "fp16", "peak_tflops", "train_batch_size",
                                                       "gradient_accumulation_steps")}
     if precision != "fp32":
-        ds[precision] = {"enabled": True, **({"loss_scale": 0, "initial_scale_power": 16}
-                                             if precision == "fp16" else {})}
+        ds[precision] = own or {"enabled": True, **({"loss_scale": 0, "initial_scale_power": 16}
+                                                     if precision == "fp16" else {})}
     if zero_stage is not None:
         ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": zero_stage}
     return resolve_ds_config(ds, data_parallel=1, micro_batch_size=micro, global_batch_size=micro)
@@ -70,58 +75,72 @@ def plain_optimizer(model, ds: dict):
 
 
 def plain_step_fn(model, optimizer, loss_fn, precision: str, clip: float, device):
+    """forward under autocast, backward, clip, step, zero_grad; fp16 with torch's dynamic loss scaler."""
     params = [p for p in model.parameters() if p.requires_grad]
+    scaler = torch.amp.GradScaler(str(device).split(":")[0]) if precision == "fp16" else None
 
     def step():
         with common.autocast(device, precision):
             loss = loss_fn()
-        loss.backward()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss)
     return step
 
 
-def make_systems(config, tokens, precision: str, base_ds: dict, which, *, device="cpu", zero_stage=None,
-                 compile=False, seed=1234):
-    """``System``s for one (model, precision): each owns its model, optimizer and step function."""
+def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, device="cpu", zero_stage=None,
+                compile=False, seed=1234) -> System:
+    """One contender for one (model, precision), owning its model, optimizer and step function.
+
+    ``name``: deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain; a "+compile"
+    suffix compiles that one system's model (``engine.compile()`` / ``torch.compile``)."""
     from models import GPT
     from models.parallel import get_parallel_state
     from pipeline.engine import build_engine, train_step
+    label = name
+    if name.endswith("+compile"):
+        name, compile = name[:-len("+compile")], True
+    if name.startswith("deepspeed-z"):
+        zero_stage = int(name.split("-z")[1])
     ds = bench_ds_config(base_ds, precision, tokens.shape[0], zero_stage)
     clip = float(ds.get("gradient_clipping", 0.0))
     x, y = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
-    systems = []
-    for name in which:
-        torch.manual_seed(seed)
-        if name.startswith("deepspeed"):
-            stage = int(name.split("-z")[1]) if "-z" in name else zero_stage
-            engine = build_engine(config, bench_ds_config(base_ds, precision, tokens.shape[0], stage),
-                                  get_parallel_state(), init_seed=seed)
-            if compile:
-                engine.compile()
-            batches = _repeat((x, y))
-            systems.append(System(f"{name} {precision}", lambda e=engine, b=batches: train_step(e, b)))
-            systems[-1].owner = engine
-        elif name == "plain":
-            model = GPT(config, init_seed=seed).to(device).train()
-            fwd = torch.compile(model) if compile else model
-            opt = plain_optimizer(model, ds)
-            systems.append(System(f"plain {precision}",
-                                  plain_step_fn(model, opt, lambda f=fwd: f(x, y), precision, clip, device)))
-            systems[-1].owner = (model, opt)
-        elif name == "hf":
-            model = common.hf_model(config, device)
-            fwd = torch.compile(model) if compile else model
-            opt = plain_optimizer(model, ds)
-            systems.append(System(f"hf {precision}", plain_step_fn(
-                model, opt, lambda f=fwd: f(input_ids=x, labels=x, use_cache=False).loss, precision, clip, device)))
-            systems[-1].owner = (model, opt)
-        else:
-            raise ValueError(name)
-    return systems
+    torch.manual_seed(seed)
+    if name.startswith("deepspeed"):
+        engine = build_engine(config, ds, get_parallel_state(), init_seed=seed)
+        if compile:
+            engine.compile()
+        batches = _repeat((x, y))
+        return System(f"{label} {precision}", lambda: train_step(engine, batches), owner=engine)
+    if name == "plain":
+        model = GPT(config, init_seed=seed).to(device).train()
+        fwd = torch.compile(model) if compile else model
+        opt = plain_optimizer(model, ds)
+        return System(f"{label} {precision}", plain_step_fn(model, opt, lambda: fwd(x, y), precision, clip, device),
+                      owner=(model, opt))
+    if name == "hf":
+        model = common.hf_model(config, device)
+        fwd = torch.compile(model) if compile else model
+        opt = plain_optimizer(model, ds)
+        return System(f"{label} {precision}", plain_step_fn(
+            model, opt, lambda: fwd(input_ids=x, labels=x, use_cache=False).loss, precision, clip, device),
+            owner=(model, opt))
+    raise ValueError(f"unknown system {name!r}; choose deepspeed, deepspeed-zN, hf or plain")
+
+
+def make_systems(config, tokens, precision: str, base_ds: dict, which, **kwargs) -> list[System]:
+    return [make_system(name, config, tokens, precision, base_ds, **kwargs) for name in which]
 
 
 def _repeat(item):
@@ -224,7 +243,8 @@ def main(argv=None):
     p.add_argument("--sizes", default="small,medium", help=f"of {', '.join(CPU_SIZES)}")
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain")
+                   help="deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain; "
+                        "NAME+compile compiles that system (e.g. plain,plain+compile)")
     p.add_argument("--ds-config", default=str(ROOT / "ds_configs" / "cpu.json"),
                    help="the DeepSpeed config of the deepspeed system (its optimizer is used by all)")
     p.add_argument("--zero-stage", type=int, default=None, help="override the config's ZeRO stage")
