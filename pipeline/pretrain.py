@@ -32,6 +32,9 @@ def parse_args(argv=None):
                    help=f"a JSON file, or a preset name from {PRESETS.name}/ ({', '.join(presets())})")
     g.add_argument("--seq-length", type=int, help="training sequence length (default: the config's seq_length)")
     g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (DeepSpeed's engine.compile(); pipeline-parallel 1 only); "
+                        "bench/train_step.py --systems deepspeed,deepspeed+compile measures what it gains")
     g = p.add_argument_group("parallelism and engine")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                    help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
@@ -127,6 +130,10 @@ def main(argv=None) -> dict:
     from pipeline.metrics import MetricsWriter, StepTimer
     from pipeline.schedules import LRSchedule
 
+    if args.compile and args.pipeline_parallel > 1:
+        from pipeline.engine import EngineConfigError
+        raise EngineConfigError("--compile is for pipeline-parallel 1 only (DeepSpeed's pipeline engine runs its "
+                                "stages layer by layer); drop --compile or use --pipeline-parallel 1")
     init_distributed()
     state = initialize_model_parallel(args.tensor_parallel, args.pipeline_parallel)
     model_parallel_seed(args.seed)
@@ -165,6 +172,8 @@ def main(argv=None) -> dict:
                                                          args.min_lr)
     engine = build_engine(config, ds, state, init_seed=args.seed, schedule=schedule,
                           activation_checkpointing=args.activation_checkpointing)
+    if args.compile:
+        engine.compile()
 
     step = 0
     if load_dir is not None:
