@@ -20,7 +20,9 @@ master weights and Adam moments per parameter, Psi parameters, N_d = 2 ranks):
   stage 0: (2 + 2 + 12) Psi   stage 1: (2 + 2) Psi + 12 Psi / N_d
   stage 2: 2 Psi + (2 + 12) Psi / N_d   stage 3: (2 + 2 + 12) Psi / N_d
 DeepSpeed's communication buckets are set to 1% of the model here so that they do not hide the partitioning
-(the GPU configs use 5e8 elements; see --bucket).
+(the GPU configs use 5e8 elements; see --bucket). DeepSpeed 0.19.8's ZeRO-1 reduces the gradients bucket by
+bucket during the backward and keeps only its own partition of them, as ZeRO-2 does: at DP=2 the two
+measure the same, 1 byte of gradient per parameter rather than the paper's 2 for ZeRO-1.
 
     python bench/zero_memory.py [--variant gpt2] [--size medium] [--stages 0,1,2,3] [--seq 32] [--steps 2]
 """

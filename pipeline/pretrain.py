@@ -36,6 +36,9 @@ def parse_args(argv=None):
                         f"the checkpoint's config with --load, else gpt2-tiny")
     g.add_argument("--seq-length", type=int, help="training sequence length (default: the config's seq_length)")
     g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (DeepSpeed's engine.compile(); pipeline-parallel 1 only); "
+                        "bench/train_step.py --systems deepspeed,deepspeed+compile measures what it gains")
     g = p.add_argument_group("parallelism and engine")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                    help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
@@ -152,6 +155,10 @@ def main(argv=None) -> dict:
     from pipeline.metrics import MetricsWriter, StepTimer
     from pipeline.schedules import LRSchedule, scaled_lr
 
+    if args.compile and args.pipeline_parallel > 1:
+        from pipeline.engine import EngineConfigError
+        raise EngineConfigError("--compile is for pipeline-parallel 1 only (DeepSpeed's pipeline engine runs its "
+                                "stages layer by layer); drop --compile or use --pipeline-parallel 1")
     init_distributed()
     state = initialize_model_parallel(args.tensor_parallel, args.pipeline_parallel)
     model_parallel_seed(args.seed)
@@ -231,6 +238,8 @@ def main(argv=None) -> dict:
             step, data_state = checkpoint.restore_after_reshard(engine, load_dir, tag)
         if data_state is not None:
             loader.load_state_dict(data_state)
+    if args.compile:
+        engine.compile()
     save_dir = Path(args.save) if args.save else None
     if save_dir is not None and is_rank0():
         checkpoint.save_run_files(save_dir, config, tokenizer)

@@ -90,3 +90,10 @@ def test_gpu_script_cpu_smoke(tmp_path):
         assert r["tokens_per_s"] > 0 and 0 < r["mfu_measured_peak"] and torch.isfinite(torch.tensor(r["last_loss"]))
     assert next(r for r in rows if r["precision"] == "fp16" and r["system"] == "deepspeed")["loss_scale"] > 1
     assert "MFU (measured peak)" in out.stdout
+
+
+def test_pretrain_compile_refuses_pipeline_parallel():
+    from pipeline.engine import EngineConfigError
+    from pipeline.pretrain import main
+    with pytest.raises(EngineConfigError, match="--compile is for pipeline-parallel 1 only"):
+        main(["--compile", "--pipeline-parallel", "2"])
