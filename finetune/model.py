@@ -132,7 +132,7 @@ class Classifier(nn.Module):
         self.freeze_encoder = bool(freeze_encoder)
         if freeze_encoder:
             encoder.requires_grad_(False)
-        self.last_losses: dict[str, float] = {}  # parts of the last training loss, for logging
+        self.last_losses: dict[str, torch.Tensor] = {}  # parts of the last loss (detached), for logging
 
     @property
     def config(self) -> HeadConfig:
@@ -188,10 +188,10 @@ class Classifier(nn.Module):
         if labels is None:
             return logits
         loss = self.classification_loss(logits, labels)
-        self.last_losses = {"cls_loss": float(loss.detach())}
+        self.last_losses = {"cls_loss": loss.detach()}
         if self.aux_lm_weight and self.training:
             lm = self.encoder.lm_loss(features, input_ids, lengths)
-            self.last_losses["lm_loss"] = float(lm.detach())
+            self.last_losses["lm_loss"] = lm.detach()
             loss = loss + self.aux_lm_weight * lm
         return loss
 

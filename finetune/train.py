@@ -229,7 +229,7 @@ def finetune_step(engine, batches) -> dict:
     """One optimizer step over all micro-batches of the global batch; mean losses over them and over DP."""
     import torch.distributed as dist
     gas = engine.gradient_accumulation_steps()
-    sums = torch.zeros(3, dtype=torch.float64)  # loss, classification loss, LM loss
+    sums = torch.zeros(3, dtype=torch.float64, device=engine.device)  # loss, classification loss, LM loss
     tokens = 0
     for _ in range(gas):
         b = next(batches)
@@ -241,17 +241,18 @@ def finetune_step(engine, batches) -> dict:
         engine.backward(loss)
         engine.step()
         parts = engine.module.last_losses
-        sums += torch.tensor([float(loss.detach()), parts.get("cls_loss", 0.0), parts.get("lm_loss", 0.0)],
-                             dtype=torch.float64)
+        zero = torch.zeros((), device=engine.device)
+        sums += torch.stack([t.float() for t in (loss.detach(), parts.get("cls_loss", zero),
+                                                 parts.get("lm_loss", zero))]).double()
         tokens += int(b["lengths"].sum()) if "lengths" in b else 0
     sums /= gas
-    extra = torch.tensor([tokens], dtype=torch.float64)
+    extra = torch.tensor([tokens], dtype=torch.float64, device=engine.device)
     mpu = engine.mpu
     if mpu is not None and mpu.get_data_parallel_world_size() > 1:
-        both = torch.cat([sums, extra]).to(engine.device)
+        both = torch.cat([sums, extra])
         dist.all_reduce(both, group=mpu.get_data_parallel_group())
-        both = both.cpu()
         sums, extra = both[:3] / mpu.get_data_parallel_world_size(), both[3:]
+    sums, extra = sums.cpu(), extra.cpu()  # one device sync per optimizer step
     out = {"loss": float(sums[0]), "cls_loss": float(sums[1]), "tokens": int(extra[0])}
     if engine.module.aux_lm_weight:
         out["lm_loss"] = float(sums[2])
