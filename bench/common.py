@@ -150,6 +150,15 @@ class System:
     owner: object = None                          # keeps the model / engine alive while it is timed
 
 
+def release(system: System) -> None:
+    """Free what a system holds: a DeepSpeed engine stays referenced (hooks, groups) until ``destroy()``."""
+    destroy = getattr(system.owner, "destroy", None)
+    if callable(destroy):
+        destroy()
+    system.owner = None
+    system.step = None
+
+
 def interleaved(systems: list[System], rounds: int, warmup: int = 1, device="cpu", progress: str | None = None,
                 clock: str = "wall"):
     """Warm each system up, then time one step of each per round, the order rotating each round (ABC, BCA, ...).

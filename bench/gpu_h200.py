@@ -33,7 +33,7 @@ compiled ops: the benchmark uses torch's fused AdamW, so no DeepSpeed op is buil
 Tested on a CPU with tiny models: ``python bench/gpu_h200.py --cpu-smoke`` (the same code path, fp16 too).
 
     python bench/gpu_h200.py [--sizes 350m,1.3b] [--precisions bf16,fp16] [--steps 30] [--warmup 3]
-                             [--systems deepspeed,hf] [--budget-s 450] [--out DIR] [--cpu-smoke]
+                             [--systems deepspeed,hf] [--budget-s 360] [--out DIR] [--cpu-smoke]
 """
 from __future__ import annotations
 
@@ -95,6 +95,7 @@ def run(args) -> list[dict]:
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
+                system = None
                 try:
                     system = make_system(name, config, tokens, precision, base_ds, device=device)
                     built_s = time.perf_counter() - t0
@@ -102,6 +103,8 @@ def run(args) -> list[dict]:
                 except torch.OutOfMemoryError as e:  # report it and go on with the other systems
                     print(f"{label}: out of memory ({str(e).splitlines()[0]})", flush=True)
                     skipped.append(f"{label} (out of memory)")
+                    if system is not None:
+                        common.release(system)
                     system = None
                     gc.collect()
                     continue
@@ -120,7 +123,8 @@ def run(args) -> list[dict]:
                 print(f"{label}: {row['tokens_per_s']:,.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU "
                       f"{100 * row['mfu_measured_peak']:.1f}% (loss {m['first_loss']:.3f} -> {m['last_loss']:.3f}, "
                       f"built in {built_s:.0f} s)", flush=True)
-                del system
+                common.release(system)  # a DeepSpeed engine holds its memory until destroy()
+                system = None
                 gc.collect()
     for r in rows:
         hf = next((h for h in rows if h["system"] == "hf" and h["size"] == r["size"]
@@ -155,7 +159,7 @@ def main(argv=None):
     p.add_argument("--systems", default="deepspeed,hf")
     p.add_argument("--steps", type=int, default=None, help="timed steps per system (default 30; smoke 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
-    p.add_argument("--budget-s", type=float, default=450.0,
+    p.add_argument("--budget-s", type=float, default=360.0,
                    help="start no new system after this many seconds (the whole run must stay under 8 minutes)")
     p.add_argument("--out", type=Path, default=None, help="write gpu_bench.json here")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny models on the CPU: checks the script end to end")

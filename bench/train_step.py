@@ -201,6 +201,8 @@ def run_size(variant: str, size_name: str, size: dict, precisions, args, base_ds
             r32 = next(r for r in rows if r["system"] == name and r["precision"] == "fp32")
             r16 = next(r for r in rows if r["system"] == name and r["precision"] == "bf16")
             r16["bf16_vs_fp32"] = paired_ratio(r32["times"], r16["times"])
+    for s in systems:
+        common.release(s)
     del systems, timed
     gc.collect()
     return rows
