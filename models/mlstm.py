@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ConfigError
+from .config import ConfigError, read_config_json
 
 WEIGHT_NORM_MODES = ("all", "recurrent", "none")
 State = tuple[torch.Tensor, torch.Tensor]   # (h [layers, batch, hidden], c [layers, batch, hidden] fp32)
@@ -102,14 +102,7 @@ class MLSTMConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "MLSTMConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"model config file {path} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"model config file {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_config_json(path), source=str(path))
 
     # -- sizes ------------------------------------------------------------------
     def layer_input_sizes(self) -> list[int]:
