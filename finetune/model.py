@@ -108,12 +108,14 @@ class Classifier(nn.Module):
     each row's one-hot class. ``pos_weight`` [k] weighs the positives of each label in BCE.
     ``aux_lm_weight`` > 0 adds that multiple of the encoder's next-token loss on the same texts (the
     auxiliary language-model objective of GPT-1 and of the paper). ``freeze_encoder`` trains the head
-    alone (a linear probe with a linear head); the encoder then runs without gradients.
+    alone (a linear probe with a linear head); the encoder then runs without gradients. ``freeze_embeddings``
+    keeps the input embeddings as they are (often the largest matrix of a small model; the rows of the tokens
+    a small dataset never shows would only decay).
     """
 
     def __init__(self, encoder: nn.Module, head_config: HeadConfig, *, aux_lm_weight: float = 0.0,
                  pos_weight: Sequence[float] | torch.Tensor | None = None, freeze_encoder: bool = False,
-                 encoder_type: str = "gpt"):
+                 freeze_embeddings: bool = False, encoder_type: str = "gpt"):
         super().__init__()
         if head_config.hidden_size != encoder.hidden_size:
             raise ValueError(f"head hidden_size {head_config.hidden_size} differs from the encoder's "
@@ -132,6 +134,8 @@ class Classifier(nn.Module):
         self.freeze_encoder = bool(freeze_encoder)
         if freeze_encoder:
             encoder.requires_grad_(False)
+        if freeze_embeddings:
+            encoder.embedding.requires_grad_(False)
         self.last_losses: dict[str, torch.Tensor] = {}  # parts of the last loss (detached), for logging
 
     @property
@@ -294,6 +298,7 @@ def _tokenizer_dir(d: Path) -> Path | None:
 def build_classifier(encoder_config, head_config: HeadConfig, *, encoder_type: str = "gpt",
                      encoder_state: Mapping[str, torch.Tensor] | None = None, init_seed: int = 1234,
                      aux_lm_weight: float = 0.0, pos_weight=None, freeze_encoder: bool = False,
+                     freeze_embeddings: bool = False,
                      label_priors: Sequence[float] | np.ndarray | None = None,
                      source: str = "base model") -> Classifier:
     """A classifier for this rank's TP shard: the encoder from ``encoder_state`` (a full state dict; None =
@@ -306,7 +311,8 @@ def build_classifier(encoder_config, head_config: HeadConfig, *, encoder_type: s
         load_full_state_dict(encoder, encoder_state, source=source)
     with seeded_init(init_seed + 7919):
         model = Classifier(encoder, head_config, aux_lm_weight=aux_lm_weight, pos_weight=pos_weight,
-                           freeze_encoder=freeze_encoder, encoder_type=encoder_type)
+                           freeze_encoder=freeze_encoder, freeze_embeddings=freeze_embeddings,
+                           encoder_type=encoder_type)
     if label_priors is not None and head_config.output_bias:
         model.head.set_output_bias_from_priors(label_priors)
     return model

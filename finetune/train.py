@@ -57,6 +57,8 @@ def parse_args(argv=None):
     g.add_argument("--freeze-encoder", action="store_true",
                    help="train the head only (a linear probe with a linear head); the pooled features are computed "
                         "once, before training, unless the pooling is 'attention'")
+    g.add_argument("--freeze-embeddings", action="store_true",
+                   help="keep the encoder's input embeddings fixed (fewer parameters to update)")
     g.add_argument("--encoder-layers", type=int, default=None,
                    help="keep only the base model's first N transformer layers (a cheaper encoder)")
     g.add_argument("--max-length", type=int, default=128, help="tokens per text (longer texts are cut)")
@@ -384,7 +386,8 @@ def run(args) -> dict:
     def builder(cfg, init_seed):
         return build_classifier(cfg, head_config, encoder_state=base_state, init_seed=init_seed,
                                 aux_lm_weight=args.aux_lm_weight, pos_weight=pos_weight,
-                                freeze_encoder=args.freeze_encoder, label_priors=priors, source=str(args.base))
+                                freeze_encoder=args.freeze_encoder, freeze_embeddings=args.freeze_embeddings,
+                                label_priors=priors, source=str(args.base))
 
     def groups(model):
         return model.param_groups(weight_decay=args.weight_decay, layer_lr_decay=args.layer_lr_decay,
@@ -420,7 +423,8 @@ def run(args) -> dict:
                 "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
                 "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
                 "pos_weight": None if pos_weight is None else pos_weight.tolist(), "aux_lm_weight": args.aux_lm_weight,
-                "freeze_encoder": args.freeze_encoder, "features_computed_once": cached,
+                "freeze_encoder": args.freeze_encoder, "freeze_embeddings": args.freeze_embeddings,
+                "features_computed_once": cached,
                 "encoder_layers": config.num_layers, "pooling": args.pooling, "mlp_hidden": list(args.mlp_hidden),
                 "precision": precision(ds), "tensor_parallel": state.tensor_parallel, "data_parallel": dp,
                 "seed": args.seed}

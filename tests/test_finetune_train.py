@@ -193,6 +193,25 @@ def test_tensor_and_data_parallel_finetune_equals_single_process(work, single):
     assert lrs[1.0] == pytest.approx(3e-3) and lrs[0.5 ** 3] == pytest.approx(3e-3 * 0.125)  # embedding: L + 1 down
 
 
+def _probe_worker(rank, argv):
+    from finetune.train import main
+    out = main(argv)
+    return {"losses": out["losses"], "feature_seconds": out["feature_seconds"]}
+
+
+def test_linear_probe_computes_features_once_and_keeps_the_encoder(work):
+    save = work["dir"] / "probe"
+    r = run_distributed(_probe_worker, 1, [
+        "--base", str(work["base"]), "--train", str(work["train"]), "--dev", str(work["dev"]), "--deepspeed_config",
+        str(work["ds"]), "--freeze-encoder", "--pooling", "mean", "--train-steps", "30", "--lr", "1e-2",
+        "--max-length", "32", "--save", str(save), "--hf-export", "no"])[0]
+    assert r["feature_seconds"] > 0 and np.mean(r["losses"][-5:]) < np.mean(r["losses"][:5])
+    from finetune.model import load_full_gpt_state
+    _, base, _ = load_full_gpt_state(work["base"])
+    _, encoder, _ = load_full_gpt_state(save)
+    assert all(torch.equal(encoder[k], v) for k, v in base.items())  # fp32 run: the frozen weights, unchanged
+
+
 # ----------------------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("change,message", [
@@ -224,3 +243,47 @@ def test_bad_arguments_are_refused_by_the_parser(work, capsys):
         main(["--base", "b", "--train", "t", "--dev", "d", "--holdout", "1.5", "--mlp-hidden", "a,b"])
     err = capsys.readouterr().err
     assert "--holdout must be in [0, 1), got 1.5" in err and "--mlp-hidden takes comma-separated integers" in err
+
+
+# ------------------------------------------------------------------------------------- the classifier
+
+def _tiny_classifier(**kwargs):
+    from finetune.heads import HeadConfig
+    from finetune.model import build_classifier
+    from models import GPTConfig
+    config = GPTConfig(variant="llama", vocab_size=300, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                       ffn_hidden_size=64, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0,
+                       make_vocab_size_divisible_by=8)
+    return build_classifier(config, HeadConfig(32, 5, pooling="mean", dropout=0.0), init_seed=1, **kwargs)
+
+
+def test_classifier_pooled_path_padding_and_groups():
+    torch.manual_seed(0)
+    model = _tiny_classifier(freeze_embeddings=True).eval()
+    ids, lengths = torch.randint(0, 300, (3, 7)), torch.tensor([7, 2, 5])
+    logits = model(ids, lengths=lengths)
+    assert torch.allclose(model(pooled=model.pool(ids, lengths=lengths)), logits, atol=1e-6)
+    padded = ids.clone()
+    padded[1, 2:] = 0  # what sits after a text's end does not matter (causal attention, masked pooling)
+    assert torch.allclose(model(padded, lengths=lengths), logits, atol=1e-6)
+    assert torch.allclose(model(ids[1:2, :2])[0], logits[1], atol=1e-5)
+    with pytest.raises(ValueError, match="right-padded inputs"):
+        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1]] * 3))
+    groups = model.param_groups(layer_lr_decay=0.5, head_lr_mult=4.0)
+    mults = {id(p): g["lr_mult"] for g in groups for p in g["params"]}
+    assert id(model.encoder.embedding.word_embeddings.weight) not in mults  # frozen
+    assert mults[id(model.head.output.weight)] == 4.0
+    assert mults[id(model.encoder.layers[2].mlp.fc_in.weight)] == 0.5  # top layer: one step below the output side
+    assert mults[id(model.encoder.layers[0].mlp.fc_in.weight)] == 0.5 ** 3
+    assert all(g.get("weight_decay") == 0.0 for g in groups if g["params"][0].ndim < 2)
+
+
+def test_frozen_encoder_trains_the_head_only():
+    model = _tiny_classifier(freeze_encoder=True)
+    ids, labels = torch.randint(0, 300, (4, 6)), torch.randint(0, 2, (4, 5)).float()
+    model(ids, labels).backward()
+    assert all(p.grad is None for p in model.encoder.parameters())
+    assert model.head.output.weight.grad is not None
+    assert [g["lr_mult"] for g in model.param_groups()] == [1.0, 1.0]  # head weight, head bias
+    with pytest.raises(ValueError, match="cannot be combined with a frozen encoder"):
+        _tiny_classifier(freeze_encoder=True, aux_lm_weight=0.5)
