@@ -13,6 +13,17 @@ class ConfigError(ValueError):
     pass
 
 
+def read_config_json(path: str | Path) -> dict:
+    """A model config file's JSON, or a ConfigError naming the file (and line and column)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model config file {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model config file {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+
+
 @dataclass
 class GPTConfig:
     """``gpt2``: learned positions, LayerNorm, GELU MLP, biases, tied embeddings (Megatron-LM's model).
@@ -101,7 +112,7 @@ class GPTConfig:
 
     # -- (de)serialisation ----------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {"model_type": "gpt", **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "model config") -> "GPTConfig":
@@ -118,14 +129,7 @@ class GPTConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "GPTConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"model config file {path} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"model config file {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_config_json(path), source=str(path))
 
     # -- sizes ------------------------------------------------------------------
     def num_parameters(self) -> int:

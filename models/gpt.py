@@ -59,21 +59,34 @@ def _output_init(config: GPTConfig):
 class RotaryEmbedding(nn.Module):
     """RoPE in the rotate-half form used by Hugging Face's Llama.
 
-    The angles are recomputed in fp32 at each call (cheap next to the matmuls)
-    rather than kept in buffers that a cast of the model to bf16 would round.
+    The angles are computed in fp32, then cached per device and dtype for the longest sequence seen
+    (a plain attribute, not a buffer: a cast of the model to bf16 must not round the fp32 angles, and
+    the tables are not part of the state dict).
     """
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self._tables = {}  # (device, dtype) -> (cos, sin) [max_seq, head_dim]
+
+    def cos_sin(self, s: int, device, dtype):
+        cos, sin = self._tables.get((device, dtype), (None, None))
+        if cos is None or cos.shape[0] < s:
+            with torch.inference_mode(False):  # tables made under inference_mode could not be used in training
+                cos, sin = self._angles(s, device, dtype)
+            self._tables[(device, dtype)] = cos, sin
+        return cos[:s], sin[:s]
+
+    def _angles(self, s: int, device, dtype):
+        d = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        freqs = torch.outer(torch.arange(s, dtype=torch.float32, device=device), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor):
-        s, d = q.shape[-2], self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=q.device) / d))
-        freqs = torch.outer(torch.arange(s, dtype=torch.float32, device=q.device), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        cos, sin = self.cos_sin(q.shape[-2], q.device, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -207,16 +207,28 @@ def read_full_model_state(load_dir, tag: str | None = None):
     computed with (bf16/fp16 runs store them in that precision). ZeRO-3 partitions the
     weights themselves: those runs are read with DeepSpeed's zero_to_fp32 (TP=1 only).
     """
-    from models import GPTConfig
+    from models import GPTConfig, MLSTMConfig
     load_dir = Path(load_dir)
     tag = resolve_tag(load_dir, tag)
     tag_dir = load_dir / tag
+    tokenizer_dir = load_dir / "tokenizer"
+    tokenizer_dir = tokenizer_dir if tokenizer_dir.is_dir() else None
+    if json.loads((load_dir / "config.json").read_text()).get("model_type") == "mlstm":
+        # data parallelism only: one copy of the weights (ZeRO-3: DeepSpeed's reader)
+        config = MLSTMConfig.from_file(load_dir / "config.json")
+        if (tag_dir / "mp_rank_00_model_states.pt").is_file():
+            full = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=True, map_location="cpu")["module"]
+        else:
+            full = _zero3_weights(load_dir, tag, 1)[0]
+        return config, dict(full), tokenizer_dir
     config = GPTConfig.from_file(load_dir / "config.json")
     layout = saved_layout(load_dir, tag)
     tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
     specs = gpt_shard_specs(config)
     per_rank: list[dict] = [dict() for _ in range(tp)]
-    if pp == 1:
+    if pp == 1 and not (tag_dir / "mp_rank_00_model_states.pt").is_file():
+        per_rank = _zero3_weights(load_dir, tag, tp)  # ZeRO-3 writes zero_pp_rank_<dp>_mp_rank_<tp> files only
+    elif pp == 1:
         for r in range(tp):
             state = torch.load(tag_dir / f"mp_rank_{r:02d}_model_states.pt", weights_only=True, map_location="cpu")
             per_rank[r] = state["module"]
@@ -239,8 +251,7 @@ def read_full_model_state(load_dir, tag: str | None = None):
     for name, spec in specs.items():
         shards = [per_rank[r][name] for r in range(tp)]
         full[name] = spec.gather(shards) if spec is not None else shards[0]
-    tokenizer_dir = load_dir / "tokenizer"
-    return config, full, (tokenizer_dir if tokenizer_dir.is_dir() else None)
+    return config, full, tokenizer_dir
 
 
 def _zero3_weights(load_dir: Path, tag: str, tp: int) -> list[dict]:
@@ -267,3 +278,22 @@ def restore_after_reshard(engine, load_dir, tag: str) -> tuple[int, dict | None]
     if data is not None and data.get("kind") != "map":
         data = None  # a streamed corpus's position belongs to its DP rank: it restarts
     return int(layout["step"]), data
+
+
+def is_deepspeed_run_dir(path) -> bool:
+    path = Path(path)
+    return (path / "latest").is_file() or any(path.glob("global_step*"))
+
+
+def read_full_checkpoint(path, tag: str | None = None):
+    """(GPTConfig, full TP=1 state dict, tokenizer dir) of any model directory the project writes:
+    a pretraining run directory (DeepSpeed checkpoints at any layout; ``tag`` or its latest), one of
+    its ``global_step<N>`` directories, or a ``config.json`` + ``model.safetensors`` directory
+    (what ``pipeline.import_hf`` writes)."""
+    path = Path(path)
+    if path.name.startswith("global_step") and (path.parent / "config.json").is_file():
+        return read_full_model_state(path.parent, path.name)
+    if is_deepspeed_run_dir(path):
+        return read_full_model_state(path, tag)
+    from .export_hf import read_model_dir
+    return read_model_dir(path)

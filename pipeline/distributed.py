@@ -25,7 +25,20 @@ def init_distributed(backend: str | None = None) -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        _skip_shared_memory_all_reduce()
     deepspeed.init_distributed(dist_backend=backend or default_backend(), verbose=False)
+
+
+def _skip_shared_memory_all_reduce() -> None:
+    """DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce (for its inference engine) at
+    every start, and leaves a /dev/shm buffer of each run behind, until the host's memory is full.
+    Training never calls it: mark the op unavailable so it is neither built nor allocated."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def free_port() -> int:

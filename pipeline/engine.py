@@ -82,7 +82,18 @@ def resolve_ds_config(ds: dict, *, data_parallel: int, pipeline_parallel: int = 
     ds.update(train_batch_size=glob, train_micro_batch_size_per_gpu=micro,
               gradient_accumulation_steps=glob // (micro * data_parallel))
     check_supported(ds, pipeline_parallel, source)
+    _prefer_fused_torch_adam(ds)
     return ds
+
+
+def _prefer_fused_torch_adam(ds: dict) -> None:
+    """``torch_adam`` makes DeepSpeed build ``torch.optim.AdamW`` with torch's default implementation, which
+    for CPU tensors is a Python loop of one kernel per operation; unless the config chooses ``foreach`` or
+    ``fused`` itself, take torch's fused kernel (CPU and CUDA alike: one pass over each tensor)."""
+    params = ds.get("optimizer", {}).get("params", {})
+    if (ds.get("optimizer", {}).get("type", "").lower() in ("adam", "adamw") and params.get("torch_adam")
+            and "fused" not in params and "foreach" not in params):
+        params["fused"] = True
 
 
 def check_supported(ds: dict, pipeline_parallel: int, source: str = "DeepSpeed config") -> None:
@@ -176,14 +187,20 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
                                            config=ds_config,
                                            mpu=mpu, lr_scheduler=lr_scheduler)
     engine.is_pipe = state.pipeline_parallel > 1
+    if not engine.is_pipe and zero_stage(ds_config) == 0 and state.data_parallel == 1:
+        # Without ZeRO, DeepSpeed flattens every gradient into buckets, all-reduces them over the
+        # data-parallel group and copies them back, even when that group is this one process.
+        engine.enable_backward_allreduce = False
     return engine
 
 
 def lm_batches(loader):
-    """(inputs, labels) pairs from batches of packed token sequences [b, s + 1]."""
+    """(inputs, labels) pairs from batches of packed token sequences [b, s + 1]; (inputs, labels,
+    {"reset": ...}) for the streams of truncated BPTT."""
     for batch in loader:
         tokens = batch["tokens"]
-        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        pair = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        yield (*pair, {"reset": batch["reset"]}) if "reset" in batch else pair
 
 
 def train_step(engine, batches) -> float:
@@ -194,8 +211,9 @@ def train_step(engine, batches) -> float:
     total = 0.0
     gas = engine.gradient_accumulation_steps()
     for _ in range(gas):
-        inputs, labels = next(batches)
-        loss = engine(inputs.to(engine.device), labels.to(engine.device))
+        inputs, labels, *extra = next(batches)
+        kwargs = {k: v.to(engine.device) for k, v in (extra[0] if extra else {}).items()}
+        loss = engine(inputs.to(engine.device), labels.to(engine.device), **kwargs)
         engine.backward(loss)
         engine.step()
         total += loss.detach().float()
@@ -217,8 +235,9 @@ def eval_loss(engine, batches, num_batches: int) -> float:
     engine.eval()
     with torch.no_grad():
         for _ in range(num_batches * engine.gradient_accumulation_steps()):
-            inputs, labels = next(batches)
-            total += float(engine(inputs.to(engine.device), labels.to(engine.device)))
+            inputs, labels, *extra = next(batches)
+            kwargs = {k: v.to(engine.device) for k, v in (extra[0] if extra else {}).items()}
+            total += float(engine(inputs.to(engine.device), labels.to(engine.device), **kwargs))
     engine.train()
     total = torch.tensor(total / (num_batches * engine.gradient_accumulation_steps()), device=engine.device)
     if engine.mpu is not None and engine.mpu.get_data_parallel_world_size() > 1:

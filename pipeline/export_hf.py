@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from models.config import ConfigError, GPTConfig
+from models.mlstm import MLSTMConfig
 from pipeline.hf_convert import (HF_ARCHITECTURE, ConversionError, dtype_name, num_parameters_message, parse_dtype,
                                  to_hf)
 from pipeline.state_dicts import StateDictError, atomic_output_dir, read_state_dict
@@ -54,6 +55,17 @@ def exporter(config_type: type):
     return register
 
 
+@exporter(MLSTMConfig)
+def export_mlstm(config: MLSTMConfig, full_sd: Mapping[str, torch.Tensor], dtype, special_tokens) -> HFExport:
+    """-> MLSTMForCausalLM (models/hf_mlstm.py), which ``import models.hf_mlstm`` registers with the Auto classes."""
+    from models.hf_mlstm import MLSTMHFConfig
+    cfg = MLSTMHFConfig.from_project(config, **{k: v for k, v in special_tokens.items() if v is not None})
+    cfg.architectures = ["MLSTMForCausalLM"]
+    sd = {f"mlstm.{k}": (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+          for k, v in full_sd.items()}
+    return HFExport(cfg, sd)
+
+
 @exporter(GPTConfig)
 def export_gpt(config: GPTConfig, full_sd: Mapping[str, torch.Tensor], dtype, special_tokens) -> HFExport:
     from transformers import GenerationConfig
@@ -78,8 +90,9 @@ def read_model_dir(path: str | Path):
     return config, dict(read_state_dict(weights)), (path if has_tokenizer(path) else None)
 
 
-# The lead's reader of DeepSpeed checkpoints at any (TP, PP) replaces this one line.
-read_full_checkpoint = read_model_dir
+def read_full_checkpoint(path):
+    from .checkpoint import read_full_checkpoint as read_any
+    return read_any(path)
 
 
 # -- tokenizer -------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -27,11 +28,17 @@ PRESETS = Path(__file__).resolve().parents[1] / "models" / "configs"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model-type", choices=["gpt"], default="gpt")
-    g.add_argument("--model-config", default="gpt2-tiny",
-                   help=f"a JSON file, or a preset name from {PRESETS.name}/ ({', '.join(presets())})")
+    g.add_argument("--model-type", choices=["gpt", "mlstm"], default=None,
+                   help="gpt (default) or mlstm (the character-level multiplicative LSTM, trained by truncated "
+                        "BPTT on contiguous byte streams; default: the model config's model_type)")
+    g.add_argument("--model-config", default=None,
+                   help=f"a JSON file, or a preset name from {PRESETS.name}/ ({', '.join(presets())}); default: "
+                        f"the checkpoint's config with --load, else gpt2-tiny")
     g.add_argument("--seq-length", type=int, help="training sequence length (default: the config's seq_length)")
     g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (DeepSpeed's engine.compile(); pipeline-parallel 1 only); "
+                        "bench/train_step.py --systems deepspeed,deepspeed+compile measures what it gains")
     g = p.add_argument_group("parallelism and engine")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                    help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
@@ -60,11 +67,16 @@ def parse_args(argv=None):
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-steps", type=int, default=None, help="default: 1%% of --train-steps")
     g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
+    g.add_argument("--lr-scale-base-batch", type=int, default=None,
+                   help="large-batch recipe: the lr is --lr x global batch / this batch, capped at --lr-max")
+    g.add_argument("--lr-max", type=float, default=None, help="cap of the batch-scaled learning rate")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--save", default=None, help="directory for checkpoints and metrics.jsonl")
     g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the end)")
-    g.add_argument("--load", default=None, help="resume from this directory's latest complete checkpoint")
+    g.add_argument("--load", default=None,
+                   help="resume from this run directory's latest complete checkpoint (any TP/PP/DP layout), or "
+                        "start from the weights of a config.json + model.safetensors directory (pipeline.import_hf)")
     g.add_argument("--load-tag", default=None, help="resume from this tag (e.g. global_step200) instead of latest")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--eval-interval", type=int, default=None)
@@ -89,17 +101,33 @@ def read_model_config(spec: str) -> dict:
     return {"_source": str(path), **json.loads(path.read_text())}
 
 
-def make_gpt_config(raw: dict, vocab_size: int, seq_length: int | None):
-    from models import ConfigError, GPTConfig
+def make_model_config(raw: dict, vocab_size: int, seq_length: int | None):
+    """GPTConfig or MLSTMConfig (by the config's model_type), its vocabulary following the tokenizer."""
+    from models import ConfigError, GPTConfig, MLSTMConfig
     raw = dict(raw)
     source = raw.pop("_source", "model config")
+    cls = MLSTMConfig if raw.get("model_type") == "mlstm" else GPTConfig
     if raw.get("vocab_size", vocab_size) != vocab_size:
         raise ConfigError(f"{source}: vocab_size {raw['vocab_size']} differs from the tokenizer's {vocab_size}; "
                           f"drop vocab_size from the config (it follows the tokenizer) or use the matching tokenizer")
     raw["vocab_size"] = vocab_size
     if seq_length is not None:
         raw["seq_length"] = seq_length
-    return GPTConfig.from_dict(raw, source=source)
+    return cls.from_dict(raw, source=source)
+
+
+def model_type_of(config) -> str:
+    return getattr(config, "model_type", "gpt")
+
+
+def build_mlstm(config, init_seed: int):
+    """The mLSTM keeps its TBPTT state between calls, so the engine's forward stays (inputs, labels)."""
+    from models import MLSTM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        model = MLSTM(config)
+    model.carry_state = True
+    return model
 
 
 def default_ds_config() -> str:
@@ -119,14 +147,18 @@ def main(argv=None) -> dict:
         ds_logger.setLevel(logging.WARNING)
     from models.parallel import initialize_model_parallel, model_parallel_seed
     from pipeline import checkpoint
-    from pipeline.data import (DistributedBatchLoader, build_pretraining_data, check_same_tokenizer,
-                               load_saved_tokenizer, load_tokenizer, main_process_first)
+    from pipeline.data import (DistributedBatchLoader, StreamBatchLoader, build_pretraining_data,
+                               check_same_tokenizer, load_saved_tokenizer, load_tokenizer, main_process_first)
     from pipeline.distributed import init_distributed
     from pipeline.engine import (build_engine, eval_loss, lm_batches, load_ds_config, loss_scale, precision,
                                  resolve_ds_config, train_step)
     from pipeline.metrics import MetricsWriter, StepTimer
-    from pipeline.schedules import LRSchedule
+    from pipeline.schedules import LRSchedule, scaled_lr
 
+    if args.compile and args.pipeline_parallel > 1:
+        from pipeline.engine import EngineConfigError
+        raise EngineConfigError("--compile is for pipeline-parallel 1 only (DeepSpeed's pipeline engine runs its "
+                                "stages layer by layer); drop --compile or use --pipeline-parallel 1")
     init_distributed()
     state = initialize_model_parallel(args.tensor_parallel, args.pipeline_parallel)
     model_parallel_seed(args.seed)
@@ -136,19 +168,36 @@ def main(argv=None) -> dict:
                            micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                            source=args.deepspeed_config or default_ds_config())
 
-    # tokenizer: a resumed run keeps the one it trained with
     load_dir = Path(args.load) if args.load else None
+    if args.model_config is None:
+        args.model_config = (str(load_dir / "config.json") if load_dir is not None else
+                             "mlstm-tiny" if args.model_type == "mlstm" else "gpt2-tiny")
+    raw_config = read_model_config(args.model_config)
+    if args.model_type is not None and args.model_type != raw_config.get("model_type", "gpt"):
+        raise SystemExit(f"error: --model-type {args.model_type} but {raw_config['_source']} is a "
+                         f"{raw_config.get('model_type', 'gpt')} config")
+    byte_level = raw_config.get("model_type") == "mlstm"
+
+    # tokenizer: a resumed run keeps the one it trained with
+    resume = load_dir is not None and checkpoint.is_deepspeed_run_dir(load_dir)
+    if load_dir is not None:
+        saved_tokenizer = load_dir / "tokenizer" if (load_dir / "tokenizer").is_dir() else load_dir
     if load_dir is not None and args.tokenizer is None:
-        tokenizer = load_saved_tokenizer(load_dir / "tokenizer")
+        tokenizer = load_saved_tokenizer(saved_tokenizer)
     else:
         with main_process_first():
-            tokenizer = load_tokenizer(args.tokenizer or "train-bpe", corpus=args.data, vocab_size=args.vocab_size)
+            tokenizer = load_tokenizer(args.tokenizer or ("bytes" if byte_level else "train-bpe"), corpus=args.data,
+                                       vocab_size=args.vocab_size)
         if load_dir is not None:
-            check_same_tokenizer(load_dir / "tokenizer", tokenizer)
-    raw_config = read_model_config(str(load_dir / "config.json") if load_dir and not args.model_config else
-                                   args.model_config)
-    config = make_gpt_config(raw_config, tokenizer.vocab_size, args.seq_length)
-    config.check_parallel(state.tensor_parallel, state.pipeline_parallel)
+            check_same_tokenizer(saved_tokenizer, tokenizer)
+    config = make_model_config(raw_config, tokenizer.vocab_size, args.seq_length)
+    model_type = model_type_of(config)
+    if model_type == "mlstm":
+        if state.tensor_parallel * state.pipeline_parallel != 1:
+            raise SystemExit("error: the mLSTM trains with data parallelism (and ZeRO) only: use "
+                             "--tensor-parallel 1 --pipeline-parallel 1")
+    else:
+        config.check_parallel(state.tensor_parallel, state.pipeline_parallel)
 
     with main_process_first():
         train, valid = build_pretraining_data(args.data, tokenizer, config.seq_length, text_field=args.text_field,
@@ -157,30 +206,40 @@ def main(argv=None) -> dict:
                                               cache_dir=args.cache_dir, weights=args.data_weights)
     micro = ds["train_micro_batch_size_per_gpu"]
     dp_rank, dp = state.get_data_parallel_rank(), state.data_parallel
-    loader = DistributedBatchLoader(train, micro, dp_rank, dp, seed=args.seed)
+    if model_type == "mlstm":  # contiguous streams: each row continues where the previous batch stopped
+        loader = StreamBatchLoader(train, micro, config.seq_length, dp_rank, dp, seed=args.seed)
+    else:
+        loader = DistributedBatchLoader(train, micro, dp_rank, dp, seed=args.seed)
 
     base_lr = args.lr or ds.get("optimizer", {}).get("params", {}).get("lr", 3e-4)
+    if args.lr_scale_base_batch:
+        base_lr = scaled_lr(base_lr, ds["train_batch_size"], args.lr_scale_base_batch, args.lr_max)
     warmup = args.lr_warmup_steps if args.lr_warmup_steps is not None else max(1, args.train_steps // 100)
     schedule = None if "scheduler" in ds else LRSchedule(base_lr, warmup, args.train_steps, args.lr_decay_style,
                                                          args.min_lr)
     layout = {"tensor_parallel": state.tensor_parallel, "pipeline_parallel": state.pipeline_parallel,
-              "data_parallel": dp, "model_type": args.model_type, "precision": precision(ds)}
+              "data_parallel": dp, "model_type": model_type, "precision": precision(ds)}
     full_state, tag = None, None
-    if load_dir is not None:
+    if resume:
         tag = checkpoint.resolve_tag(load_dir, args.load_tag)
         if not checkpoint.same_layout(checkpoint.saved_layout(load_dir, tag), layout):
             _, full_state, _ = checkpoint.read_full_model_state(load_dir, tag)
+    elif load_dir is not None:  # weights only (e.g. an imported Hugging Face model): a new run starts from them
+        _, full_state, _ = checkpoint.read_full_checkpoint(load_dir)
     engine = build_engine(config, ds, state, init_seed=args.seed, schedule=schedule,
-                          activation_checkpointing=args.activation_checkpointing, full_state_dict=full_state)
+                          activation_checkpointing=args.activation_checkpointing, full_state_dict=full_state,
+                          model_builder=build_mlstm if model_type == "mlstm" else None)
 
     step = 0
-    if load_dir is not None:
+    if resume:
         if full_state is None:
             step, data_state = checkpoint.load(engine, load_dir, tag)
         else:
             step, data_state = checkpoint.restore_after_reshard(engine, load_dir, tag)
         if data_state is not None:
             loader.load_state_dict(data_state)
+    if args.compile:
+        engine.compile()
     save_dir = Path(args.save) if args.save else None
     if save_dir is not None and is_rank0():
         checkpoint.save_run_files(save_dir, config, tokenizer)
@@ -208,10 +267,17 @@ def main(argv=None) -> dict:
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{last['tokens_per_s']:.0f}")
             metrics.write(last)
         if args.eval_interval and valid is not None and (step % args.eval_interval == 0 or step == args.train_steps):
-            valid_loader = DistributedBatchLoader(valid, micro, dp_rank, dp, seed=args.seed, shuffle=False)
-            val = eval_loss(engine, lm_batches(valid_loader), args.eval_iters)
-            metrics.write({"step": step, "valid_loss": val})
-            last["valid_loss"] = val
+            if model_type == "mlstm":
+                valid_loader = StreamBatchLoader(valid, micro, config.seq_length, dp_rank, dp, seed=args.seed)
+                with engine.module.isolated_state(carry=True):  # the training streams' state survives
+                    val = eval_loss(engine, lm_batches(valid_loader), args.eval_iters)
+                record = {"step": step, "valid_loss": val, "valid_bpc": val / math.log(2)}
+            else:
+                valid_loader = DistributedBatchLoader(valid, micro, dp_rank, dp, seed=args.seed, shuffle=False)
+                val = eval_loss(engine, lm_batches(valid_loader), args.eval_iters)
+                record = {"step": step, "valid_loss": val}
+            metrics.write(record)
+            last.update(record)
         if save_dir is not None and (step == args.train_steps or (args.save_interval and step % args.save_interval == 0)):
             checkpoint.save(engine, save_dir, step, data_state=loader.state_dict(), layout=layout)
     bar.close()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import shared_data
-from pipeline.data import DataSourceError, build_pretraining_data, default_corpus, load_tokenizer
+from pipeline.data import (DataSourceError, DistributedBatchLoader, build_pretraining_data, default_corpus,
+                           load_tokenizer)
 
 TOK = load_tokenizer("bytes")
 EOD = TOK.eod_id
@@ -200,6 +201,9 @@ def test_empty_corpora(tmp_path):
     (tmp_path / "blank.txt").write_text("\n\n\n\n")
     with pytest.raises(DataSourceError, match="blank.txt: no documents"):
         _build(str(tmp_path / "blank.txt"), tmp_path)
+    stream, _ = _build(str(tmp_path / "blank.txt"), tmp_path, streaming=True)
+    with pytest.raises(ValueError, match="the stream has no text"):
+        next(iter(DistributedBatchLoader(stream, 2, 0, 1)))
     (tmp_path / "tiny.txt").write_text("two words")
     with pytest.raises(DataSourceError, match="10 training tokens, fewer than one sequence of seq_length \\+ 1 = 17"):
         _build(str(tmp_path / "tiny.txt"), tmp_path)
@@ -256,3 +260,24 @@ def test_bad_weights_and_fractions(tmp_path):
         _build(f"{tmp_path / 'a.txt'},{tmp_path / 'a.txt'}", tmp_path, weights=[1.0])
     with pytest.raises(ValueError, match="valid_fraction must be in"):
         _build(str(tmp_path / "a.txt"), tmp_path, valid_fraction=1.5)
+
+
+def test_num_proc_2_equals_num_proc_1(tmp_path):
+    docs = _news_docs(30) + ["a literal <|endoftext|> inside a document stays text"]
+    (tmp_path / "a.txt").write_text("\n\n".join(docs), encoding="utf-8")
+    gpt2 = load_tokenizer(str(shared_data("tokenizers", "gpt2")))
+    one, _ = build_pretraining_data(str(tmp_path / "a.txt"), gpt2, 32, valid_fraction=0, num_proc=1,
+                                    cache_dir=str(tmp_path / "c1"))
+    two, _ = build_pretraining_data(str(tmp_path / "a.txt"), gpt2, 32, valid_fraction=0, num_proc=2,
+                                    cache_dir=str(tmp_path / "c2"))
+    assert _stream(two) == _stream(one) == [t for d in docs for t in (*gpt2.encode(d), gpt2.eod_id)]
+
+
+def test_derived_files_never_land_in_the_users_data(tmp_path):
+    docs = _news_docs()
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "saved"))
+    before = sorted(p.name for p in (tmp_path / "saved").iterdir())
+    train, valid = _build(str(tmp_path / "saved"), tmp_path, valid_fraction=0.2, seq_length=8)
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == before
+    assert any(p.name.startswith("tokenized-") for p in (tmp_path / "cache").iterdir())
+    assert sorted(_docs_of(_stream(train)) + _docs_of(_stream(valid))) == sorted(docs)

@@ -35,6 +35,15 @@ def test_gpt2_bpe_equals_transformers_on_real_text(gpt2):
     assert (gpt2.name, gpt2.vocab_size, gpt2.eod_id) == ("gpt2-bpe", 50257, reference.eos_token_id)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "bytes"])
+def test_encode_documents_is_the_joined_stream(kind, gpt2):
+    tok = gpt2 if kind == "gpt2" else load_tokenizer("bytes")
+    docs = _real_docs(3) + ["", NON_ASCII]
+    flat, lengths = tok.encode_documents(docs)
+    expected = [t for d in docs if d for t in (*tok.encode(d), tok.eod_id)]
+    assert flat.tolist() == expected and lengths.sum() == len(expected) and len(lengths) == len(docs) - 1
+
+
 def test_literal_special_token_in_text_is_not_a_document_boundary(gpt2):
     ids = gpt2.encode("quoted <|endoftext|> here")
     assert gpt2.eod_id not in ids and gpt2.decode(ids) == "quoted <|endoftext|> here"

@@ -110,3 +110,52 @@ def test_bad_layout_is_refused_before_work(tmp_path, corpus):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "world size 1 is not tensor_parallel x pipeline_parallel x data_parallel" in proc.stderr
+
+
+def _pretrain(rank, argv):
+    from pipeline.pretrain import main
+    return main(argv)
+
+
+def test_mlstm_through_the_main_job_dp2(tmp_path, corpus):
+    """--model-type mlstm: byte tokenizer, TBPTT streams per DP rank, ZeRO-1, bits per character."""
+    from dist import run_distributed
+    save = tmp_path / "mlstm"
+    model = {"model_type": "mlstm", "embed_dim": 16, "hidden_size": 64, "num_layers": 1, "seq_length": 32}
+    (tmp_path / "mlstm.json").write_text(json.dumps(model))
+    (tmp_path / "ds.json").write_text(json.dumps({**FP32_DS, "train_batch_size": 8}))
+    argv = ["--model-type", "mlstm", "--model-config", str(tmp_path / "mlstm.json"), "--deepspeed_config",
+            str(tmp_path / "ds.json"), "--data", str(corpus), "--train-steps", "15", "--lr", "1e-2",
+            "--lr-decay-style", "linear", "--lr-warmup-steps", "2", "--lr-scale-base-batch", "4", "--lr-max", "1e-2",
+            "--eval-interval", "15", "--eval-iters", "2", "--cache-dir", str(tmp_path / "cache"), "--save", str(save)]
+    last = run_distributed(_pretrain, 2, argv)[0]
+    records = [r for r in metrics(save) if "loss" in r]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3
+    lrs = [r["lr"] for r in records]  # 1e-2 x 8/4 capped at 1e-2, warmup, then linear decay to zero
+    assert max(lrs) == pytest.approx(1e-2) and lrs[-1] == 0.0
+    assert last["valid_bpc"] == pytest.approx(last["valid_loss"] / 0.6931471805599453)
+    assert json.loads((save / "config.json").read_text())["model_type"] == "mlstm"
+    assert json.loads((save / "global_step15" / "layout.json").read_text())["data_parallel"] == 2
+
+
+def test_main_job_trains_from_every_source_form(tmp_path, corpus):
+    """One run over .txt, .jsonl (another text field), .csv, .parquet, a folder glob and a save_to_disk dir."""
+    import datasets
+    docs = [d for d in corpus.read_text().split("\n\n") if d.strip()]
+    parts = [docs[i::5] for i in range(5)]
+    (tmp_path / "a.txt").write_text("\n\n".join(parts[0]))
+    with open(tmp_path / "b.jsonl", "w") as f:
+        for d in parts[1]:
+            f.write(json.dumps({"body": d, "id": 1}) + "\n")
+    datasets.Dataset.from_dict({"body": parts[2]}).to_csv(str(tmp_path / "c.csv"))
+    datasets.Dataset.from_dict({"body": parts[3]}).to_parquet(str(tmp_path / "d.parquet"))
+    datasets.Dataset.from_dict({"body": parts[4]}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "e.txt").write_text("\n\n".join(parts[0][:5]))
+    sources = [tmp_path / "b.jsonl", tmp_path / "c.csv", tmp_path / "d.parquet", tmp_path / "saved",
+               f"{tmp_path}/folder/*.txt"]
+    save = tmp_path / "run"
+    argv = job_args(tmp_path, corpus, "--train-steps", "3", "--save", str(save), "--text-field", "body")
+    argv[argv.index("--data") + 1] = ",".join(map(str, sources))
+    run([sys.executable, "-m", "pipeline.pretrain", *argv], tmp_path)
+    assert len([r for r in metrics(save) if "loss" in r]) == 3

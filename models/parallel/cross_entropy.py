@@ -25,25 +25,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, vocab_size, ignore_index, label_smoothing):
         local_v = logits.shape[-1]
         start = tp_rank() * local_v
+        n_valid = max(0, min(local_v, vocab_size - start))  # padding columns are a suffix of the last shard
+        # One full-size fp32 tensor is made (the cast of bf16/fp16 logits, else the shifted copy) and then
+        # worked on in place: x - max, exp, / sum; it is the softmax saved for the backward.
         x = logits.float()
-        valid_cols = None
-        if start + local_v > vocab_size:  # this shard holds padding columns
-            valid_cols = torch.arange(start, start + local_v, device=x.device) < vocab_size
-            x = x.masked_fill(~valid_cols, float("-inf"))
+        owned = x is not logits
+        if n_valid < local_v:
+            x = x.index_fill_(-1, _suffix(n_valid, local_v, x.device), float("-inf")) if owned else \
+                x.index_fill(-1, _suffix(n_valid, local_v, x.device), float("-inf"))
+            owned = True
 
         x_max = _all_reduce(x.amax(dim=-1), dist.ReduceOp.MAX)
-        x = x - x_max.unsqueeze(-1)
+        x = x.sub_(x_max.unsqueeze(-1)) if owned else x - x_max.unsqueeze(-1)
 
         ignored = target == ignore_index
         local_t = target - start
         in_shard = (local_t >= 0) & (local_t < local_v) & ~ignored
         t_idx = local_t.masked_fill(~in_shard, 0)
         target_logit = x.gather(-1, t_idx.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)
+        smooth_sum = x[..., :n_valid].sum(-1) if label_smoothing > 0 else None
 
-        exp_x = x.exp()
+        exp_x = x.exp_()
         sums = [exp_x.sum(-1), target_logit]
-        if label_smoothing > 0:
-            sums.append((x if valid_cols is None else x.masked_fill(~valid_cols, 0.0)).sum(-1))
+        if smooth_sum is not None:
+            sums.append(smooth_sum)
         sums = _all_reduce(torch.stack(sums))  # one collective for all the per-token sums
         sum_exp, target_logit = sums[0], sums[1]
         log_z = sum_exp.log()
@@ -54,26 +59,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = loss.masked_fill(ignored, 0.0)
 
         softmax = exp_x.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, t_idx, in_shard, ignored, valid_cols)
+        ctx.save_for_backward(softmax, t_idx, in_shard, ignored)
         ctx.vocab_size = vocab_size
+        ctx.n_valid = n_valid
         ctx.label_smoothing = label_smoothing
         ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, t_idx, in_shard, ignored, valid_cols = ctx.saved_tensors
+        softmax, t_idx, in_shard, ignored = ctx.saved_tensors
         eps = ctx.label_smoothing
         grad = softmax  # reused in place: d loss / d logit = softmax - (1-eps) onehot - eps/V
         grad.scatter_add_(-1, t_idx.unsqueeze(-1), -(1.0 - eps) * in_shard.to(grad.dtype).unsqueeze(-1))
         if eps > 0:
-            smooth = eps / ctx.vocab_size
-            if valid_cols is None:
-                grad.sub_(smooth)
-            else:
-                grad.sub_(smooth * valid_cols.to(grad.dtype))
+            grad[..., :ctx.n_valid].sub_(eps / ctx.vocab_size)  # padding columns: softmax 0, no smoothing
         grad.mul_((grad_loss.float() * (~ignored)).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def _suffix(n_valid: int, local_v: int, device) -> torch.Tensor:
+    return torch.arange(n_valid, local_v, device=device)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_size: int | None = None,

@@ -8,7 +8,7 @@ import os
 
 import datasets
 
-from .packing import PackedSequences, StreamingSequences, tokenize_dataset
+from .packing import PackedSequences, StreamingSequences, tokenize_dataset, work_dir
 from .sources import DataSourceError, explain_read_error, load_documents, resolve
 from .tokenizer import Tokenizer
 
@@ -40,6 +40,8 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
         raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
     if encoding_errors not in ("strict", "replace", "ignore"):
         raise ValueError(f"encoding_errors must be 'strict', 'replace' or 'ignore', got {encoding_errors!r}")
+    # datasets runs even num_proc=1 in a worker pool (where tokenizers turns its threads off): 1 means in-process
+    num_proc = num_proc if num_proc and num_proc > 1 else None
     sources = resolve(data)
     if weights is not None:
         weights = [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
@@ -56,10 +58,14 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
     if streaming:
         docs = [load_documents(s, streaming=True, **load) for s in sources]
         try:  # combining may read the first rows (to resolve features): name the file if that fails
-            train = _combine([d.filter(_HashSplit(seed, valid_fraction, False), batched=True,
-                                       input_columns="text") if valid_fraction else d for d in docs], weights, seed)
-            valid = (_combine([d.filter(_HashSplit(seed, valid_fraction, True), batched=True, input_columns="text")
-                               for d in docs], None, seed) if valid_fraction else None)
+            # The content-hash split is applied after mixing: repeats of a document all land on one side.
+            # Filtering Arrow batches keeps the stream in Arrow end to end (no per-document dicts).
+            train = _combine(docs, weights, seed)
+            if valid_fraction:
+                train = train.with_format("arrow").filter(_HashSplit(seed, valid_fraction, False),
+                                                          batched=True).with_format(None)
+            valid = (_combine(docs, None, seed).with_format("arrow").filter(
+                _HashSplit(seed, valid_fraction, True), batched=True).with_format(None) if valid_fraction else None)
         except Exception as e:
             raise explain_read_error(e, files, name) from e
         make = lambda d, part: StreamingSequences(d, tokenizer, seq_length, name=f"{part} of {name}", files=files)
@@ -76,7 +82,12 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
                     raise DataSourceError(
                         f"{source.describe()}: only one document, so no validation split can be held out "
                         f"(use valid_fraction=0, split the text into documents, or add data)")
-                split = docs.train_test_split(test_size=valid_fraction, seed=seed, shuffle=True)
+                key = hashlib.sha256(f"{docs._fingerprint}|{valid_fraction}|{seed}".encode()).hexdigest()[:24]
+                folder = work_dir(cache_dir)
+                split = docs.train_test_split(
+                    test_size=valid_fraction, seed=seed, shuffle=True,
+                    train_indices_cache_file_name=os.path.join(folder, f"split-{key}-train.arrow"),
+                    test_indices_cache_file_name=os.path.join(folder, f"split-{key}-valid.arrow"))
                 docs, held_out = split["train"], split["test"]
                 valids.append(held_out)
             trains.append(docs)
@@ -115,7 +126,8 @@ class _HashSplit:
         self.threshold = int(fraction * 2**64)
         self.keep_valid = keep_valid
 
-    def __call__(self, texts):
+    def __call__(self, batch):
+        texts = batch.column("text").to_pylist() if hasattr(batch, "column") else batch
         out = []
         for text in texts:
             h = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8,
@@ -126,7 +138,8 @@ class _HashSplit:
 
 @contextlib.contextmanager
 def main_process_first():
-    """Local rank 0 builds (and caches) first; the other ranks then read its cache instead of racing it.
+    """Local rank 0 builds (and caches) first; the other ranks then read its cache instead of racing it,
+    with their progress bars off (one set of bars per node is enough).
 
     Rank 0 reaches the barrier even when its build fails, so the others do not hang: they then hit
     the same error themselves.
@@ -136,10 +149,14 @@ def main_process_first():
         yield
         return
     first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    bars = datasets.is_progress_bar_enabled()
     if not first:
+        datasets.disable_progress_bars()
         dist.barrier()
     try:
         yield
     finally:
         if first:
             dist.barrier()
+        elif bars:
+            datasets.enable_progress_bars()

@@ -117,24 +117,42 @@ class DistributedBatchLoader:
 class StreamBatchLoader:
     """Contiguous token streams for truncated BPTT (the character-level mLSTM).
 
-    The token stream (a :class:`PackedSequences`' flat tokens, or a 1-D tensor/array) is rotated each
-    epoch by an offset drawn from ``(seed, epoch)`` and cut into ``dp_world_size * micro_batch_size``
-    equal contiguous rows; DP rank r owns rows ``[r * micro_batch_size, (r + 1) * micro_batch_size)``.
-    Batch b gives each row its tokens ``[b * bptt_length, b * bptt_length + bptt_length + 1)``, so a row
-    continues its stream from one batch to the next (consecutive windows share one token: the last input's
-    target is the next window's first input). ``reset`` is True for every row at the start of an epoch,
-    where the model must zero the hidden state it carries.
+    Every batch is ``{"tokens": LongTensor[micro_batch_size, bptt_length + 1], "reset": BoolTensor[micro]}``:
+    row j continues its own stream from one batch to the next (consecutive windows share one token: the
+    last target of a window is the first input of the next), and ``reset`` is True where a row's stream
+    (re)starts, so the model zeroes the hidden state it carries there.
+
+    Map-style source (a :class:`PackedSequences`' flat tokens, or a 1-D tensor/array): the token stream is
+    rotated each epoch by an offset drawn from ``(seed, epoch)`` and cut into ``dp_world_size *
+    micro_batch_size`` equal contiguous rows; DP rank r owns rows ``[r * micro, (r + 1) * micro)``; batch
+    b gives each row its tokens ``[b * bptt, b * bptt + bptt + 1)``. ``reset`` is True for every row at
+    the start of each epoch.
+
+    Streaming source (:class:`StreamingSequences`): the rank's share of the documents is packed into one
+    continuous token stream, dealt out in consecutive segments of ``segment_windows * bptt_length + 1``
+    tokens, one per row; each row reads its segment window by window, and after ``segment_windows``
+    batches every row gets the next segment (``reset`` True then). Memory holds one segment per row.
     """
 
     def __init__(self, token_source, micro_batch_size: int, bptt_length: int, dp_rank: int, dp_world_size: int,
-                 seed: int = 1234):
+                 seed: int = 1234, segment_windows: int = 256):
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_world_size={dp_world_size})")
         if micro_batch_size < 1 or bptt_length < 1:
             raise ValueError(f"micro_batch_size and bptt_length must be >= 1, got {micro_batch_size}, {bptt_length}")
-        if isinstance(token_source, StreamingSequences):
-            raise TypeError("StreamBatchLoader needs a map-style token source (PackedSequences or a 1-D "
-                            "tensor/array); build the data with streaming=False")
+        self.micro_batch_size, self.bptt_length = int(micro_batch_size), int(bptt_length)
+        self.dp_rank, self.dp_world_size, self.seed = int(dp_rank), int(dp_world_size), int(seed)
+        self.rows = self.micro_batch_size * self.dp_world_size
+        self.epoch, self.batch = 0, 0
+        self.streaming = isinstance(token_source, StreamingSequences)
+        if self.streaming:
+            self.segment_windows = int(segment_windows)
+            segments = StreamingSequences(token_source.documents, token_source.tokenizer,
+                                          self.segment_windows * self.bptt_length, name=token_source.name,
+                                          files=token_source.files, doc_batch_size=token_source.doc_batch_size)
+            self._segments = segments.shard(self.dp_rank, self.dp_world_size).iterator()
+            self._dealt_state, self._rows = None, None
+            return
         if isinstance(token_source, PackedSequences):
             self._read, self.num_tokens = token_source.tokens, token_source.num_tokens
         else:
@@ -142,9 +160,6 @@ class StreamBatchLoader:
             if array.ndim != 1:
                 raise ValueError(f"token_source must be 1-D, got shape {array.shape}")
             self._read, self.num_tokens = (lambda a, b: array[a:b]), int(array.shape[0])
-        self.micro_batch_size, self.bptt_length = int(micro_batch_size), int(bptt_length)
-        self.dp_rank, self.dp_world_size, self.seed = int(dp_rank), int(dp_world_size), int(seed)
-        self.rows = self.micro_batch_size * self.dp_world_size
         self.row_length = self.num_tokens // self.rows
         self.batches_per_epoch = (self.row_length - 1) // self.bptt_length
         if self.batches_per_epoch < 1:
@@ -152,11 +167,11 @@ class StreamBatchLoader:
                 f"{self.num_tokens} tokens cut into {self.rows} rows ({self.micro_batch_size} x "
                 f"{self.dp_world_size} DP ranks) give {self.row_length} tokens per row, fewer than one window of "
                 f"bptt_length + 1 = {self.bptt_length + 1}; use more data, a shorter bptt or fewer rows")
-        self.epoch, self.batch = 0, 0
         self._offset_epoch, self._offset = None, 0
 
     def __len__(self) -> int:
-        return self.batches_per_epoch
+        """Batches per epoch (map-style) or per segment (streaming)."""
+        return self.segment_windows if self.streaming else self.batches_per_epoch
 
     def __iter__(self):
         return self
@@ -174,28 +189,56 @@ class StreamBatchLoader:
             return self._read(a, a + length)
         return np.concatenate([self._read(a, self.num_tokens), self._read(0, a + length - self.num_tokens)])
 
+    def _deal(self) -> None:
+        self._dealt_state = self._segments.state_dict()
+        self._rows = [next(self._segments) for _ in range(self.micro_batch_size)]
+        self.epoch = self._segments.epoch
+
     def __next__(self) -> dict:
-        if self.batch >= self.batches_per_epoch:
-            self.epoch, self.batch = self.epoch + 1, 0
         length = self.bptt_length + 1
-        first_row = self.dp_rank * self.micro_batch_size
-        rows = [self._window((first_row + j) * self.row_length + self.batch * self.bptt_length, length)
-                for j in range(self.micro_batch_size)]
+        if self.streaming:
+            if self._rows is None or self.batch >= self.segment_windows:
+                self._deal()
+                self.batch = 0
+            start = self.batch * self.bptt_length
+            tokens = torch.stack([row[start:start + length] for row in self._rows])
+        else:
+            if self.batch >= self.batches_per_epoch:
+                self.epoch, self.batch = self.epoch + 1, 0
+            first_row = self.dp_rank * self.micro_batch_size
+            rows = [self._window((first_row + j) * self.row_length + self.batch * self.bptt_length, length)
+                    for j in range(self.micro_batch_size)]
+            tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
         reset = torch.full((self.micro_batch_size,), self.batch == 0, dtype=torch.bool)
         self.batch += 1
-        return {"tokens": torch.from_numpy(np.stack(rows).astype(np.int64)), "reset": reset}
+        return {"tokens": tokens, "reset": reset}
 
     def state_dict(self) -> dict:
+        if self.streaming:
+            return {"version": _VERSION, "kind": "bptt-stream", "segments": self._dealt_state,
+                    "dealt": self._rows is not None, "batch": self.batch, "rows": self.rows,
+                    "bptt_length": self.bptt_length, "segment_windows": self.segment_windows,
+                    "dp_rank": self.dp_rank}
         return {"version": _VERSION, "kind": "bptt", "epoch": self.epoch, "batch": self.batch, "seed": self.seed,
                 "num_tokens": self.num_tokens, "rows": self.rows, "bptt_length": self.bptt_length}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") != "bptt":
-            raise ValueError(f"cannot resume a BPTT stream loader from a {state.get('kind')!r} loader state")
-        for key in ("seed", "num_tokens", "rows", "bptt_length"):
+        kind = "bptt-stream" if self.streaming else "bptt"
+        if state.get("kind") != kind:
+            raise ValueError(f"cannot resume a {kind} loader from a {state.get('kind')!r} loader state")
+        keys = ("rows", "bptt_length", "segment_windows", "dp_rank") if self.streaming else \
+            ("seed", "num_tokens", "rows", "bptt_length")
+        for key in keys:
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"the stream loader state does not fit: {key} was {state[key]!r} at the checkpoint and is "
                     f"{getattr(self, key)!r} now (rows = micro_batch_size x dp_world_size); the streams "
                     f"cannot continue exactly")
-        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        self.batch = int(state["batch"])
+        if not self.streaming:
+            self.epoch = int(state["epoch"])
+            return
+        self._rows = None
+        if state["dealt"]:  # re-deal the segments the rows were reading, from the stream position then
+            self._segments.load_state_dict(state["segments"])
+            self._deal()

@@ -40,32 +40,24 @@ class TokenizeDocuments:
         self.dtype = token_dtype(tokenizer)
 
     def __call__(self, texts):
-        texts = [t for t in texts if t]
-        ids = self.tokenizer.encode_batch(texts) if texts else []
-        eod = self.tokenizer.eod_id
-        lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-        flat = np.empty(int(lengths.sum()), dtype=self.dtype)
-        ends = np.cumsum(lengths)
-        pos = 0
-        for doc, end in zip(ids, ends):
-            flat[pos:end - 1] = doc
-            flat[end - 1] = eod
-            pos = end
-        offsets = np.concatenate([[0], ends]).astype(np.int32 if len(flat) < 2**31 else np.int64)
-        array_type = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
-        return pa.table({"input_ids": array_type.from_arrays(pa.array(offsets), pa.array(flat))})
+        flat, lengths = self.tokenizer.encode_documents(texts, dtype=self.dtype)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)  # a batch holds < 2**31 tokens
+        return pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))})
+
+
+def work_dir(cache_dir: str | None) -> str:
+    """Where our derived files (token ids, split indices) go: ``cache_dir``, else a folder of the datasets
+    cache; never next to the user's data (a save_to_disk directory may be read-only or shared)."""
+    path = Path(cache_dir) if cache_dir is not None else Path(datasets.config.HF_DATASETS_CACHE) / "pipeline-data"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 def tokenize_dataset(ds: datasets.Dataset, tokenizer: Tokenizer, *, num_proc: int | None = None,
                      cache_dir: str | None = None, desc: str = "tokenizing") -> datasets.Dataset:
     """``ds`` (column ``text``) -> column ``input_ids``, cached on disk under the dataset + tokenizer."""
     key = hashlib.sha256(f"{_CACHE_VERSION}|{ds._fingerprint}|{tokenizer.fingerprint()}".encode()).hexdigest()[:24]
-    cache_file = None
-    if cache_dir is not None:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        cache_file = os.path.join(cache_dir, f"tokenized-{key}.arrow")
-    elif ds.cache_files:
-        cache_file = os.path.join(os.path.dirname(ds.cache_files[0]["filename"]), f"tokenized-{key}.arrow")
+    cache_file = os.path.join(work_dir(cache_dir), f"tokenized-{key}.arrow")
     return ds.with_format("arrow").map(
         _ArrowTexts(TokenizeDocuments(tokenizer)), batched=True, batch_size=1000, num_proc=num_proc,
         remove_columns=ds.column_names, new_fingerprint=key, cache_file_name=cache_file,
@@ -156,7 +148,7 @@ class StreamingSequences:
     """
 
     def __init__(self, documents: datasets.IterableDataset, tokenizer: Tokenizer, seq_length: int, *,
-                 name: str = "data", files=(), doc_batch_size: int = 256):
+                 name: str = "data", files=(), doc_batch_size: int = 1000):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         self.documents = documents
@@ -202,54 +194,50 @@ class PackingIterator:
         self._pending: np.ndarray | None = None
         self._doc_iter = None
         self._docs = None
+        self._whole_epoch_tokens = None  # None: this epoch was resumed midway, so its count is unknown
 
     # -- document side -------------------------------------------------------------------------------
     def _open_epoch(self, doc_state=None):
         import copy
-        docs = copy.deepcopy(self.stream.documents)
+        docs = copy.deepcopy(self.stream.documents).with_format("arrow")  # batches as Arrow tables
         docs.set_epoch(self.epoch)
         if doc_state is not None:
             docs.load_state_dict(doc_state)
         self._docs = docs
-        self._doc_iter = iter(docs)
+        self._doc_iter = docs.iter(batch_size=self.stream.doc_batch_size)
 
     def _next_doc_batch(self) -> list[str] | None:
-        texts = []
-        while len(texts) < self.stream.doc_batch_size:
-            try:
-                example = next(self._doc_iter)
-            except StopIteration:
-                break
-            except Exception as e:
-                from .sources import explain_read_error
-                raise explain_read_error(e, self.stream.files, self.stream.name) from e
-            text = example["text"]
-            if text:
-                texts.append(text)
-        return texts or None
+        """The next ``doc_batch_size`` documents (fewer at the end of the stream); None when it is over."""
+        try:
+            table = next(self._doc_iter)
+        except StopIteration:
+            return None
+        except Exception as e:
+            from .sources import explain_read_error
+            raise explain_read_error(e, self.stream.files, self.stream.name) from e
+        return table.column("text").to_pylist()
 
     def _fill(self) -> None:
         """Tokenize the next document batch into the pending buffer, crossing epochs as needed."""
-        empty_epochs = 0
         while True:
             if self._doc_iter is None:
                 self._open_epoch()
+                self._whole_epoch_tokens = 0  # counted only for epochs read from their start
             self._start_state = self._docs.state_dict()
             texts = self._next_doc_batch()
             if texts is not None:
                 break
             self._doc_iter = None
+            if self._whole_epoch_tokens == 0:
+                raise ValueError(f"{self.stream.name}: the stream has no text (an empty corpus, or a "
+                                 f"data-parallel shard that received no documents)")
             if self.epochs is not None and self.epoch + 1 >= self.epochs:
                 raise StopIteration
             self.epoch += 1
-            empty_epochs += 1
-            if empty_epochs > 1:
-                raise ValueError(f"{self.stream.name}: the stream has no documents (an empty corpus, or a "
-                                 f"data-parallel shard that received none)")
-        ids = self.stream.tokenizer.encode_batch(texts)
-        eod = self.stream.tokenizer.eod_id
-        flat = [t for doc in ids for t in (*doc, eod)]
-        self._pending = np.asarray(self._carry + flat, dtype=np.int64)
+        flat, _ = self.stream.tokenizer.encode_documents(texts, dtype=np.int32)  # int32 halves the buffer
+        if self._whole_epoch_tokens is not None:
+            self._whole_epoch_tokens += len(flat)
+        self._pending = np.concatenate([np.asarray(self._carry, dtype=np.int32), flat])
         self._carry_at_start = list(self._carry)
         self._skip = 0
 
@@ -263,7 +251,7 @@ class PackingIterator:
                 start = self._skip * L
                 if start + L + 1 <= len(self._pending):
                     self._skip += 1
-                    return torch.from_numpy(self._pending[start:start + L + 1].copy())
+                    return torch.from_numpy(self._pending[start:start + L + 1].astype(np.int64))
                 self._carry = self._pending[start:].tolist()
                 self._pending = None
             self._fill()
@@ -280,6 +268,7 @@ class PackingIterator:
         self._pending = None
         self._carry = list(state["carry"])
         self._open_epoch(state["docs"])
+        self._whole_epoch_tokens = None
         if state["in_batch"]:
             self._fill()
             self._skip = int(state["skip"])

@@ -195,10 +195,12 @@ def _load_part(source, part, text_field, streaming, cache_dir, encoding_errors, 
     fmt, kwargs = part.fmt, {}
     if fmt in ("text", "text-document"):
         builder = "text"
+        # 1 MiB reads (datasets' default is 10 MiB): a read becomes a str of up to 4 bytes per character
+        # and then a list of documents, so the chunk size sets the transient memory of streaming
         kwargs = dict(sample_by="document" if fmt == "text-document" else txt_sample_by,
-                      encoding_errors=encoding_errors)
+                      encoding_errors=encoding_errors, chunksize=1 << 20)
     elif fmt == "json":
-        builder, kwargs = "json", dict(encoding_errors=encoding_errors)
+        builder, kwargs = "json", dict(encoding_errors=encoding_errors, chunksize=1 << 20)
     elif fmt in ("csv", "tsv"):
         builder = "csv"
         kwargs = dict(encoding_errors=encoding_errors)
@@ -285,7 +287,7 @@ def check_text_field(part: Part, text_field: str) -> None:
             if f is None:
                 continue
             with f:
-                header = f.readline().decode("utf-8", errors="replace").rstrip("\r\n")
+                header = f.readline().decode("utf-8-sig", errors="replace").rstrip("\r\n")
             columns = next(csv.reader([header], delimiter="\t" if part.fmt == "tsv" else ","), [])
         elif part.fmt == "json":
             f = _open(path)

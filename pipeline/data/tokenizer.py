@@ -11,6 +11,7 @@ encoded as ordinary text: only real document boundaries become ``eod_id`` (``enc
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -48,12 +50,30 @@ class Tokenizer:
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         self._fingerprint: str | None = None
 
+    def __getstate__(self):
+        return dict(self.__dict__)
+
+    def __setstate__(self, state):
+        # tokenizers pickles the tokenizer.json only: re-apply the runtime flag in worker processes
+        self.__dict__.update(state)
+        self._backend.encode_special_tokens = True
+
     # --- codec -------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def encode_documents(self, texts: list[str], dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:
+        """Token stream of ``texts``, each followed by ``eod_id`` (empty texts dropped), and the per-document
+        lengths (eod included): the packing hot path, one numpy array instead of lists."""
+        texts = [t for t in texts if t]
+        ids = self.encode_batch(texts) if texts else []
+        lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable((*x, self.eod_id) for x in ids), dtype=dtype,
+                           count=int(lengths.sum()))
+        return flat, lengths
 
     def decode(self, ids) -> str:
         if hasattr(ids, "tolist"):
@@ -117,6 +137,17 @@ class ByteTokenizer(Tokenizer):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
+
+    def encode_documents(self, texts: list[str], dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:
+        encoded = [t.encode("utf-8") for t in texts if t]
+        lengths = np.fromiter((len(b) + 1 for b in encoded), dtype=np.int64, count=len(encoded))
+        flat = np.empty(int(lengths.sum()), dtype=dtype)
+        ends = np.cumsum(lengths)
+        body = np.ones(len(flat), dtype=bool)
+        body[ends - 1] = False
+        flat[body] = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        flat[ends - 1] = self.eod_id
+        return flat, lengths
 
 
 def byte_tokenizer() -> ByteTokenizer:

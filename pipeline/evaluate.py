@@ -1,0 +1,210 @@
+"""Score a language model as Megatron-LM reports it: WikiText perplexity, LAMBADA accuracy, bits per character.
+
+    python -m pipeline.evaluate --task wikitext --data wiki.test.tokens --hf MODEL_DIR --out result.json
+    python -m pipeline.evaluate --task lambada --data lambada/test.jsonl --hf model.gguf --dtype bf16 --out r.json
+    python -m pipeline.evaluate --task bpc --data held_out.txt --hf MODEL_DIR --out r.json
+    deepspeed --num_gpus 8 -m pipeline.evaluate --task wikitext ... --checkpoint CKPT_DIR   # project checkpoints
+
+``--hf`` takes a local Hugging Face directory or GGUF file (nothing is downloaded;
+remote code only with --trust-remote-code). The result JSON (written atomically)
+holds the numbers, the counts they come from, and every setting.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.lm_eval import (DataShard, GPTScorer, evaluate_bpc, evaluate_lambada, evaluate_wikitext,
+                              load_hf_model, load_hf_tokenizer, load_lambada, load_project_model, load_text,
+                              load_wikitext)
+
+TASKS = ("wikitext", "lambada", "bpc")
+MEGATRON_STRIDE = 32  # Megatron-LM's --overlapping-eval default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--data", required=True, type=Path,
+                   help="wikitext: a WikiText file (wiki.test.tokens / test.txt, or wiki.test.raw); "
+                        "lambada: JSON lines {\"text\": ...}; bpc: any UTF-8 text file")
+    p.add_argument("--out", required=True, type=Path, help="result JSON file")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--hf", type=Path, help="Hugging Face causal-LM directory or .gguf file")
+    model.add_argument("--checkpoint", type=Path, help="project checkpoint directory")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="--checkpoint: tensor-parallel size to score with (launch TP x DP ranks like the main job)")
+    p.add_argument("--tokenizer", type=Path,
+                   help="tokenizer directory or .gguf file (default: the model's own)")
+    p.add_argument("--context-length", type=int,
+                   help="tokens the model reads per window (default: the model's maximum positions)")
+    p.add_argument("--stride", type=int,
+                   help=f"wikitext/bpc: new tokens scored per window; smaller gives each token more context "
+                        f"and costs more (default: Megatron's {MEGATRON_STRIDE}, capped at --context-length)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows (wikitext, bpc) or passages (lambada) per forward (default: 8)")
+    p.add_argument("--max-examples", type=int,
+                   help="score a prefix only: the first N passages (lambada), articles (wikitext) or lines (bpc)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="model weights and compute (default: fp32)")
+    p.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu, cuda, cuda:1 ... (--hf only; default: auto)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the model directory's own Python code (off by default)")
+    p.add_argument("--plot", type=Path, help="wikitext/bpc: also save a PNG of the loss against the left context")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def load_data(task: str, path: Path, max_examples: int | None):
+    if task == "wikitext":
+        return load_wikitext(path, max_articles=max_examples)
+    if task == "lambada":
+        return load_lambada(path, max_examples=max_examples)
+    return load_text(path, max_lines=max_examples)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    for name in ("context_length", "stride", "batch_size", "max_examples"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            sys.exit(f"error: --{name.replace('_', '-')} must be >= 1, got {value}")
+    data = load_data(args.task, args.data, args.max_examples)  # bad data fails before the model loads
+
+    if args.hf is not None:
+        scorer, model_info = load_hf_model(args.hf, dtype=args.dtype, device=args.device,
+                                           trust_remote_code=args.trust_remote_code)
+        tokenizer = load_hf_tokenizer(args.tokenizer or args.hf, trust_remote_code=args.trust_remote_code)
+        shard, is_main, parallel = DataShard(), True, {"tensor_parallel": 1, "data_parallel": 1}
+    else:
+        import torch.distributed as dist
+        from models.parallel import get_parallel_state
+        from pipeline.distributed import init_distributed
+        init_distributed()
+        model, tokenizer = load_project_model(args.checkpoint, args.tensor_parallel)
+        if args.dtype != "fp32":
+            model.to(dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype])
+        if args.tokenizer is not None:
+            tokenizer = load_hf_tokenizer(args.tokenizer)
+        scorer, shard, is_main = GPTScorer(model), DataShard.current(), dist.get_rank() == 0
+        state = get_parallel_state()
+        parallel = {"tensor_parallel": state.tensor_parallel, "data_parallel": state.data_parallel}
+        model_info = {"source": str(args.checkpoint), "format": "project", "dtype": args.dtype,
+                      "parameters": model.config.num_parameters(), "max_positions": scorer.max_positions}
+
+    context_length = args.context_length or scorer.max_positions
+    if context_length is None:
+        sys.exit("error: the model does not say how many positions it reads; pass --context-length")
+    stride = args.stride or min(MEGATRON_STRIDE, context_length)
+    settings = {"context_length": context_length, "batch_size": args.batch_size, "dtype": args.dtype,
+                "max_examples": args.max_examples, **parallel}
+    common = dict(context_length=context_length, batch_size=args.batch_size, shard=shard,
+                  progress=is_main and not args.no_progress)
+
+    start = time.perf_counter()
+    if args.task == "wikitext":
+        results = evaluate_wikitext(scorer, tokenizer, data, stride=stride, **common)
+    elif args.task == "lambada":
+        results = evaluate_lambada(scorer, tokenizer, data, **common)
+    else:
+        results = evaluate_bpc(scorer, tokenizer, data, stride=stride, **common)
+    elapsed = time.perf_counter() - start
+    if args.task != "lambada":
+        settings["stride"] = stride
+
+    import transformers
+    record = {
+        "task": args.task,
+        "results": results,
+        "settings": settings,
+        "model": model_info,
+        "tokenizer": tokenizer.name,
+        "data": {"path": str(args.data), "sha256": sha256(args.data)},
+        "elapsed_s": round(elapsed, 3),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    if is_main:
+        write_json_atomic(args.out, record)
+        if args.plot is not None and "loss_by_context" in results:
+            plot_loss_by_context(record, args.plot)
+        print(summary(record), file=sys.stderr)
+    return record
+
+
+def plot_loss_by_context(record: dict, path: Path) -> None:
+    """Mean token loss against the left context it was scored with (how much the window length matters)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = record["results"]["loss_by_context"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([math.sqrt(r["context_from"] * r["context_to"]) for r in rows], [r["mean_nll"] for r in rows], "o-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens of left context")
+    ax.set_ylabel("mean token NLL (nats)")
+    s = record["settings"]
+    ax.set_title(f"{record['task']}: {Path(record['model']['source']).name}\n"
+                 f"context {s['context_length']}, stride {s['stride']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def summary(record: dict) -> str:
+    r, task = record["results"], record["task"]
+    if task == "wikitext":
+        text = (f"token perplexity {r['token_perplexity']:.3f}, word perplexity {r['word_perplexity']:.3f} "
+                f"({r['num_scored_tokens']} tokens, {r['num_words']} words)")
+    elif task == "lambada":
+        text = (f"strict accuracy {r['accuracy']:.4f} ({r['num_correct']}/{r['num_examples']}), "
+                f"token accuracy {r['token_accuracy']:.4f} ({r['num_correct_tokens']}/{r['num_target_tokens']})")
+    else:
+        text = (f"{r['bits_per_character']:.4f} bits/char, {r['bits_per_byte']:.4f} bits/byte "
+                f"({r['num_characters']} characters)")
+    return f"{task}: {text}; {record['elapsed_s']:.1f}s"
+
+
+def cli() -> None:
+    """``main`` with bad input reported as one line instead of a traceback."""
+    try:
+        main()
+    except (FileNotFoundError, ValueError, NotImplementedError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,80 @@
+"""Loading the models to score: Hugging Face directories / GGUF files, and (to come) project checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .scoring import HFScorer
+from .tokenization import HFTokenizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _split_gguf(path: Path) -> tuple[Path, str | None]:
+    """(directory, GGUF file name or None) for a model directory or a ``.gguf`` file."""
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf file; pass a Hugging Face model directory "
+                             f"or a GGUF file")
+        return path.parent, path.name
+    if not path.is_dir():
+        raise FileNotFoundError(f"no Hugging Face model directory or GGUF file at {path}")
+    return path, None
+
+
+def load_hf_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> HFTokenizer:
+    from transformers import AutoTokenizer
+    directory, gguf = _split_gguf(Path(path))
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf, trust_remote_code=trust_remote_code)
+    return HFTokenizer(tok, name=str(path))
+
+
+def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None = None,
+                  trust_remote_code: bool = False) -> tuple[HFScorer, dict]:
+    """A causal LM from a local Hugging Face directory or GGUF file, as a scorer, plus a description.
+
+    Remote code runs only with ``trust_remote_code=True``; nothing is downloaded.
+    """
+    from transformers import AutoModelForCausalLM
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    directory, gguf = _split_gguf(Path(path))
+    dev = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=DTYPES[dtype],
+                                                 trust_remote_code=trust_remote_code, local_files_only=True)
+    model.to(dev)
+    scorer = HFScorer(model)
+    info = {"source": str(path), "format": "gguf" if gguf else "hf", "class": type(model).__name__,
+            "model_type": getattr(model.config, "model_type", None),
+            "parameters": sum(p.numel() for p in model.parameters()), "dtype": dtype, "device": str(dev),
+            "max_positions": scorer.max_positions}
+    return scorer, info
+
+
+def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1):
+    """A project model directory -> (models.GPT with this rank's shards, tokenizer).
+
+    Any directory ``pipeline.checkpoint.read_full_checkpoint`` reads: a pretraining run (DeepSpeed
+    checkpoints saved at any TP/PP/DP layout), one of its ``global_step<N>`` tags, or an
+    ``import_hf`` directory. The full weights are re-cut for ``tensor_parallel`` (pipeline stages are
+    not needed to score); the data-parallel size is what is left of the launched world.
+    Called on every rank after ``pipeline.distributed.init_distributed()``.
+    """
+    from models import GPT
+    from models.parallel import initialize_model_parallel
+    from pipeline.checkpoint import read_full_checkpoint
+    from pipeline.state_dicts import load_full_state_dict
+    initialize_model_parallel(tensor_parallel, 1)
+    config, full, tokenizer_dir = read_full_checkpoint(checkpoint_dir)
+    if tokenizer_dir is None:
+        raise FileNotFoundError(f"{checkpoint_dir} has no tokenizer; pass --tokenizer")
+    model = GPT(config, init_seed=0)
+    load_full_state_dict(model, full, source=str(checkpoint_dir))
+    return model.eval(), load_hf_tokenizer(tokenizer_dir)
