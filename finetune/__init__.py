@@ -8,8 +8,9 @@ Modules, each importable on its own (data, normalize, metrics, thresholds and pr
   thresholds   - per-class decision thresholds tuned for F1, stored as JSON beside a model
   predictions  - prediction files in the official E-c format (what the official scorer reads)
   heads        - pooling + classifier head over hidden states [b, s, h] (or pooled [b, h]); losses
-  model        - ``Classifier`` = encoder (the project GPT, any variant and TP size) + head; aux LM loss, frozen
-                 encoder, layer-wise LR groups; ``load_full_gpt_state`` reads any base model directory
+  model        - ``Classifier`` = encoder (the project GPT, any variant and TP size; or the mLSTM's final cell
+                 state) + head; aux LM loss, frozen encoder, layer-wise LR groups; ``load_base_state`` reads any
+                 base model directory
   batching     - texts -> token ids -> right-padded batches (training: shuffled, DP-sharded; prediction: by length)
   saved        - the classifier directory (classifier.json, model.safetensors, thresholds, tokenizer);
                  ``load_classifier(dir).predict(texts)``

@@ -5,8 +5,9 @@
     loss = model(input_ids, labels, lengths=lengths)                 # BCE (or CE) [+ weight x LM loss]
     probs = model.predict_proba(input_ids, lengths=lengths)          # fp32 [b, k]
 
-The encoder interface is small on purpose (the mLSTM will implement it too):
-  ``features(input_ids)``     -> hidden states [b, s, h] (or one vector per text [b, h], with pooling="none");
+The encoder interface is small on purpose; the GPT (``GPTEncoder``) and the mLSTM (``MLSTMEncoder``) implement it:
+  ``features(input_ids, lengths)`` -> hidden states [b, s, h] (the GPT), or one vector per text [b, h] (the
+                                 mLSTM's final cell state, the sentiment neuron's features; pooling "none");
   ``lm_loss(features, ids, lengths)`` -> the next-token loss over real tokens (the auxiliary LM objective);
   ``depth_of(param_name)``    -> 0 (input side) .. ``num_depths`` - 1 (output side), for layer-wise LR decay.
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from models import GPT, GPTConfig
+from models import GPT, MLSTM, GPTConfig, MLSTMConfig
 from models.parallel import vocab_parallel_cross_entropy
 
 from .heads import MULTILABEL, ClassificationHead, HeadConfig
@@ -50,8 +51,8 @@ class GPTEncoder(GPT):
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
-    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.hidden_states(input_ids)
+    def features(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        return self.hidden_states(input_ids)  # causal: the padding after each row's length changes nothing
 
     def lm_loss(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over the real tokens of right-padded rows (position t predicts
@@ -81,7 +82,53 @@ class GPTEncoder(GPT):
         return self.config.num_layers + 1
 
 
-ENCODERS = {"gpt": GPTEncoder}
+class MLSTMEncoder(MLSTM):
+    """The byte-level mLSTM (data parallel only), with the encoder interface: each text's summary is the last
+    layer's cell state after its last byte, as in the sentiment-neuron work. Same parameter names as ``MLSTM``."""
+
+    def __init__(self, config: MLSTMConfig, init_seed: int | None = None):
+        from models.gpt import seeded_init
+        with seeded_init(init_seed):
+            super().__init__(config)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def features(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        return super().features(input_ids, lengths)
+
+    def lm_loss(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross-entropy over the real bytes (a second pass: the features are cell states)."""
+        s = input_ids.shape[1]
+        targets = input_ids[:, 1:].masked_fill(
+            torch.arange(1, s, device=input_ids.device)[None, :] >= lengths[:, None], -100)
+        if s < 2 or not bool((targets != -100).any()):
+            return features.new_zeros((), dtype=torch.float32)
+        loss, _ = MLSTM.forward(self, input_ids[:, :-1], targets)
+        return loss
+
+    @property
+    def num_depths(self) -> int:
+        return self.config.num_layers + 2
+
+    def depth_of(self, name: str) -> int:
+        """embedding 0, layers.i -> i + 1, output layer L + 1."""
+        if name.startswith("embedding."):
+            return 0
+        m = re.match(r"layers\.(\d+)\.", name)
+        return int(m.group(1)) + 1 if m else self.config.num_layers + 1
+
+
+ENCODERS = {"gpt": GPTEncoder, "mlstm": MLSTMEncoder}
+ENCODER_CONFIGS = {"gpt": GPTConfig, "mlstm": MLSTMConfig}
+
+
+def encoder_type_of(config) -> str:
+    for name, cls in ENCODER_CONFIGS.items():
+        if isinstance(config, cls):
+            return name
+    raise ValueError(f"no encoder for a {type(config).__name__}; known: {', '.join(ENCODERS)}")
 
 
 def build_encoder(encoder_type: str, config, init_seed: int | None = None) -> nn.Module:
@@ -93,9 +140,11 @@ def build_encoder(encoder_type: str, config, init_seed: int | None = None) -> nn
 
 
 def encoder_config_from_dict(encoder_type: str, d: dict, source: str = "encoder config"):
-    if encoder_type == "gpt":
-        return GPTConfig.from_dict(d, source=source)
-    raise ValueError(f"{source}: unknown encoder type {encoder_type!r}; known: {', '.join(ENCODERS)}")
+    try:
+        cls = ENCODER_CONFIGS[encoder_type]
+    except KeyError:
+        raise ValueError(f"{source}: unknown encoder type {encoder_type!r}; known: {', '.join(ENCODERS)}") from None
+    return cls.from_dict(d, source=source)
 
 
 # ----------------------------------------------------------------------------------------- classifier
@@ -159,17 +208,17 @@ class Classifier(nn.Module):
             raise ValueError(f"lengths must be [{b}] values in 1..{s}, got {lengths.tolist()}")
         return lengths
 
-    def _features(self, input_ids):
+    def _features(self, input_ids, lengths):
         if self.freeze_encoder:
             with torch.no_grad():
-                return self.encoder.features(input_ids)
-        return self.encoder.features(input_ids)
+                return self.encoder.features(input_ids, lengths)
+        return self.encoder.features(input_ids, lengths)
 
     def pool(self, input_ids: torch.Tensor, *, lengths: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The head's input [b, h]: encoder features pooled over the real tokens."""
         lengths = self._lengths(input_ids, lengths, attention_mask)
-        features = self._features(input_ids)
+        features = self._features(input_ids, lengths)
         return features if features.dim() == 2 else self.head.pool(features, lengths=lengths)
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
@@ -184,7 +233,7 @@ class Classifier(nn.Module):
             features = None
         else:
             lengths = self._lengths(input_ids, lengths, attention_mask)
-            features = self._features(input_ids)
+            features = self._features(input_ids, lengths)
             if features.dim() == 2:  # the encoder summarises each text itself ([b, h]; pooling "none")
                 logits = self.head(features)
             else:
@@ -248,18 +297,18 @@ class Classifier(nn.Module):
 
 # ------------------------------------------------------------------------------ full state dicts in
 
-def load_full_gpt_state(directory: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], Path | None]:
-    """(GPTConfig, full TP=1 state dict, tokenizer directory or None) of a base model directory:
+def load_base_state(directory: str | Path) -> tuple[GPTConfig | MLSTMConfig, dict[str, torch.Tensor], Path | None]:
+    """(model config, full TP=1 state dict, tokenizer directory or None) of a base model directory:
 
-    * a project pretraining checkpoint (``config.json``, ``tokenizer/``, ``latest`` -> ``global_stepN/``) saved
-      at any TP/PP layout (``pipeline.checkpoint.read_full_model_state``); a ``global_stepN`` directory picks
-      that step;
-    * ``config.json`` + ``model.safetensors`` (a full state dict, what ``pipeline.import_hf`` writes; tokenizer
-      files beside them or in tokenizer/);
+    * a project pretraining run (``config.json``, ``tokenizer/``, ``latest`` -> ``global_stepN/``) saved at any
+      TP/PP layout, GPT or mLSTM (``pipeline.checkpoint.read_full_model_state``); a ``global_stepN`` directory
+      picks that step;
+    * ``config.json`` + ``model.safetensors`` (a full state dict: what ``pipeline.import_hf`` or
+      ``models.save_mlstm`` writes; tokenizer files beside them or in tokenizer/);
     * a finetuned classifier directory (its encoder).
 
     Torch files are read with ``weights_only=True``. The tensors keep their stored dtype."""
-    from pipeline.checkpoint import read_full_model_state
+    from pipeline.checkpoint import is_deepspeed_run_dir, read_full_model_state
     d = Path(directory)
     if not d.exists():
         raise BaseModelError(f"base model directory {d} does not exist")
@@ -270,20 +319,30 @@ def load_full_gpt_state(directory: str | Path) -> tuple[GPTConfig, dict[str, tor
     if (d / CLASSIFIER_FILE).is_file():
         from .saved import read_classifier_dir
         info, full = read_classifier_dir(d)
-        if info["encoder_type"] != "gpt":
-            raise BaseModelError(f"{d}: the classifier's encoder is {info['encoder_type']!r}, not a GPT")
         encoder = {k[len(ENCODER_PREFIX):]: v for k, v in full.items() if k.startswith(ENCODER_PREFIX)}
         return info["encoder_config"], encoder, _tokenizer_dir(d)
     if (d / WEIGHTS_FILE).is_file():
-        from pipeline.export_hf import read_model_dir
-        config, full, _ = read_model_dir(d)
-        return config, full, _tokenizer_dir(d)
-    if (d / "latest").is_file() or any(d.glob("global_step*")):
+        from models.config import read_config_json
+        from pipeline.state_dicts import read_state_dict
+        if not (d / CONFIG_FILE).is_file():
+            raise BaseModelError(f"{d} has {WEIGHTS_FILE} but no {CONFIG_FILE} (the model config)")
+        model_type = read_config_json(d / CONFIG_FILE).get("model_type", "gpt")
+        config = encoder_config_from_dict(model_type, read_config_json(d / CONFIG_FILE), str(d / CONFIG_FILE))
+        return config, dict(read_state_dict(d / WEIGHTS_FILE)), _tokenizer_dir(d)
+    if is_deepspeed_run_dir(d):
         return read_full_model_state(d)
     found = ", ".join(sorted(p.name for p in d.iterdir())[:12]) or "nothing"
     raise BaseModelError(f"{d} is not a base model directory: expected {CONFIG_FILE} with {WEIGHTS_FILE}, a "
                          f"pretraining checkpoint (latest, global_stepN/) or a classifier ({CLASSIFIER_FILE}); "
                          f"found: {found}")
+
+
+def load_full_gpt_state(directory: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], Path | None]:
+    """``load_base_state`` for a GPT base model (refuses any other)."""
+    config, full, tokenizer_dir = load_base_state(directory)
+    if not isinstance(config, GPTConfig):
+        raise BaseModelError(f"{directory} holds a {type(config).__name__} model, not a GPT")
+    return config, full, tokenizer_dir
 
 
 def _tokenizer_dir(d: Path) -> Path | None:
@@ -295,7 +354,7 @@ def _tokenizer_dir(d: Path) -> Path | None:
 
 # ----------------------------------------------------------------------------------------- building
 
-def build_classifier(encoder_config, head_config: HeadConfig, *, encoder_type: str = "gpt",
+def build_classifier(encoder_config, head_config: HeadConfig, *, encoder_type: str | None = None,
                      encoder_state: Mapping[str, torch.Tensor] | None = None, init_seed: int = 1234,
                      aux_lm_weight: float = 0.0, pos_weight=None, freeze_encoder: bool = False,
                      freeze_embeddings: bool = False,
@@ -303,9 +362,10 @@ def build_classifier(encoder_config, head_config: HeadConfig, *, encoder_type: s
                      source: str = "base model") -> Classifier:
     """A classifier for this rank's TP shard: the encoder from ``encoder_state`` (a full state dict; None =
     random init from ``init_seed``), the head from its own seed (same on every rank) and, given label
-    priors and an output bias, with its bias at the priors' logits."""
+    priors and an output bias, with its bias at the priors' logits. ``encoder_type``: from the config's type."""
     from models.gpt import seeded_init
     from pipeline.state_dicts import load_full_state_dict
+    encoder_type = encoder_type or encoder_type_of(encoder_config)
     encoder = build_encoder(encoder_type, encoder_config, init_seed=init_seed)
     if encoder_state is not None:
         load_full_state_dict(encoder, encoder_state, source=source)

@@ -45,7 +45,8 @@ def parse_args(argv=None):
                                                   "model.safetensors, or a classifier)")
     g.add_argument("--tokenizer", default=None, help="override the base model's tokenizer (a directory or "
                                                       "tokenizer.json; it must fit the model's vocabulary)")
-    g.add_argument("--pooling", choices=["last", "mean", "max", "attention"], default="last")
+    g.add_argument("--pooling", choices=["last", "mean", "max", "attention", "none"], default=None,
+                   help="default: last (GPT); the mLSTM summarises each text itself (its final cell state): none")
     g.add_argument("--mlp-hidden", default="", help="comma-separated hidden widths of an MLP head (default: linear)")
     g.add_argument("--dropout", type=float, default=0.1, help="head dropout")
     g.add_argument("--encoder-dropout", type=float, default=None,
@@ -209,6 +210,23 @@ def parse_pos_weight(spec: str, labels: np.ndarray, cap: float):
     return w
 
 
+def check_encoder_options(args, encoder_type: str) -> None:
+    """The mLSTM runs data-parallel only, and summarises each text itself (pooling 'none')."""
+    if encoder_type == "mlstm":
+        problems = []
+        if args.tensor_parallel != 1:
+            problems.append(f"--tensor-parallel {args.tensor_parallel} (the mLSTM is data-parallel only)")
+        if args.pooling not in (None, "none"):
+            problems.append(f"--pooling {args.pooling} (its features are the final cell state: pooling 'none')")
+        if args.encoder_layers is not None:
+            problems.append("--encoder-layers")
+        if problems:
+            raise FinetuneError(f"{args.base} is an mLSTM, which does not take " + "; ".join(problems))
+    elif args.pooling == "none":
+        raise FinetuneError("--pooling none is for encoders that summarise a text themselves (the mLSTM); a GPT "
+                            "gives hidden states per token: choose last, mean, max or attention")
+
+
 def first_layers(config, state: dict, n: int, source: str):
     """The base model cut to its first ``n`` transformer layers (config and full state dict)."""
     import dataclasses
@@ -303,7 +321,7 @@ def run(args) -> dict:
         ds_logger.setLevel(logging.WARNING)
     from finetune.batching import TrainBatches, encode_texts, pooled_features, predict_encoded, predict_pooled
     from finetune.heads import MULTILABEL, HeadConfig
-    from finetune.model import build_classifier, load_full_gpt_state
+    from finetune.model import build_classifier, encoder_type_of, load_base_state
     from finetune.normalize import TweetNormalizer
     from models.parallel import initialize_model_parallel, model_parallel_seed
     from pipeline.data import load_tokenizer
@@ -315,7 +333,9 @@ def run(args) -> dict:
 
     # base model and tokenizer. Inputs are read and checked before any process group exists: a bad file
     # fails at once, on every rank.
-    config, base_state, tokenizer_dir = load_full_gpt_state(args.base)
+    config, base_state, tokenizer_dir = load_base_state(args.base)
+    encoder_type = encoder_type_of(config)
+    check_encoder_options(args, encoder_type)
     if args.tokenizer is None and tokenizer_dir is None:
         raise FinetuneError(f"{args.base} holds no tokenizer; pass --tokenizer")
     try:
@@ -326,13 +346,17 @@ def run(args) -> dict:
         raise FinetuneError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model in {args.base} only "
                             f"{config.vocab_size}: it is not this model's tokenizer")
     if args.encoder_dropout is not None:
-        config.hidden_dropout = config.attention_dropout = args.encoder_dropout
+        if encoder_type == "gpt":
+            config.hidden_dropout = config.attention_dropout = args.encoder_dropout
+        else:
+            config.dropout = args.encoder_dropout
     if args.encoder_layers is not None:
         config, base_state = first_layers(config, base_state, args.encoder_layers, args.base)
-    config.check_parallel(args.tensor_parallel)
-    max_length = min(args.max_length, config.max_position_embeddings)
+    if encoder_type == "gpt":
+        config.check_parallel(args.tensor_parallel)
+    max_length = min(args.max_length, getattr(config, "max_position_embeddings", args.max_length))
     pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
-    pad_id = tokenizer.eod_id if pad_id is None else pad_id
+    pad_id = tokenizer.eod_id if pad_id is None or pad_id >= config.vocab_size else pad_id
 
     # data
     subset = label_subset(args.labels)
@@ -361,9 +385,10 @@ def run(args) -> dict:
     truncated = sum(len(ids) == max_length for ids in encoded["train"])
 
     # model
-    head_bias = {"yes": True, "no": False, "auto": config.variant != "llama"}[args.head_bias]
+    head_bias = {"yes": True, "no": False, "auto": getattr(config, "variant", None) != "llama"}[args.head_bias]
+    pooling = args.pooling or {"gpt": "last", "mlstm": "none"}[encoder_type]
     try:
-        head_config = HeadConfig(config.hidden_size, train.num_labels, pooling=args.pooling,
+        head_config = HeadConfig(config.hidden_size, train.num_labels, pooling=pooling,
                                  mlp_hidden=args.mlp_hidden, dropout=args.dropout, problem_type=train.task,
                                  label_names=train.label_names, output_bias=head_bias)
     except ValueError as e:
@@ -404,7 +429,7 @@ def run(args) -> dict:
                           param_groups_fn=groups)
     del base_state
     dp_kwargs = dict(dp_rank=state.get_data_parallel_rank(), dp_world_size=dp, dp_group=state.get_data_parallel_group())
-    cached = args.freeze_encoder and args.pooling != "attention"
+    cached = args.freeze_encoder and pooling != "attention"
     t_features = time.perf_counter()
     if cached:  # a frozen encoder gives the same features every epoch: compute them once
         encoded = {name: pooled_features(engine.module, ids, pad_id, batch_size=args.eval_batch_size,
@@ -422,10 +447,12 @@ def run(args) -> dict:
                 "truncated_train_texts": truncated, "global_batch": ds["train_batch_size"], "micro_batch": micro,
                 "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
                 "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
-                "pos_weight": None if pos_weight is None else pos_weight.tolist(), "aux_lm_weight": args.aux_lm_weight,
+                "pos_weight": None if pos_weight is None else pos_weight.tolist(),
+                "aux_lm_weight": args.aux_lm_weight,
                 "freeze_encoder": args.freeze_encoder, "freeze_embeddings": args.freeze_embeddings,
                 "features_computed_once": cached,
-                "encoder_layers": config.num_layers, "pooling": args.pooling, "mlp_hidden": list(args.mlp_hidden),
+                "encoder": encoder_type, "encoder_layers": config.num_layers, "pooling": pooling,
+                "mlp_hidden": list(args.mlp_hidden),
                 "precision": precision(ds), "tensor_parallel": state.tensor_parallel, "data_parallel": dp,
                 "seed": args.seed}
     metrics.write({"settings": settings})
@@ -488,6 +515,7 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
            head_config, tokenizer, max_length, normalizer) -> dict:
     from finetune.metrics import (evaluate_probabilities, format_comparison, plot_per_class_f1,
                                   single_label_scores, write_eval_json)
+    from finetune.model import encoder_type_of
     from finetune.predictions import write_predictions
     from finetune.saved import save_classifier_dir
     from finetune.thresholds import apply_thresholds, tune_thresholds
@@ -531,9 +559,9 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
     if test is not None:
         write_predictions(save / "test_predictions.txt", test.ids, test.texts, decide(test_probs), train.label_names)
     training = {k: v for k, v in settings.items() if k not in ("examples",)}
-    save_classifier_dir(save, full_state=state, encoder_type="gpt", encoder_config=config, head_config=head_config,
-                        tokenizer=tokenizer, max_length=max_length, normalizer=normalizer, thresholds=thresholds,
-                        training=training)
+    save_classifier_dir(save, full_state=state, encoder_type=encoder_type_of(config), encoder_config=config,
+                        head_config=head_config, tokenizer=tokenizer, max_length=max_length, normalizer=normalizer,
+                        thresholds=thresholds, training=training)
     metrics.write({"saved": str(save), **({"dev_tuned_micro_f1": results["dev"]["tuned"]["micro_f1"]}
                                           if multilabel else {})})
     if args.hf_export == "auto":

@@ -212,6 +212,39 @@ def test_linear_probe_computes_features_once_and_keeps_the_encoder(work):
     assert all(torch.equal(encoder[k], v) for k, v in base.items())  # fp32 run: the frozen weights, unchanged
 
 
+def _mlstm_worker(rank, argv):
+    from finetune.train import main
+    return {"losses": main(argv)["losses"]}
+
+
+def test_mlstm_encoder_cell_state_classifier(work):
+    """The byte-level mLSTM as the encoder (its final cell state, pooling 'none'), with the auxiliary LM loss,
+    data parallel over 2 ranks; the saved classifier predicts what the job wrote."""
+    from finetune.data import load_semeval_ec
+    from finetune.predictions import read_predictions
+    from finetune.saved import load_classifier
+    from models import MLSTM, MLSTMConfig, save_mlstm
+    from pipeline.data import byte_tokenizer
+    base = work["dir"] / "mlstm"
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    save_mlstm(MLSTM(MLSTMConfig(vocab_size=tok.vocab_size, embed_dim=16, hidden_size=32, seq_length=64)), base)
+    tok.save(base)
+    save = work["dir"] / "mlstm_run"
+    results = run_distributed(_mlstm_worker, 2, [
+        "--base", str(base), "--train", str(work["train"]), "--dev", str(work["dev"]), "--deepspeed_config",
+        str(work["ds"]), "--aux-lm-weight", "0.2", "--train-steps", "16", "--lr", "3e-2", "--max-length", "64",
+        "--save", str(save), "--labels", "plutchik"])
+    losses = results[0]["losses"]
+    assert losses == results[1]["losses"] and np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.05, losses
+    info = json.loads((save / "classifier.json").read_text())
+    assert info["encoder_type"] == "mlstm" and info["head_config"]["pooling"] == "none"
+    assert len(info["label_names"]) == 8 and not (save / "hf").exists()  # no transformers class for it
+    dev = load_semeval_ec(work["dev"]).select_labels(info["label_names"])
+    predicted = read_predictions(save / "dev_predictions.txt", info["label_names"]).labels
+    assert np.array_equal(load_classifier(save).predict(dev.texts), predicted)
+
+
 # ----------------------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("change,message", [
@@ -221,6 +254,7 @@ def test_linear_probe_computes_features_once_and_keeps_the_encoder(work):
     ({"--tensor-parallel": "3"}, "num_heads 4 is not divisible by the tensor-parallel size 3"),
     ({"--pos-weight": "1,2"}, "--pos-weight: 2 weights for 11 labels"),
     ({"--encoder-layers": "5"}, "--encoder-layers 5: {dir}/base has only 2 layers"),
+    ({"--pooling": "none"}, "--pooling none is for encoders that summarise a text themselves (the mLSTM)"),
 ])
 def test_bad_inputs_are_refused_with_a_clear_message(work, change, message):
     from finetune.train import main

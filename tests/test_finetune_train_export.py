@@ -22,7 +22,8 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def make_classifier_dir(out, variant="gpt2", pooling="last", mlp_hidden=(), bias=True, labels=("anger", "joy", "sadness")):
+def make_classifier_dir(out, variant="gpt2", pooling="last", mlp_hidden=(), bias=True,
+                        labels=("anger", "joy", "sadness")):
     from finetune.heads import HeadConfig
     from finetune.model import build_classifier
     from finetune.normalize import TweetNormalizer
