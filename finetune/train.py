@@ -5,8 +5,10 @@
         --epochs 3 --lr 3e-5 --save runs/ec [--test E-c-test.tsv] [--labels plutchik]
 
 Also runs under ``torchrun`` and as ``python -m finetune.train`` (one process). ``--base`` is a pretraining
-checkpoint of this project (any TP/PP layout), a ``config.json`` + ``model.safetensors`` directory (e.g. an
-imported Hugging Face model) or a finetuned classifier. Texts are tokenised with the base model's tokenizer.
+run of this project (a GPT saved at any TP/PP layout, or an mLSTM), a ``config.json`` + ``model.safetensors``
+directory (e.g. an imported Hugging Face model) or a finetuned classifier. Texts are tokenised with the base
+model's tokenizer. The GPT runs at any tensor-parallel size (pipeline parallelism is not used for finetuning);
+the mLSTM is data-parallel only and classifies from its final cell state.
 
 Writes into ``--save``: the classifier (classifier.json, model.safetensors as a full TP=1 state dict,
 thresholds.json tuned on dev or on a held-out part of train, tokenizer/), metrics.jsonl, eval.json (scores at
