@@ -20,6 +20,8 @@ if __package__ in (None, ""):
 
 import numpy as np
 
+from pipeline.errors import add_debug_arg, command
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m finetune.predict", description=__doc__,
@@ -35,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--probabilities", default=None, help="also write the probabilities to this TSV file")
     p.add_argument("--eval-json", default=None, help="write the scores to this JSON file (labelled data)")
+    add_debug_arg(p)
     args = p.parse_args(argv)
     if args.threshold is not None and not 0.0 < args.threshold < 1.0:
         p.error(f"--threshold must be in (0, 1), got {args.threshold}")
@@ -85,22 +88,18 @@ def _columns(path: Path) -> list[str]:
         return next(csv.reader(f, delimiter=sep), [])
 
 
+@command
 def main(argv=None) -> dict:
     parser, args = parse_args(argv)
     import torch
 
-    from finetune.data import DataFormatError
     from finetune.metrics import evaluate_probabilities, format_comparison, single_label_scores, write_eval_json
     from finetune.predictions import write_predictions
-    from finetune.saved import ClassifierDirError, load_classifier
+    from finetune.saved import load_classifier
     from finetune.thresholds import apply_thresholds
-    from pipeline.state_dicts import StateDictError
 
-    try:
-        clf = load_classifier(args.model, dtype=getattr(torch, args.dtype))
-        data = read_texts(args.data, clf.label_names, args.text_column, args.id_column)
-    except (ClassifierDirError, DataFormatError, StateDictError, FileNotFoundError) as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    clf = load_classifier(args.model, dtype=getattr(torch, args.dtype))
+    data = read_texts(args.data, clf.label_names, args.text_column, args.id_column)
     names = clf.label_names
     probs = clf.predict_proba(data.texts, batch_size=args.batch_size, progress=True)
     if clf.multilabel:

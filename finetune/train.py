@@ -19,7 +19,6 @@ thresholds.json tuned on dev or on a held-out part of train, tokenizer/), metric
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -32,12 +31,13 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torc
 import numpy as np
 import torch
 
+from pipeline.errors import UserError, add_debug_arg, command
+
 LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
 
 
-class FinetuneError(ValueError):
+class FinetuneError(UserError, ValueError):
     """Arguments or inputs the job cannot work with (the message says which and why)."""
-
 
 
 def parse_args(argv=None):
@@ -116,6 +116,7 @@ def parse_args(argv=None):
     g.add_argument("--eval-interval", type=int, default=None, help="steps between dev evaluations "
                                                                    "(default: each epoch)")
     g.add_argument("--verbose", action="store_true", help="DeepSpeed's INFO logs")
+    add_debug_arg(g)
     args = p.parse_args(argv)
     problems = []
     if args.epochs <= 0 and args.train_steps is None:
@@ -294,27 +295,10 @@ def full_fp32_state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def user_errors() -> tuple:
-    """Exceptions that are the input's fault: reported as one line, without a traceback."""
-    from finetune.data import DataFormatError
-    from finetune.model import BaseModelError
-    from finetune.saved import ClassifierDirError
-    from models import ConfigError
-    from models.parallel import ParallelConfigError
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.engine import EngineConfigError
-    from pipeline.state_dicts import StateDictError
-    return (FinetuneError, DataFormatError, BaseModelError, ClassifierDirError, ConfigError, ParallelConfigError,
-            CheckpointError, EngineConfigError, StateDictError, FileNotFoundError)
-
-
+@command
 def main(argv=None) -> dict:
-    """Run the job; bad arguments or inputs exit with ``finetune/train.py: error: <what and where>``."""
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except user_errors() as e:
-        sys.exit(f"finetune/train.py: error: {e}")
+    """Run the job; a bad argument or input is one line ``error: <what and where>`` and exit code 2."""
+    return run(parse_args(argv))
 
 
 def run(args) -> dict:

@@ -14,13 +14,14 @@ import json
 import logging
 import math
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torchrun
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
+from pipeline.errors import UserError, add_debug_arg, command
 
 PRESETS = Path(__file__).resolve().parents[1] / "models" / "configs"
 
@@ -84,6 +85,7 @@ def parse_args(argv=None):
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="per-device peak TFLOP/s for MFU (default: the DS config's peak_tflops)")
     g.add_argument("--verbose", action="store_true", help="DeepSpeed's INFO logs")
+    add_debug_arg(g)
     return p.parse_args(argv)
 
 
@@ -140,6 +142,7 @@ def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+@command
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if not args.verbose:
@@ -174,8 +177,8 @@ def main(argv=None) -> dict:
                              "mlstm-tiny" if args.model_type == "mlstm" else "gpt2-tiny")
     raw_config = read_model_config(args.model_config)
     if args.model_type is not None and args.model_type != raw_config.get("model_type", "gpt"):
-        raise SystemExit(f"error: --model-type {args.model_type} but {raw_config['_source']} is a "
-                         f"{raw_config.get('model_type', 'gpt')} config")
+        raise UserError(f"--model-type {args.model_type} but {raw_config['_source']} is a "
+                        f"{raw_config.get('model_type', 'gpt')} config; drop --model-type or choose another config")
     byte_level = raw_config.get("model_type") == "mlstm"
 
     # tokenizer: a resumed run keeps the one it trained with
@@ -194,8 +197,8 @@ def main(argv=None) -> dict:
     model_type = model_type_of(config)
     if model_type == "mlstm":
         if state.tensor_parallel * state.pipeline_parallel != 1:
-            raise SystemExit("error: the mLSTM trains with data parallelism (and ZeRO) only: use "
-                             "--tensor-parallel 1 --pipeline-parallel 1")
+            raise UserError("--tensor-parallel/--pipeline-parallel: the mLSTM trains with data parallelism (and "
+                            "ZeRO) only; use --tensor-parallel 1 --pipeline-parallel 1")
     else:
         config.check_parallel(state.tensor_parallel, state.pipeline_parallel)
 
