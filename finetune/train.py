@@ -84,6 +84,9 @@ def parse_args(argv=None):
     g.add_argument("--holdout", type=float, default=0.0,
                    help="fraction of train held out to tune thresholds on (0: tune on dev, which makes the dev "
                         "scores at tuned thresholds optimistic)")
+    g.add_argument("--threshold-objective", choices=["macro", "micro"], default="micro",
+                   help="macro: each class's threshold maximises that class's F1 (what maximises macro-F1); micro: "
+                        "then coordinate ascent over the classes for micro-F1 (lower macro-F1 on rare classes)")
     g = p.add_argument_group("parallelism and engine")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                    help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
@@ -429,7 +432,8 @@ def run(args) -> dict:
     metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None)
     settings = {"base": str(args.base), "train": train.source, "dev": dev.source, "labels": list(train.label_names),
                 "examples": {"train": len(train), "dev": len(dev), "threshold_tuning": len(tune_on)},
-                "thresholds_tuned_on": "holdout" if args.holdout else "dev", "max_length": max_length,
+                "thresholds_tuned_on": "holdout" if args.holdout else "dev",
+                "threshold_objective": args.threshold_objective, "max_length": max_length,
                 "truncated_train_texts": truncated, "global_batch": ds["train_batch_size"], "micro_batch": micro,
                 "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
                 "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
@@ -509,7 +513,8 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
     dev_probs = predict("dev", progress=True)
     tune_probs = dev_probs if tune_on is dev else predict("tune", progress=True)
     test_probs = predict("test", progress=True) if test is not None else None
-    thresholds = tune_thresholds(tune_on.labels, tune_probs) if multilabel else None
+    refine = {"micro": "micro", "macro": None}[args.threshold_objective]
+    thresholds = tune_thresholds(tune_on.labels, tune_probs, refine=refine) if multilabel else None
     results = {}
 
     def scores(data, probs):
@@ -527,7 +532,8 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
         results["test"] = scores(test, test_probs)
     state = full_fp32_state(engine)  # collective: every rank takes part
     out = {"dev": results["dev"], "thresholds": None if thresholds is None else thresholds.tolist(),
-           "dev_probabilities": dev_probs, "test_probabilities": test_probs}
+           "dev_probabilities": dev_probs, "test_probabilities": test_probs,
+           "tune_probabilities": tune_probs, "tune_labels": tune_on.labels}
     if save is None or not is_rank0():
         _barrier()
         return out
