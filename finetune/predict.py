@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -101,7 +102,9 @@ def main(argv=None) -> dict:
     clf = load_classifier(args.model, dtype=getattr(torch, args.dtype))
     data = read_texts(args.data, clf.label_names, args.text_column, args.id_column)
     names = clf.label_names
+    t0 = time.perf_counter()
     probs = clf.predict_proba(data.texts, batch_size=args.batch_size, progress=True)
+    seconds = time.perf_counter() - t0
     if clf.multilabel:
         thresholds = np.full(len(names), args.threshold) if args.threshold is not None else (
             clf.thresholds if clf.thresholds is not None else np.full(len(names), 0.5))
@@ -110,13 +113,15 @@ def main(argv=None) -> dict:
         thresholds = None
         predictions = np.eye(len(names), dtype=np.int8)[probs.argmax(axis=1)]
     write_predictions(args.out, data.ids, data.texts, predictions, names)
-    print(f"wrote predictions for {len(data)} texts to {args.out}")
+    print(f"wrote predictions for {len(data)} texts to {args.out} ({len(data) / seconds:.1f} texts/s, batches "
+          f"sorted by length)")
     if args.probabilities:
         from finetune._io import atomic_write_text
         rows = ["\t".join(["ID", *names])] + ["\t".join([i, *(f"{p:.6f}" for p in row)])
                                               for i, row in zip(data.ids, probs)]
         atomic_write_text(args.probabilities, "\n".join(rows) + "\n")
-    result = {"n": len(data), "predictions": predictions, "probabilities": probs}
+    result = {"n": len(data), "predictions": predictions, "probabilities": probs,
+              "texts_per_second": len(data) / seconds}
     if data.labels is not None:
         if clf.multilabel:
             scores = evaluate_probabilities(data.labels, probs, names, thresholds)

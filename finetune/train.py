@@ -503,8 +503,9 @@ def run(args) -> dict:
 
 def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, metrics, settings, config,
            head_config, tokenizer, max_length, normalizer) -> dict:
-    from finetune.metrics import (evaluate_probabilities, format_comparison, plot_per_class_f1,
-                                  single_label_scores, write_eval_json)
+    from finetune.data import SEMEVAL_EC_LABELS
+    from finetune.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison,
+                                  plot_per_class_f1, single_label_scores, write_eval_json)
     from finetune.model import encoder_type_of
     from finetune.predictions import write_predictions
     from finetune.saved import save_classifier_dir
@@ -541,7 +542,9 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
         systems = {"threshold 0.5": results["dev"]["at_0.5"],
                    f"tuned on {settings['thresholds_tuned_on']}": results["dev"]["tuned"]}
         print(f"dev ({len(dev)} texts):\n" + format_comparison(systems))
-        plot_per_class_f1(save / "per_class_f1.png", results["dev"],
+        published = PUBLISHED_EC_TEST_F1 if set(train.label_names) <= set(SEMEVAL_EC_LABELS) else None
+        plot_per_class_f1(save / "per_class_f1.png", results["dev"], reference=published,
+                          reference_label="Kant et al. 2018, E-c test (the values the paper gives)",
                           title=f"Per-class F1 on dev ({Path(dev.source).name})")
     else:
         s = results["dev"]["single_label"]

@@ -1,5 +1,5 @@
-"""The documented E-c recipe (bench/emotion_finetune.py's RECIPE flags) end to end on a few hundred real tweets:
-it trains, tunes per-class thresholds on held-out train, and the Hugging Face classifier it exports gives
+"""The documented E-c recipe (``finetune.recipes.EC_RECIPE``, which bench/emotion_finetune.py runs) end to end on
+a few hundred real tweets: it trains, tunes per-class thresholds on held-out train, and the Hugging Face classifier it exports gives
 ``finetune.predict``'s probabilities (fp32, within 1e-5) and, with the thresholds stored in its config, the same
 decisions on every dev tweet. And the threshold objectives: per-class F1 maximises macro-F1 where the micro-F1
 refinement does not."""
@@ -9,15 +9,13 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, shared_data
+from conftest import shared_data
 from test_finetune_train import FP32_DS, ec_slice, run, write_base
-
-sys.path.insert(0, str(ROOT / "bench"))
 
 
 @pytest.fixture(scope="module")
 def recipe_run(tmp_path_factory):
-    from emotion_finetune import RECIPE
+    from finetune.recipes import EC_RECIPE as RECIPE
     d = tmp_path_factory.mktemp("recipe")
     ec = shared_data("semeval2018-ec")
     (d / "ds.json").write_text(json.dumps(FP32_DS))
@@ -32,7 +30,7 @@ def recipe_run(tmp_path_factory):
 
 
 def test_recipe_trains_tunes_and_exports(recipe_run):
-    from emotion_finetune import RECIPE
+    from finetune.recipes import EC_RECIPE as RECIPE
     save = recipe_run["save"]
     ev = json.loads((save / "eval.json").read_text())
     settings = ev["settings"]
