@@ -84,9 +84,9 @@ def parse_args(argv=None):
     g.add_argument("--holdout", type=float, default=0.0,
                    help="fraction of train held out to tune thresholds on (0: tune on dev, which makes the dev "
                         "scores at tuned thresholds optimistic)")
-    g.add_argument("--threshold-objective", choices=["macro", "micro"], default="micro",
+    g.add_argument("--threshold-objective", choices=["macro", "micro", "balanced"], default="micro",
                    help="macro: each class's threshold maximises that class's F1 (what maximises macro-F1); micro: "
-                        "then coordinate ascent over the classes for micro-F1 (lower macro-F1 on rare classes)")
+                        "then coordinate ascent for micro-F1; balanced: for the mean of micro- and macro-F1")
     g = p.add_argument_group("parallelism and engine")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                    help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
@@ -514,7 +514,7 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
     dev_probs = predict("dev", progress=True)
     tune_probs = dev_probs if tune_on is dev else predict("tune", progress=True)
     test_probs = predict("test", progress=True) if test is not None else None
-    refine = {"micro": "micro", "macro": None}[args.threshold_objective]
+    refine = {"micro": "micro", "macro": None, "balanced": "balanced"}[args.threshold_objective]
     thresholds = tune_thresholds(tune_on.labels, tune_probs, refine=refine) if multilabel else None
     results = {}
 
