@@ -316,7 +316,7 @@ def run(args) -> dict:
     from pipeline.data import load_tokenizer
     from pipeline.distributed import init_distributed
     from pipeline.engine import build_engine, load_ds_config, precision, resolve_ds_config
-    from pipeline.metrics import MetricsWriter, StepTimer
+    from pipeline.metrics import MetricsWriter, StepTimer, place_monitor_outputs
     from pipeline.pretrain import default_ds_config
     from pipeline.schedules import LRSchedule
 
@@ -396,6 +396,7 @@ def run(args) -> dict:
     ds.pop("peak_tflops", None)
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, micro_batch_size=args.micro_batch_size,
                            global_batch_size=args.global_batch_size, source=ds_source)
+    ds = place_monitor_outputs(ds, Path(args.save) if args.save else None)
 
     def builder(cfg, init_seed):
         return build_classifier(cfg, head_config, encoder_state=base_state, init_seed=init_seed,
@@ -429,7 +430,8 @@ def run(args) -> dict:
                            seed=args.seed)
 
     save = Path(args.save) if args.save else None
-    metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None)
+    metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None, monitor=engine.monitor,
+                            prefix="finetune")
     settings = {"base": str(args.base), "train": train.source, "dev": dev.source, "labels": list(train.label_names),
                 "examples": {"train": len(train), "dev": len(dev), "threshold_tuning": len(tune_on)},
                 "thresholds_tuned_on": "holdout" if args.holdout else "dev",
@@ -531,6 +533,7 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
     results["dev"] = scores(dev, dev_probs)
     if test is not None and test.labels is not None:
         results["test"] = scores(test, test_probs)
+    metrics.write({"step": settings["steps"], **final_dev_record(results["dev"], multilabel)})
     state = full_fp32_state(engine)  # collective: every rank takes part
     out = {"dev": results["dev"], "thresholds": None if thresholds is None else thresholds.tolist(),
            "dev_probabilities": dev_probs, "test_probabilities": test_probs,
@@ -563,6 +566,15 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
         out["hf_export"] = _export(save)
     _barrier()
     return out
+
+
+def final_dev_record(dev: dict, multilabel: bool) -> dict:
+    """The last step's dev scores (at 0.5 and with the tuned thresholds), for metrics.jsonl and the monitor."""
+    if not multilabel:
+        s = dev["single_label"]
+        return {"dev_accuracy": s["accuracy"], "dev_macro_f1": s["macro_f1"]}
+    return {f"dev{tag}_{k}": dev[key][k] for tag, key in (("", "at_0.5"), ("_tuned", "tuned"))
+            for k in ("micro_f1", "macro_f1", "jaccard")}
 
 
 def _export(save: Path):

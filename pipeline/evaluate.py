@@ -4,6 +4,7 @@
     python -m pipeline.evaluate --task lambada --data lambada/test.jsonl --hf model.gguf --dtype bf16 --out r.json
     python -m pipeline.evaluate --task bpc --data held_out.txt --hf MODEL_DIR --out r.json
     deepspeed --num_gpus 8 -m pipeline.evaluate --task wikitext ... --checkpoint CKPT_DIR   # project checkpoints
+    python -m pipeline.evaluate --harness lambada_openai,hellaswag --checkpoint RUN [--include-path DIR] --out r.json
 
 ``--hf`` takes a local Hugging Face directory or GGUF file (nothing is downloaded;
 remote code only with --trust-remote-code). The result JSON (written atomically)
@@ -23,7 +24,7 @@ import torch
 
 from pipeline.errors import InputError, add_debug_arg, command
 from pipeline.files import atomic_path, atomic_write_json
-from pipeline.lm_eval import (DataShard, GPTScorer, evaluate_bpc, evaluate_lambada, evaluate_wikitext,
+from pipeline.lm_scoring import (DataShard, GPTScorer, evaluate_bpc, evaluate_lambada, evaluate_wikitext,
                               load_hf_model, load_hf_tokenizer, load_lambada, load_project_model, load_text,
                               load_wikitext)
 
@@ -33,10 +34,19 @@ MEGATRON_STRIDE = 32  # Megatron-LM's --overlapping-eval default
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--data", required=True, type=Path,
-                   help="wikitext: a WikiText file (wiki.test.tokens / test.txt, or wiki.test.raw); "
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--task", choices=TASKS, help="the project's own evaluations (with --data)")
+    what.add_argument("--harness", metavar="TASKS",
+                      help="lm-evaluation-harness tasks, comma-separated (e.g. lambada_openai,hellaswag): the "
+                           "harness's own task definitions and metrics on this model, no export needed")
+    p.add_argument("--data", type=Path,
+                   help="--task: wikitext: a WikiText file (wiki.test.tokens / test.txt, or wiki.test.raw); "
                         "lambada: JSON lines {\"text\": ...}; bpc: any UTF-8 text file")
+    p.add_argument("--include-path", type=Path,
+                   help="--harness: a folder of task YAML files (e.g. tasks reading local data files, offline)")
+    p.add_argument("--num-fewshot", type=int, help="--harness: few-shot examples (default: each task's own)")
+    p.add_argument("--log-samples", action="store_true",
+                   help="--harness: also write each request's answers (log-likelihood, greedy) to the JSON")
     p.add_argument("--out", required=True, type=Path, help="result JSON file")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf", type=Path, help="Hugging Face causal-LM directory or .gguf file")
@@ -79,15 +89,8 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-@command
-def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    for name in ("context_length", "stride", "batch_size", "max_examples"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    data = load_data(args.task, args.data, args.max_examples)  # bad data fails before the model loads
-
+def load_model(args):
+    """(scorer, tokenizer, data shard, is_main, layout, description) for --hf or --checkpoint."""
     if args.hf is not None:
         scorer, model_info = load_hf_model(args.hf, dtype=args.dtype, device=args.device,
                                            trust_remote_code=args.trust_remote_code)
@@ -108,6 +111,50 @@ def main(argv: list[str] | None = None) -> dict:
         parallel = {"tensor_parallel": state.tensor_parallel, "data_parallel": state.data_parallel}
         model_info = {"source": str(args.checkpoint), "format": "project", "dtype": args.dtype,
                       "parameters": model.config.num_parameters(), "max_positions": scorer.max_positions}
+    return scorer, tokenizer, shard, is_main, parallel, model_info
+
+
+def harness_main(args) -> dict:
+    """lm-evaluation-harness tasks through the project's adapter (pipeline.harness)."""
+    from pipeline.harness import ProjectLM, run_harness
+    tasks = [t.strip() for t in args.harness.split(",") if t.strip()]
+    if args.include_path is not None and not args.include_path.is_dir():
+        raise InputError(f"--include-path {args.include_path}: not a folder; give the folder of task YAML files")
+    scorer, tokenizer, shard, is_main, parallel, model_info = load_model(args)
+    max_length = args.context_length or scorer.max_positions
+    lm = ProjectLM(scorer, tokenizer.tokenizer, max_length, batch_size=args.batch_size, shard=shard,
+                   name=str(args.hf or args.checkpoint))
+    start = time.perf_counter()
+    out = run_harness(lm, tasks, include_path=args.include_path, limit=args.max_examples,
+                      num_fewshot=args.num_fewshot, log_samples=args.log_samples)
+    import lm_eval
+    record = {"harness": tasks, **out, "model": model_info,
+              "settings": {"context_length": max_length, "batch_size": args.batch_size, "dtype": args.dtype,
+                           "max_examples": args.max_examples, **parallel},
+              "elapsed_s": round(time.perf_counter() - start, 3),
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "versions": {"torch": torch.__version__, "lm_eval": lm_eval.__version__}}
+    if is_main:
+        atomic_write_json(args.out, record)
+        for task, metrics in out["results"].items():
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+            print(f"{task}: {shown}", file=sys.stderr)
+    return record
+
+
+@command
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    for name in ("context_length", "stride", "batch_size", "max_examples"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.task is not None and args.data is None:
+        raise InputError(f"--task {args.task} needs --data (the file to score)")
+    if args.harness is not None:
+        return harness_main(args)
+    data = load_data(args.task, args.data, args.max_examples)  # bad data fails before the model loads
+    scorer, tokenizer, shard, is_main, parallel, model_info = load_model(args)
 
     context_length = args.context_length or scorer.max_positions
     if context_length is None:

@@ -8,7 +8,7 @@
 In the spirit of torchtitan's ModelSpec. An entry names its config class, its builders, the layouts it
 supports, how its checkpoint shards join (``shard_specs``), its Hugging Face exporter and verifier,
 its evaluation scorer and its finetuning encoder. Functions that live in higher layers (pipeline.export_hf,
-pipeline.lm_eval, finetune.model) are named as ``"module:attribute"`` and resolved on first use, so this
+pipeline.lm_scoring, finetune.model) are named as ``"module:attribute"`` and resolved on first use, so this
 module imports no command and no command module imports another to dispatch. A new family is one entry
 here (and its model in models/); no command branches on ``model_type``.
 """
@@ -103,14 +103,14 @@ register(ModelFamily(
     layouts="tensor, pipeline and data parallelism", build_module=_build_gpt, stream_data=False,
     pipeline_capable=True, tensor_parallel_capable=True,
     refs={"hf_exporter": "pipeline.export_hf:export_gpt", "hf_verifier": "pipeline.export_hf:gpt_logits",
-          "scorer": "pipeline.lm_eval.scoring:GPTScorer", "encoder": "finetune.model:GPTEncoder"}))
+          "scorer": "pipeline.lm_scoring.scoring:GPTScorer", "encoder": "finetune.model:GPTEncoder"}))
 
 register(ModelFamily(
     name="mlstm", config_class=MLSTMConfig, default_preset="mlstm-tiny", default_tokenizer="bytes",
     layouts="data parallelism (and ZeRO)", build_module=_build_mlstm, stream_data=True,
     pipeline_capable=False, tensor_parallel_capable=False,
     refs={"hf_exporter": "pipeline.export_hf:export_mlstm", "hf_verifier": "pipeline.export_hf:mlstm_logits",
-          "scorer": "pipeline.lm_eval.scoring:MLSTMScorer", "encoder": "finetune.model:MLSTMEncoder"}))
+          "scorer": "pipeline.lm_scoring.scoring:MLSTMScorer", "encoder": "finetune.model:MLSTMEncoder"}))
 
 
 def family_named(name: str, source: str = "model config") -> ModelFamily:

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from models.parallel import ParallelState, initialize_model_parallel, model_parallel_seed
 from pipeline.distributed import init_distributed
 from pipeline.engine import load_ds_config, resolve_ds_config
+from pipeline.metrics import place_monitor_outputs
 from pipeline.errors import add_debug_arg
 from pipeline.metrics import StepTimer
 
@@ -85,6 +86,7 @@ class EngineOptions:
     global_batch_size: int | None = None
     seed: int = 1234
     verbose: bool = False
+    save: str | None = None  # the run directory: DeepSpeed's monitor writes inside it
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> EngineOptions:
@@ -131,6 +133,7 @@ def setup(options: EngineOptions) -> Job:
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, pipeline_parallel=state.pipeline_parallel,
                            micro_batch_size=options.micro_batch_size, global_batch_size=options.global_batch_size,
                            source=source)
+    ds = place_monitor_outputs(ds, Path(options.save) if options.save else None)
     return Job(options, state, ds, source, peak_tflops)
 
 

@@ -1,12 +1,23 @@
-"""Step timing and the metrics.jsonl log of a run."""
+"""Step timing, the metrics.jsonl log of a run, and the same records sent to DeepSpeed's monitor.
+
+The monitor is DeepSpeed's own (``engine.monitor``, a ``deepspeed.monitor.MonitorMaster``): the
+``tensorboard``, ``wandb`` and ``csv_monitor`` sections of the DeepSpeed config turn its writers on, and it
+writes on global rank 0 only. Every numeric field of a record goes to it as ``<prefix>/<field>`` with the
+record's optimizer step as x-axis (DeepSpeed's own events, ``Train/Samples/*``, count samples instead).
+W&B keeps one step counter per run, which DeepSpeed's events drive with the sample count, so there the
+records carry their step as the field ``<prefix>/step``, declared their x-axis with ``wandb.define_metric``.
+"""
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 import torch
+
+MONITOR_SECTIONS = ("tensorboard", "csv_monitor")
 
 
 class StepTimer:
@@ -23,24 +34,71 @@ class StepTimer:
         return time.perf_counter() - self._t
 
 
-class MetricsWriter:
-    """One JSON record per line, flushed at once so a killed run keeps what it logged (rank 0 only)."""
+def place_monitor_outputs(ds: dict, run_dir: Path | None) -> dict:
+    """Monitor files go inside the run: a tensorboard/csv_monitor section without an ``output_path`` gets
+    ``<run_dir>/<section>`` (DeepSpeed would write to the working directory), and W&B's offline files go to
+    ``<run_dir>`` unless WANDB_DIR says otherwise. The config is returned changed only there."""
+    if run_dir is None:
+        return ds
+    for section in MONITOR_SECTIONS:
+        conf = ds.get(section)
+        if isinstance(conf, dict) and conf.get("enabled") and not conf.get("output_path"):
+            ds = {**ds, section: {**conf, "output_path": str(Path(run_dir) / section)}}
+    if isinstance(ds.get("wandb"), dict) and ds["wandb"].get("enabled") and "WANDB_DIR" not in os.environ:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        os.environ["WANDB_DIR"] = str(run_dir)
+    return ds
 
-    def __init__(self, path: Path | None):
+
+def monitor_events(record: dict, prefix: str) -> list[tuple[str, float, int]]:
+    """(tag, value, step) for every finite number of a record that has a step."""
+    step = record.get("step")
+    if step is None:
+        return []
+    return [(f"{prefix}/{k}", float(v), int(step)) for k, v in record.items()
+            if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v)]
+
+
+class MetricsWriter:
+    """One JSON record per line, flushed at once so a killed run keeps what it logged (rank 0 only), and the
+    same records to DeepSpeed's monitor when one is given and enabled."""
+
+    def __init__(self, path: Path | None, monitor=None, prefix: str = "train"):
         self.path = path
+        self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
+        self.prefix = prefix
+        if self.monitor is not None and getattr(self.monitor, "wandb_monitor", None) is not None:
+            import wandb
+            wandb.define_metric(f"{prefix}/*", step_metric=f"{prefix}/step")
         self._f = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(path, "a")
 
     def write(self, record: dict):
+        events = monitor_events(record, self.prefix) if self.monitor is not None else []
+        if events:
+            self._to_monitor(events, int(record["step"]))
         if self._f is None:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._f.write(json.dumps({**clean, "time": time.time()}) + "\n")
         self._f.flush()
 
+    def _to_monitor(self, events, step: int):
+        m = self.monitor  # its writers exist on global rank 0 only
+        for writer in (m.tb_monitor, m.csv_monitor, getattr(m, "comet_monitor", None)):
+            if writer is not None:
+                writer.write_events(events)
+        if m.wandb_monitor is not None:
+            m.wandb_monitor.log({**{tag: value for tag, value, _ in events}, f"{self.prefix}/step": step})
+
     def close(self):
         if self._f is not None:
             self._f.close()
             self._f = None
+        if self.monitor is not None and getattr(self.monitor, "wandb_monitor", None) is not None:
+            import wandb
+            wandb.finish()  # the offline run's files complete now, not at interpreter exit
+        self.monitor = None

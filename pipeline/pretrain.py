@@ -225,7 +225,8 @@ def main(argv=None) -> dict:
     save_dir = Path(args.save) if args.save else None
     if save_dir is not None and is_rank0():
         checkpoint.save_run_files(save_dir, m.config, m.tokenizer)
-    metrics = MetricsWriter(save_dir / "metrics.jsonl" if save_dir and is_rank0() else None)
+    metrics = MetricsWriter(save_dir / "metrics.jsonl" if save_dir and is_rank0() else None,
+                            monitor=engine.monitor, prefix="pretrain")
     batches = lm_batches(train)
     peak_tflops = args.peak_tflops or job.peak_tflops
     tokens_per_step = job.global_batch * m.config.seq_length
@@ -248,7 +249,8 @@ def main(argv=None) -> dict:
                 val = eval_loss(engine, lm_batches(make_valid()), args.eval_iters)
             record = {"step": r.step, "valid_loss": val, "valid_bpc": val / math.log(2)}
         else:
-            record = {"step": r.step, "valid_loss": eval_loss(engine, lm_batches(make_valid()), args.eval_iters)}
+            val = eval_loss(engine, lm_batches(make_valid()), args.eval_iters)
+            record = {"step": r.step, "valid_loss": val, "valid_perplexity": math.exp(min(val, 700.0))}
         metrics.write(record)
         last.update(record)
 

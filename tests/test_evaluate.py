@@ -1,4 +1,4 @@
-"""Language-model evaluation (pipeline.lm_eval, pipeline.evaluate) on tiny models built here and the real data files."""
+"""Language-model evaluation (pipeline.lm_scoring, pipeline.evaluate) on tiny models built here and the real data files."""
 import json
 import math
 import subprocess
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import ROOT, shared_data
 from pipeline.evaluate import main as evaluate_main
-from pipeline.lm_eval import (ByteTokenizer, HFScorer, HFTokenizer, LambadaExample, TokenScores, evaluate_bpc,
+from pipeline.lm_scoring import (ByteTokenizer, HFScorer, HFTokenizer, LambadaExample, TokenScores, evaluate_bpc,
                               evaluate_lambada, evaluate_wikitext, load_lambada, load_project_model, load_text,
                               load_wikitext, score_token_stream, sliding_windows, vocab_parallel_argmax,
                               wikitext_detokenize)

@@ -5,7 +5,7 @@ import torch
 from dist import run_distributed
 from models import GPT, GPTConfig
 from models.parallel import destroy_model_parallel, initialize_model_parallel, model_parallel_seed
-from pipeline.lm_eval import (ByteTokenizer, DataShard, GPTScorer, LambadaExample, evaluate_lambada,
+from pipeline.lm_scoring import (ByteTokenizer, DataShard, GPTScorer, LambadaExample, evaluate_lambada,
                               score_token_stream, vocab_parallel_argmax)
 
 # A byte-level model: vocabulary 257 (256 bytes + a start token) is prime, so every TP size pads it

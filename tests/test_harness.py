@@ -1,0 +1,169 @@
+"""lm-evaluation-harness on a training checkpoint (pipeline.harness through pipeline.evaluate --harness):
+the harness's own task machinery, reading local task files offline, gives on a DeepSpeed checkpoint saved at
+TP=2 (scored at TP 1 and 2, no export) what `lm_eval --model hf` gives on the same model's export."""
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, shared_data
+from dist import run_distributed
+
+pytest.importorskip("lm_eval")
+PASSAGES = 40
+MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 128,
+         "hidden_dropout": 0.0, "attention_dropout": 0.0}
+DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+      "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+LAMBADA_YAML = """task: lambada_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+CHOICE_YAML = """task: lambada_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: choices
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1",
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PATH": f"{Path(sys.executable).parent}:"
+            f"{os.environ['PATH']}"}
+
+
+def run(cmd, cwd, timeout=600):
+    proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def _pretrain(rank, argv):
+    from pipeline.pretrain import main
+    main(argv)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """Local tasks from the first LAMBADA passages (the harness's lambada_openai definition, and a 4-way
+    choice of the last word), and a checkpoint trained 4 steps at TP=2 on those passages."""
+    d = tmp_path_factory.mktemp("harness")
+    texts = [json.loads(line)["text"] for line in shared_data("lambada", "test.jsonl").read_text().splitlines()
+             [:PASSAGES]]
+    (d / "lambada.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    rng, words = random.Random(0), [t.split(" ")[-1] for t in texts]
+    with open(d / "choice.jsonl", "w") as f:
+        for i, t in enumerate(texts):
+            choices = [words[i]] + rng.sample([w for w in words if w != words[i]], 3)
+            rng.shuffle(choices)
+            f.write(json.dumps({"context": " ".join(t.split(" ")[:-1]), "choices": choices,
+                                "label": choices.index(words[i])}) + "\n")
+    tasks = d / "tasks"
+    tasks.mkdir()
+    (tasks / "lambada_local.yaml").write_text(LAMBADA_YAML.format(data=d / "lambada.jsonl"))
+    (tasks / "lambada_choice.yaml").write_text(CHOICE_YAML.format(data=d / "choice.jsonl"))
+    (d / "model.json").write_text(json.dumps(MODEL))
+    (d / "ds.json").write_text(json.dumps(DS))
+    run_distributed(_pretrain, 2, [
+        "--model-config", str(d / "model.json"), "--deepspeed_config", str(d / "ds.json"), "--tensor-parallel", "2",
+        "--data", str(d / "lambada.jsonl"), "--text-field", "text", "--tokenizer", str(shared_data("tokenizers", "gpt2")),
+        "--seq-length", "64", "--train-steps", "4", "--lr-warmup-steps", "1", "--cache-dir", str(d / "cache"),
+        "--save", str(d / "run")])
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(work):
+    """`lm_eval --model hf` on the checkpoint's Hugging Face export."""
+    run([sys.executable, "-m", "pipeline.export_hf", "--checkpoint", str(work / "run"), "--out", str(work / "hf")],
+        ROOT)
+    run(["lm_eval", "--model", "hf", "--model_args", f"pretrained={work / 'hf'},dtype=float32", "--device", "cpu",
+         "--tasks", "lambada_local,lambada_choice", "--include_path", str(work / "tasks"), "--batch_size", "4",
+         "--log_samples", "--output_path", str(work / "ref")], work)
+    results = json.loads(next((work / "ref").rglob("results_*.json")).read_text())["results"]
+    samples = {}
+    for task in ("lambada_local", "lambada_choice"):
+        rows = [json.loads(line) for line in next((work / "ref").rglob(f"samples_{task}_*.jsonl")).read_text()
+                .splitlines()]
+        samples[task] = {r["doc_id"]: r["filtered_resps"] for r in rows}
+    return results, samples
+
+
+def check_against(record, reference):
+    results, samples = reference
+    worst = 0.0
+    for task in ("lambada_local", "lambada_choice"):
+        assert record["results"][task]["acc,none"] == results[task]["acc,none"], task
+        ours = {s["doc_id"]: s["resps"] for s in record["samples"][task]}
+        assert sorted(ours) == sorted(samples[task]) == list(range(PASSAGES))
+        for doc, resps in ours.items():
+            for (ll, greedy), (ref_ll, ref_greedy) in zip(resps, samples[task][doc]):
+                worst = max(worst, abs(ll - float(ref_ll)))
+                assert str(greedy) == str(ref_greedy), (task, doc)
+    assert record["results"]["lambada_local"]["perplexity,none"] == pytest.approx(
+        results["lambada_local"]["perplexity,none"], rel=1e-5)
+    print(f"max |log-likelihood difference| {worst:.2e}; choice accuracy {results['lambada_choice']['acc,none']}")
+    assert worst < 1e-5
+    assert 0 < results["lambada_choice"]["acc,none"] < 1  # the comparison is not between two constants
+
+
+def harness_args(work, out, *extra):
+    return ["--harness", "lambada_local,lambada_choice", "--include-path", str(work / "tasks"), "--checkpoint",
+            str(work / "run"), "--out", str(out), "--batch-size", "4", "--log-samples", *extra]
+
+
+def test_checkpoint_at_tp1_equals_lm_eval_hf_on_its_export(work, reference):
+    out = work / "tp1.json"
+    run([sys.executable, "-m", "pipeline.evaluate", *harness_args(work, out)], work)
+    record = json.loads(out.read_text())
+    assert record["settings"]["tensor_parallel"] == 1
+    check_against(record, reference)
+
+
+def _evaluate(rank, argv):
+    from pipeline.evaluate import main
+    return main(argv)["samples"]["lambada_local"] if rank == 1 else None
+
+
+def test_checkpoint_at_tp2_equals_lm_eval_hf_on_its_export(work, reference):
+    out = work / "tp2.json"
+    ranks = run_distributed(_evaluate, 2, harness_args(work, out, "--tensor-parallel", "2"))
+    record = json.loads(out.read_text())
+    assert record["settings"]["tensor_parallel"] == 2
+    check_against(record, reference)
+    assert ranks[1] == record["samples"]["lambada_local"]  # every rank has the whole answer
+
+
+def test_an_unknown_task_is_refused_by_name(work, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", "--harness", "no_such_task", "--include-path",
+                           str(work / "tasks"), "--checkpoint", str(work / "run"), "--out", str(tmp_path / "r.json")],
+                          cwd=work, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "no_such_task" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "r.json").exists()
