@@ -64,8 +64,8 @@ class GPTEncoder(GPT):
             torch.arange(1, s, device=input_ids.device)[None, :] >= lengths[:, None], -100)
         if not bool((targets != -100).any()):
             return features.new_zeros((), dtype=torch.float32)
-        h = features[:, :-1]
-        logits = self.embedding.logits(h) if self.lm_head is None else self.lm_head(h)
+        h = features[:, :-1]  # the whole sequence, replicated over TP (also under sequence parallelism)
+        logits = self.embedding.logits(h, False) if self.lm_head is None else self.lm_head(h, False)
         return vocab_parallel_cross_entropy(logits, targets, vocab_size=self.config.vocab_size, ignore_index=-100)
 
     @property

@@ -47,6 +47,7 @@ class GPTConfig:
     init_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     bias: bool | None = None               # None: True for gpt2, False for llama
+    sequence_parallel: bool = False        # split norms/dropout/residuals along the sequence across TP ranks
     extra: dict = field(default_factory=dict)  # free-form metadata (e.g. where an import came from)
 
     def __post_init__(self):
@@ -92,6 +93,8 @@ class GPTConfig:
             return "the gpt2 variant ties its input and output embeddings (tie_embeddings must be true)"
         if self.bias is None:
             self.bias = self.variant == "gpt2"
+        if not isinstance(self.sequence_parallel, bool):
+            return f"sequence_parallel must be true or false, got {self.sequence_parallel!r}"
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 return f"{name} must be in [0, 1), got {getattr(self, name)}"
@@ -106,13 +109,22 @@ class GPTConfig:
             if value % by:
                 raise ConfigError(f"invalid model config for tensor_parallel={tensor_parallel}: {name} {value} "
                                   f"is not divisible by the {what} {by}")
+        if self.sequence_parallel and self.seq_length % tensor_parallel:
+            raise ConfigError(f"invalid model config for tensor_parallel={tensor_parallel}: sequence parallelism "
+                              f"splits the sequence into {tensor_parallel} equal chunks, and seq_length "
+                              f"{self.seq_length} is not divisible by {tensor_parallel}; choose a seq_length "
+                              f"that is a multiple of {tensor_parallel}")
         if pipeline_parallel > self.num_layers:
             raise ConfigError(f"pipeline_parallel={pipeline_parallel} is more than num_layers {self.num_layers}: "
                               f"every pipeline stage needs at least one transformer layer")
 
     # -- (de)serialisation ----------------------------------------------------
     def to_dict(self) -> dict:
-        return {"model_type": "gpt", **dataclasses.asdict(self)}
+        # sequence_parallel is how one run lays out its activations (like its TP size), not part of the
+        # model: saved configs leave it out, so a checkpoint loads at any layout, with or without it.
+        d = dataclasses.asdict(self)
+        d.pop("sequence_parallel")
+        return {"model_type": "gpt", **d}
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "model config") -> "GPTConfig":
