@@ -250,7 +250,9 @@ def read_full_model_state(load_dir, tag: str | None = None):
     full = {}
     for name, spec in specs.items():
         shards = [per_rank[r][name] for r in range(tp)]
-        full[name] = spec.gather(shards) if spec is not None else shards[0]
+        # a replicated tensor of a ZeRO-1/2 file can be a view into DeepSpeed's flat buffer: give it its own
+        # storage (safetensors refuses to write a tensor that covers only part of its storage)
+        full[name] = spec.gather(shards) if spec is not None else shards[0].clone()
     return config, full, tokenizer_dir
 
 

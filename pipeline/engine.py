@@ -120,6 +120,29 @@ def check_supported(ds: dict, pipeline_parallel: int, source: str = "DeepSpeed c
         raise EngineConfigError(f"{source}: optimizer offload is not supported with pipeline parallelism")
 
 
+def sequence_parallel_ds_config(ds: dict, state: ParallelState, source: str = "DeepSpeed config") -> dict:
+    """The DeepSpeed config for a sequence-parallel model; refuses what would mix up the ranks' chunks.
+
+    DeepSpeed's pipeline engine by default splits each activation sent between stages (and its gradient)
+    across the TP ranks and joins the pieces on arrival, assuming every TP rank holds the same tensor;
+    its activation checkpointing can do the same with ``partition_activations``. Under sequence
+    parallelism each rank holds its own chunk (already 1/tp of the tensor), so both must be off.
+    """
+    ds = copy.deepcopy(ds)
+    if ds.get("activation_checkpointing", {}).get("partition_activations"):
+        raise EngineConfigError(f"{source}: activation_checkpointing.partition_activations splits activations "
+                                f"that sequence parallelism has already split across the TP ranks; set it to false")
+    if state.pipeline_parallel > 1:
+        pipe = ds.setdefault("pipeline", {})
+        for key in ("pipe_partitioned", "grad_partitioned"):
+            if pipe.get(key):
+                raise EngineConfigError(f"{source}: pipeline.{key} is true, but under sequence parallelism each TP "
+                                        f"rank sends its own sequence chunk between stages; set it to false "
+                                        f"(or leave it out)")
+            pipe[key] = False
+    return ds
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> list[dict]:
     """No weight decay on biases and norm weights (1-D tensors), as Megatron and GPT-2 train."""
     decay, no_decay = [], []
@@ -147,6 +170,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     import deepspeed
 
     check_supported(ds_config, state.pipeline_parallel)
+    if getattr(model_config, "sequence_parallel", False):
+        ds_config = sequence_parallel_ds_config(ds_config, state)
     checkpoint_fn = None
     if activation_checkpointing:
         deepspeed.checkpointing.configure(state, deepspeed_config=ds_config)

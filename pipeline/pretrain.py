@@ -44,6 +44,10 @@ def parse_args(argv=None):
                    help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
     g.add_argument("--tensor-parallel", type=int, default=1)
     g.add_argument("--pipeline-parallel", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence parallelism (Korthikanti et al. 2022): norms, dropout and residuals on 1/TP of "
+                        "the sequence per tensor-parallel rank; needs --tensor-parallel > 1 and a sequence length "
+                        "divisible by it")
     g.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
     g.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -151,10 +155,14 @@ def main(argv=None) -> dict:
                                check_same_tokenizer, load_saved_tokenizer, load_tokenizer, main_process_first)
     from pipeline.distributed import init_distributed
     from pipeline.engine import (build_engine, eval_loss, lm_batches, load_ds_config, loss_scale, precision,
-                                 resolve_ds_config, train_step)
+                                 resolve_ds_config, sequence_parallel_ds_config, train_step)
     from pipeline.metrics import MetricsWriter, StepTimer
     from pipeline.schedules import LRSchedule, scaled_lr
 
+    if args.sequence_parallel and args.tensor_parallel == 1:
+        from models import ConfigError
+        raise ConfigError("--sequence-parallel splits the sequence across the tensor-parallel ranks and does nothing "
+                          "with --tensor-parallel 1; drop it or use --tensor-parallel 2 or more")
     if args.compile and args.pipeline_parallel > 1:
         from pipeline.engine import EngineConfigError
         raise EngineConfigError("--compile is for pipeline-parallel 1 only (DeepSpeed's pipeline engine runs its "
@@ -197,7 +205,10 @@ def main(argv=None) -> dict:
             raise SystemExit("error: the mLSTM trains with data parallelism (and ZeRO) only: use "
                              "--tensor-parallel 1 --pipeline-parallel 1")
     else:
+        config.sequence_parallel = args.sequence_parallel
         config.check_parallel(state.tensor_parallel, state.pipeline_parallel)
+        if config.sequence_parallel:  # its refusals now, before any work
+            sequence_parallel_ds_config(ds, state, args.deepspeed_config or default_ds_config())
 
     with main_process_first():
         train, valid = build_pretraining_data(args.data, tokenizer, config.seq_length, text_field=args.text_field,
@@ -218,7 +229,8 @@ def main(argv=None) -> dict:
     schedule = None if "scheduler" in ds else LRSchedule(base_lr, warmup, args.train_steps, args.lr_decay_style,
                                                          args.min_lr)
     layout = {"tensor_parallel": state.tensor_parallel, "pipeline_parallel": state.pipeline_parallel,
-              "data_parallel": dp, "model_type": model_type, "precision": precision(ds)}
+              "data_parallel": dp, "model_type": model_type, "precision": precision(ds),
+              "sequence_parallel": args.sequence_parallel}
     full_state, tag = None, None
     if resume:
         tag = checkpoint.resolve_tag(load_dir, args.load_tag)
