@@ -125,22 +125,26 @@ def _refused(tmp_path, setup, *extra, ds="ds.json"):
     argv[argv.index("--deepspeed_config") + 1] = str(setup / ds)
     proc = subprocess.run([sys.executable, "-m", "pipeline.pretrain", *argv], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and not (tmp_path / "run").exists()
+    assert proc.returncode == 2 and not (tmp_path / "run").exists(), proc.stderr[-3000:]
     return proc.stderr
 
 
 def test_refusals_before_any_work(setup, tmp_path):
-    assert "does nothing with --tensor-parallel 1" in _refused(tmp_path, setup, "--sequence-parallel")
+    err = _refused(tmp_path, setup, "--sequence-parallel")
+    assert err.strip().splitlines()[-1].startswith("error: --sequence-parallel splits the sequence"), err
+    assert "does nothing with --tensor-parallel 1" in err and "Traceback" not in err
 
 
 def _refusal_worker(rank, argv):
-    from models import ConfigError
-    from pipeline.engine import EngineConfigError
-    try:
-        _pretrain(rank, argv)
-    except (ConfigError, EngineConfigError) as e:
-        return str(e)
-    return None
+    import contextlib
+    import io
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            _pretrain(rank, argv)
+        except SystemExit as e:
+            return e.code, stderr.getvalue()
+    return 0, stderr.getvalue()
 
 
 def test_refusals_at_tp2(setup, tmp_path):
@@ -151,6 +155,7 @@ def test_refusals_at_tp2(setup, tmp_path):
         argv = args(setup, tmp_path / ds, 1, "--tensor-parallel", "2", "--sequence-parallel", model="nodrop.json")
         argv[argv.index("--deepspeed_config") + 1] = str(setup / ds)
         argv += list(extra)
-        errors = run_distributed(_refusal_worker, 2, argv)
-        assert errors[0] is not None and message in errors[0], errors
+        (code0, err0), (code1, err1) = run_distributed(_refusal_worker, 2, argv)
+        assert code0 == code1 == 2 and message in err0 and err0.count("error: ") == 1, (err0, err1)
+        assert "error: " not in err1  # rank 0 only
         assert not (tmp_path / ds).exists()
