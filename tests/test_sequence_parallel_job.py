@@ -63,16 +63,25 @@ def test_main_job_sequence_parallel_equals_single_process(setup, single, layout,
     assert rel < 1e-5, (layout, got, single)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_engine_sequence_parallel_zero_stages(stage):
-    """(TP2, SP, DP2) under ZeRO-1 and ZeRO-3, both variants' norms and biases (llama untied: its LM head)."""
-    for model in (None, {"variant": "llama", "tie_embeddings": False, "num_kv_heads": 2}):
-        ref = run_distributed(train_worker, 1, 1, 1, None, model)[0]["loss"]
-        sp = {**(model or {}), "sequence_parallel": True}
-        for r in run_distributed(train_worker, 4, 2, 1, {"zero_optimization": {"stage": stage}}, sp):
-            rel = max(abs(a - b) / abs(b) for a, b in zip(r["loss"], ref))
-            print(f"{(model or {}).get('variant', 'gpt2')} TP2 SP DP2 ZeRO-{stage}: max relative loss difference {rel:.2e}")
-            assert rel < 1e-5, (stage, model, r["loss"], ref)
+LLAMA_UNTIED = {"variant": "llama", "tie_embeddings": False, "num_kv_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def engine_refs():
+    """Single-process losses of the engine tests' tiny gpt2 and llama (fp32, dropout 0)."""
+    return {"gpt2": run_distributed(train_worker, 1)[0]["loss"],
+            "llama": run_distributed(train_worker, 1, 1, 1, None, LLAMA_UNTIED)[0]["loss"]}
+
+
+@pytest.mark.parametrize("stage,variant", [(1, "gpt2"), (3, "llama")])
+def test_engine_sequence_parallel_zero_stages(engine_refs, stage, variant):
+    """(TP2, SP, DP2) under ZeRO-1 (gpt2: LayerNorms, row-parallel biases, positions) and ZeRO-3 (llama:
+    RMSNorms, untied output layer)."""
+    model = {**(LLAMA_UNTIED if variant == "llama" else {}), "sequence_parallel": True}
+    for r in run_distributed(train_worker, 4, 2, 1, {"zero_optimization": {"stage": stage}}, model):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(r["loss"], engine_refs[variant]))
+        print(f"{variant} TP2 SP DP2 ZeRO-{stage}: max relative loss difference {rel:.2e}")
+        assert rel < 1e-5, (stage, variant, r["loss"], engine_refs[variant])
 
 
 def test_activation_checkpointing_with_dropout_is_exact_under_sp():
@@ -159,3 +168,19 @@ def test_refusals_at_tp2(setup, tmp_path):
         assert code0 == code1 == 2 and message in err0 and err0.count("error: ") == 1, (err0, err1)
         assert "error: " not in err1  # rank 0 only
         assert not (tmp_path / ds).exists()
+
+
+def test_half_precision_under_sp(engine_refs):
+    """bf16 follows the fp32 single process closely; fp16's dynamic loss scale skips the overflowing first
+    step and trains on (the SP gradient sums are taken in fp32 and keep an inf an inf)."""
+    ref = engine_refs["gpt2"]
+    bf16 = run_distributed(train_worker, 2, 2, 1, {"bf16": {"enabled": True}}, {"sequence_parallel": True})[0]
+    rel = max(abs(a - b) / b for a, b in zip(bf16["loss"], ref))
+    print(f"bf16 TP2 SP vs fp32 TP1: max relative loss difference {rel:.2e}")
+    assert rel < 2e-2
+    fp16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 20, "hysteresis": 1,
+                     "min_loss_scale": 1}, "zero_optimization": {"stage": 1}}
+    r = run_distributed(train_worker, 2, 2, 1, fp16, {"sequence_parallel": True}, 8, None, False, True)[0]
+    print("fp16 TP2 SP scales", r["scale"], "skipped", r["skipped"], "loss", r["loss"])
+    assert r["skipped"][0] == 1 and r["scale"][0] == 2.0**19 and r["skipped"][-1] < 8
+    assert r["loss"][-1] < r["loss"][0]
