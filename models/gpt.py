@@ -9,7 +9,8 @@ vocabulary are split across tensor-parallel ranks; everything else is
 replicated, or with ``sequence_parallel`` (Korthikanti et al. 2022) split along
 the sequence: each TP rank embeds, normalises, drops out and adds residuals on
 its own chunk of the sequence, the chunks are all-gathered entering attention,
-the MLP and the output layer, and reduce-scattered leaving them. The model is a sequence of stages (``Embedding``, ``TransformerLayer``
+the MLP and the output layer, and reduce-scattered leaving them.
+The model is a sequence of stages (``Embedding``, ``TransformerLayer``
 x L, ``FinalNorm``, ``LMHead``) so that the same modules, with the same
 parameter names, make up DeepSpeed's pipeline stages (pipeline/pipe_model.py).
 

@@ -5,11 +5,11 @@ import torch
 
 from dist import run_distributed
 from models import GPT, GPTConfig
-from models.parallel import (destroy_model_parallel, full_state_dict, gather_from_sequence_parallel_region,
+from models.parallel import (full_state_dict, gather_from_sequence_parallel_region,
                              initialize_model_parallel, is_sequence_parallel, model_parallel_seed,
                              reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                              tp_rank)
-from test_tensor_parallel import CONFIGS, _batch, _max_rel, _reference
+from test_tensor_parallel import CONFIGS, _batch, _reference, assert_matches_reference
 
 
 def _run_sp(rank, tp, config):
@@ -31,15 +31,7 @@ def test_sequence_parallel_equals_tp1(variant, tp):
     ref = _reference(CONFIGS[variant])
     results = run_distributed(_run_sp, tp, tp, CONFIGS[variant])
     for rank, res in enumerate(results):
-        for name in ref["params"]:
-            assert torch.equal(res["params"][name], ref["params"][name]), name
-        diffs = {"logits": _max_rel(res["logits"], ref["logits"]), "loss": _max_rel(res["loss"], ref["loss"])}
-        assert res["grads"].keys() == ref["grads"].keys()
-        for name in ref["grads"]:
-            diffs[name] = _max_rel(res["grads"][name], ref["grads"][name])
-        worst = max(diffs, key=diffs.get)
-        print(f"{variant} TP={tp} SP rank {rank}: max relative difference {diffs[worst]:.2e} ({worst})")
-        assert diffs[worst] < 1e-5, (worst, diffs[worst])
+        assert_matches_reference(res, ref, f"{variant} TP={tp} SP rank {rank}")
         # the parameters of the sequence-split region: every norm, the row-parallel biases, the positions
         norms = [n for n in ref["params"] if "norm" in n]
         biases = [n for n in ref["params"] if n.endswith(("dense.bias", "fc_out.bias"))]

@@ -151,15 +151,18 @@ def all_reduce_fp32(x: torch.Tensor) -> torch.Tensor:
     return acc.to(x.dtype)
 
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+class _ToSequenceParallelRegion(torch.autograd.Function):
+    """Into the sequence-split region: this rank's chunk of a replicated tensor (``reduce`` false) or of the
+    sum of the ranks' partial tensors (``reduce`` true: a reduce-scatter). Backward: all-gather."""
+
     @staticmethod
-    def forward(ctx, x, dim):
+    def forward(ctx, x, dim, reduce):
         ctx.dim = dim
-        return _sequence_chunk(x, dim)
+        return reduce_scatter_along(x, dim) if reduce else _sequence_chunk(x, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_along(grad, ctx.dim), None
+        return gather_along(grad, ctx.dim), None, None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -175,17 +178,6 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         return _sequence_chunk(grad, ctx.dim), None, None  # a replicated consumer: the gradient is whole
 
 
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return reduce_scatter_along(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_along(grad, ctx.dim), None
-
-
 class _SequenceParallelParameter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param):
@@ -199,7 +191,7 @@ class _SequenceParallelParameter(torch.autograd.Function):
 def scatter_to_sequence_parallel_region(x, dim: int = 1):
     """Keep this rank's chunk of dimension ``dim`` (a replicated tensor enters the sequence-split region);
     backward: all-gather."""
-    return _ScatterToSequenceParallelRegion.apply(x, dim)
+    return _ToSequenceParallelRegion.apply(x, dim, False)
 
 
 def gather_from_sequence_parallel_region(x, dim: int = 1, tensor_parallel_output_grad: bool = True):
@@ -210,7 +202,7 @@ def gather_from_sequence_parallel_region(x, dim: int = 1, tensor_parallel_output
 
 def reduce_scatter_to_sequence_parallel_region(x, dim: int = 1):
     """Sum the partial results of the TP ranks, each keeping its chunk of dimension ``dim``; backward: all-gather."""
-    return _ReduceScatterToSequenceParallelRegion.apply(x, dim)
+    return _ToSequenceParallelRegion.apply(x, dim, True)
 
 
 def sequence_parallel_parameter(param):
