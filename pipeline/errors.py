@@ -38,7 +38,8 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 
-__all__ = ["UserError", "InputError", "user_error_types", "format_user_error", "reported_errors", "command", "add_debug_arg",
+__all__ = ["UserError", "InputError", "user_error_types", "format_user_error", "reported_errors", "command",
+           "add_debug_arg",
            "EXIT_USER_ERROR", "DEBUG_ENV"]
 
 EXIT_USER_ERROR = 2

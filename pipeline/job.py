@@ -49,7 +49,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-# -- argument groups ----------------------------------------------------------------------------------------------------
+# -- argument groups ---------------------------------------------------------------------------------------------------
 
 def add_engine_args(parser: argparse.ArgumentParser, *, pipeline_parallel: bool = True):
     g = parser.add_argument_group("parallelism and engine")
@@ -73,7 +73,7 @@ def add_run_args(parser: argparse.ArgumentParser, group=None, *, log_interval: i
     return g
 
 
-# -- setup --------------------------------------------------------------------------------------------------------------
+# -- setup -------------------------------------------------------------------------------------------------------------
 
 @dataclass
 class EngineOptions:
@@ -134,7 +134,7 @@ def setup(options: EngineOptions) -> Job:
     return Job(options, state, ds, source, peak_tflops)
 
 
-# -- the training loop --------------------------------------------------------------------------------------------------
+# -- the training loop -------------------------------------------------------------------------------------------------
 
 @dataclass
 class StepResult:

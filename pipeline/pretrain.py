@@ -115,7 +115,7 @@ def make_model_config(raw: dict, vocab_size: int, seq_length: int | None):
     return family.config_class.from_dict(raw, source=source)
 
 
-# -- the providers: model config and tokenizer, data, model -------------------------------------------------------------
+# -- the providers: model config and tokenizer, data, model ------------------------------------------------------------
 
 @dataclass
 class Model:
@@ -207,7 +207,7 @@ def provide_engine(args, m: Model, job: Job, layout: dict, loader):
     return engine, step
 
 
-# -- the job ------------------------------------------------------------------------------------------------------------
+# -- the job -----------------------------------------------------------------------------------------------------------
 
 @command
 def main(argv=None) -> dict:
