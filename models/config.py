@@ -21,7 +21,8 @@ def read_config_json(path: str | Path) -> dict:
     except FileNotFoundError:
         raise ConfigError(f"model config file {path} does not exist") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"model config file {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        raise ConfigError(f"model config file {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
+                          f"{e.msg}") from None
 
 
 @dataclass
@@ -119,7 +120,8 @@ class GPTConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known - {"model_type"})
         if unknown:
-            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; "
+                              f"known fields: {', '.join(sorted(known))}")
         if d.get("model_type", "gpt") != "gpt":
             raise ConfigError(f"{source}: model_type is {d['model_type']!r}, expected 'gpt'")
         try:
