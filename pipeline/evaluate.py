@@ -86,8 +86,8 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-@command
 def main(argv: list[str] | None = None) -> dict:
+    """Score and write the result (a user error raises; ``python -m`` reports it in one line, exit 2)."""
     args = build_parser().parse_args(argv)
     for name in ("context_length", "stride", "batch_size", "max_examples"):
         value = getattr(args, name)
@@ -189,4 +189,4 @@ def summary(record: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)()

@@ -209,8 +209,8 @@ def provide_engine(args, m: Model, job: Job, layout: dict, loader):
 
 # -- the job -----------------------------------------------------------------------------------------------------------
 
-@command
 def main(argv=None) -> dict:
+    """The job (a user error raises; run as a command, ``pipeline.errors.command`` reports it in one line)."""
     args = parse_args(argv)
     if args.compile and args.pipeline_parallel > 1:
         raise EngineConfigError("--compile is for pipeline-parallel 1 only (DeepSpeed's pipeline engine runs its "
@@ -271,4 +271,4 @@ def _grad_norm(engine):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)()
