@@ -13,16 +13,20 @@ class ConfigError(ValueError):
     pass
 
 
-def read_config_json(path: str | Path) -> dict:
-    """A model config file's JSON, or a ConfigError naming the file (and line and column)."""
+def read_json(path: str | Path, what: str, error: type[Exception]):
+    """A JSON file's contents, or ``error`` naming ``what`` it is, the file (and line and column)."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"model config file {path} does not exist") from None
+        raise error(f"{what} {path} does not exist") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"model config file {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
-                          f"{e.msg}") from None
+        raise error(f"{what} {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+
+
+def read_config_json(path: str | Path) -> dict:
+    """A model config file's JSON, or a ConfigError naming the file (and line and column)."""
+    return read_json(path, "model config file", ConfigError)
 
 
 @dataclass
