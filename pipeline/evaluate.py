@@ -27,6 +27,7 @@ from models.parallel import get_parallel_state
 from pipeline.distributed import init_distributed
 from pipeline.errors import InputError, add_debug_arg, command
 from pipeline.files import atomic_path, atomic_write_json
+from pipeline.hf_convert import add_dtype_arg, short_dtype_name
 from pipeline.lm_eval import (DataShard, evaluate_bpc, evaluate_lambada, evaluate_wikitext, load_hf_model,
                               load_hf_tokenizer, load_lambada, load_project_model, load_text, load_wikitext,
                               project_scorer)
@@ -58,8 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="windows (wikitext, bpc) or passages (lambada) per forward (default: 8)")
     p.add_argument("--max-examples", type=int,
                    help="score a prefix only: the first N passages (lambada), articles (wikitext) or lines (bpc)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="model weights and compute (default: fp32)")
+    add_dtype_arg(p, default="fp32", help="model weights and compute")
     p.add_argument("--device", default="auto",
                    help="auto (cuda if there is one), cpu, cuda, cuda:1 ... (--hf only; default: auto)")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -89,6 +89,7 @@ def sha256(path: Path) -> str:
 def main(argv: list[str] | None = None) -> dict:
     """Score and write the result (a user error raises; ``python -m`` reports it in one line, exit 2)."""
     args = build_parser().parse_args(argv)
+    args.dtype = short_dtype_name(args.dtype)
     for name in ("context_length", "stride", "batch_size", "max_examples"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -30,8 +30,8 @@ from models.hf_mlstm import MLSTMHFConfig  # importing it registers the mLSTM wi
 from models.config import GPTConfig
 from models.mlstm import MLSTMConfig
 from pipeline.errors import add_debug_arg, command
-from pipeline.hf_convert import (HF_ARCHITECTURE, ConversionError, dtype_name, num_parameters_message, parse_dtype,
-                                 to_hf)
+from pipeline.hf_convert import (HF_ARCHITECTURE, ConversionError, add_dtype_arg, dtype_name, num_parameters_message,
+                                 parse_dtype, to_hf)
 from pipeline.families import family_of
 from pipeline.checkpoint import read_full_checkpoint
 from pipeline.files import atomic_dir
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.export_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint directory to export")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"],
-                   help="dtype of the exported weights (default float32)")
+    add_dtype_arg(p, help="dtype of the exported weights")
     p.add_argument("--tokenizer", help="directory of Hugging Face tokenizer files (default: the checkpoint's own)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--verify", action="store_true",

@@ -49,6 +49,20 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def add_dtype_arg(parser, *, default: str = "float32", help: str = "dtype of the weights") -> None:
+    """``--dtype``, the same names for every command: float32/bfloat16/float16 or fp32/bf16/fp16."""
+    parser.add_argument("--dtype", default=default, choices=DTYPE_CHOICES, help=f"{help} (default {default})")
+
+
+def short_dtype_name(name: str) -> str:
+    """'fp32', 'bf16' or 'fp16' for any of the ``DTYPE_CHOICES``."""
+    return SHORT_DTYPE_NAMES[DTYPES[name]]
+
+
 class ConversionError(UserError, ValueError):
     """A model, config or state dict that cannot be converted exactly (the message says which field or tensor)."""
 

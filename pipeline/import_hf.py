@@ -20,8 +20,9 @@ import torch
 from models.config import ConfigError, GPTConfig
 from pipeline.errors import add_debug_arg, command
 from pipeline.model_dir import has_tokenizer, write_model_dir
-from pipeline.hf_convert import (ConversionError, config_from_hf, from_hf, load_hf_config, load_hf_model,
-                                 num_parameters_message, parallel_sizes, parse_dtype, resolve_hf_source)
+from pipeline.hf_convert import (ConversionError, add_dtype_arg, config_from_hf, from_hf, load_hf_config,
+                                 load_hf_model, num_parameters_message, parallel_sizes, parse_dtype,
+                                 resolve_hf_source)
 from pipeline.files import check_output_dir
 
 
@@ -65,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
     p.add_argument("--tensor-parallel", type=int, default=1, help="TP size the model will be trained at (checked)")
     p.add_argument("--pipeline-parallel", type=int, default=1, help="PP size the model will be trained at (checked)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
-                   help="dtype of the saved weights (default float32, the training master weights)")
+    add_dtype_arg(p, help="dtype of the saved weights (float32: the training master weights)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     add_debug_arg(p)
     args = p.parse_args(argv)
