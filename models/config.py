@@ -13,15 +13,20 @@ class ConfigError(ValueError):
     pass
 
 
-def read_config_json(path: str | Path) -> dict:
-    """A model config file's JSON, or a ConfigError naming the file (and line and column)."""
+def read_json(path: str | Path, what: str, error: type[Exception]):
+    """A JSON file's contents, or ``error`` naming ``what`` it is, the file (and line and column)."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"model config file {path} does not exist") from None
+        raise error(f"{what} {path} does not exist") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"model config file {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        raise error(f"{what} {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+
+
+def read_config_json(path: str | Path) -> dict:
+    """A model config file's JSON, or a ConfigError naming the file (and line and column)."""
+    return read_json(path, "model config file", ConfigError)
 
 
 @dataclass
@@ -131,7 +136,8 @@ class GPTConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known - {"model_type"})
         if unknown:
-            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; "
+                              f"known fields: {', '.join(sorted(known))}")
         if d.get("model_type", "gpt") != "gpt":
             raise ConfigError(f"{source}: model_type is {d['model_type']!r}, expected 'gpt'")
         try:

@@ -289,9 +289,6 @@ class GPT(nn.Module):
         self.lm_head = None if config.tie_embeddings else LMHead(config, stage_seed(init_seed, L + 2))
         self.checkpoint_fn = None  # set by the training wiring, e.g. deepspeed.checkpointing.checkpoint
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embedding.word_embeddings.weight if self.lm_head is None else self.lm_head.weight
-
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [b, s, h] of the whole sequence (for replicated consumers, e.g. a
         classification head: under sequence parallelism they are gathered, the gradient split)."""

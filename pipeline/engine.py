@@ -8,13 +8,12 @@ on the same 3-D topology and trains with ``train_batch``.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from models.config import read_json
 from models.parallel import ParallelState
 
 from .errors import UserError
@@ -29,14 +28,7 @@ class EngineConfigError(UserError, ValueError):
 def load_ds_config(path_or_dict) -> dict:
     if isinstance(path_or_dict, dict):
         return copy.deepcopy(path_or_dict)
-    path = Path(path_or_dict)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise EngineConfigError(f"DeepSpeed config {path} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise EngineConfigError(f"DeepSpeed config {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
-                                f"{e.msg}") from None
+    return read_json(path_or_dict, "DeepSpeed config", EngineConfigError)
 
 
 def _enabled(ds: dict, key: str) -> bool:

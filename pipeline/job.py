@@ -50,7 +50,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-# -- argument groups ----------------------------------------------------------------------------------------------------
+# -- argument groups ---------------------------------------------------------------------------------------------------
 
 def add_engine_args(parser: argparse.ArgumentParser, *, pipeline_parallel: bool = True):
     g = parser.add_argument_group("parallelism and engine")
@@ -78,7 +78,7 @@ def add_run_args(parser: argparse.ArgumentParser, group=None, *, log_interval: i
     return g
 
 
-# -- setup --------------------------------------------------------------------------------------------------------------
+# -- setup -------------------------------------------------------------------------------------------------------------
 
 @dataclass
 class EngineOptions:
@@ -154,7 +154,7 @@ def apply_sequence_parallel(config, job: Job) -> None:
         config.check_parallel(job.state.tensor_parallel, job.state.pipeline_parallel)
 
 
-# -- the training loop --------------------------------------------------------------------------------------------------
+# -- the training loop -------------------------------------------------------------------------------------------------
 
 @dataclass
 class StepResult:

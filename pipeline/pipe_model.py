@@ -79,12 +79,3 @@ def pipe_to_gpt_name(name: str, config: GPTConfig) -> str:
     return f"lm_head.{rest}"
 
 
-def gpt_to_pipe_layer(name: str, config: GPTConfig) -> int:
-    """Index of the pipeline layer that owns the ``GPT`` parameter ``name``."""
-    if name.startswith("embedding."):
-        return 0
-    if name.startswith("layers."):
-        return int(name.split(".")[1]) + 1
-    if name.startswith("final_norm."):
-        return config.num_layers + 1
-    return config.num_layers + 2

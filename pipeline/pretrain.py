@@ -115,7 +115,7 @@ def make_model_config(raw: dict, vocab_size: int, seq_length: int | None):
     return family.config_class.from_dict(raw, source=source)
 
 
-# -- the providers: model config and tokenizer, data, model -------------------------------------------------------------
+# -- the providers: model config and tokenizer, data, model ------------------------------------------------------------
 
 @dataclass
 class Model:
@@ -207,10 +207,10 @@ def provide_engine(args, m: Model, job: Job, layout: dict, loader):
     return engine, step
 
 
-# -- the job ------------------------------------------------------------------------------------------------------------
+# -- the job -----------------------------------------------------------------------------------------------------------
 
-@command
 def main(argv=None) -> dict:
+    """The job (a user error raises; run as a command, ``pipeline.errors.command`` reports it in one line)."""
     args = parse_args(argv)
     if args.compile and args.pipeline_parallel > 1:
         raise EngineConfigError("--compile is for pipeline-parallel 1 only (DeepSpeed's pipeline engine runs its "
@@ -273,4 +273,4 @@ def _grad_norm(engine):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)()

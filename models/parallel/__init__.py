@@ -14,8 +14,9 @@ from .state import (ParallelConfigError, ParallelState, destroy_model_parallel, 
                     initialize_model_parallel, tp_group, tp_rank, tp_world_size)
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "normal_init", "sharded_parameter", "vocab_parallel_parameter",
-    "sequence_gather_linear", "vocab_parallel_cross_entropy",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "normal_init", "sharded_parameter",
+    "vocab_parallel_parameter", "sequence_gather_linear",
+    "vocab_parallel_cross_entropy",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
