@@ -147,10 +147,13 @@ def test_refusals_before_any_work(setup, tmp_path):
 def _refusal_worker(rank, argv):
     import contextlib
     import io
+
+    from pipeline.errors import command
+    from pipeline.pretrain import main
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
-            _pretrain(rank, argv)
+            command(main)(argv)  # the command-line entry point: its handler turns a user error into one line
         except SystemExit as e:
             return e.code, stderr.getvalue()
     return 0, stderr.getvalue()
