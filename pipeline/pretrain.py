@@ -146,12 +146,12 @@ def main(argv=None) -> dict:
         from deepspeed.utils import logger as ds_logger
         ds_logger.setLevel(logging.WARNING)
     from models.parallel import initialize_model_parallel, model_parallel_seed
-    from pipeline import checkpoint
+    from pipeline import checkpoint, universal
     from pipeline.data import (DistributedBatchLoader, StreamBatchLoader, build_pretraining_data,
                                check_same_tokenizer, load_saved_tokenizer, load_tokenizer, main_process_first)
     from pipeline.distributed import init_distributed
     from pipeline.engine import (build_engine, eval_loss, lm_batches, load_ds_config, loss_scale, precision,
-                                 resolve_ds_config, train_step)
+                                 resolve_ds_config, train_step, zero_stage)
     from pipeline.metrics import MetricsWriter, StepTimer
     from pipeline.schedules import LRSchedule, scaled_lr
 
@@ -218,12 +218,19 @@ def main(argv=None) -> dict:
     schedule = None if "scheduler" in ds else LRSchedule(base_lr, warmup, args.train_steps, args.lr_decay_style,
                                                          args.min_lr)
     layout = {"tensor_parallel": state.tensor_parallel, "pipeline_parallel": state.pipeline_parallel,
-              "data_parallel": dp, "model_type": model_type, "precision": precision(ds)}
-    full_state, tag = None, None
+              "data_parallel": dp, "model_type": model_type, "precision": precision(ds), "zero_stage": zero_stage(ds),
+              "universal_info": True}
+    full_state, tag, universal_cache = None, None, None
     if resume:
         tag = checkpoint.resolve_tag(load_dir, args.load_tag)
-        if not checkpoint.same_layout(checkpoint.saved_layout(load_dir, tag), layout):
-            _, full_state, _ = checkpoint.read_full_model_state(load_dir, tag)
+        saved = checkpoint.saved_layout(load_dir, tag)
+        if saved.get("universal_only") or not checkpoint.same_layout(saved, layout):
+            # another layout: the optimizer state moves through a universal checkpoint where DeepSpeed can
+            universal_cache = universal.prepare(load_dir, tag, saved, layout)
+            if universal_cache is not None:
+                ds = universal.enable(ds)
+            else:
+                _, full_state, _ = checkpoint.read_full_model_state(load_dir, tag)
     elif load_dir is not None:  # weights only (e.g. an imported Hugging Face model): a new run starts from them
         _, full_state, _ = checkpoint.read_full_checkpoint(load_dir)
     engine = build_engine(config, ds, state, init_seed=args.seed, schedule=schedule,
@@ -232,7 +239,10 @@ def main(argv=None) -> dict:
 
     step = 0
     if resume:
-        if full_state is None:
+        if universal_cache is not None:
+            universal.load(engine, universal_cache, config)
+            step, data_state = checkpoint.restore_after_reshard(engine, load_dir, tag)
+        elif full_state is None:
             step, data_state = checkpoint.load(engine, load_dir, tag)
         else:
             step, data_state = checkpoint.restore_after_reshard(engine, load_dir, tag)
