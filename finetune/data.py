@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from pipeline.errors import UserError
+
 SEMEVAL_EC_LABELS: tuple[str, ...] = ("anger", "anticipation", "disgust", "fear", "joy", "love", "optimism",
                                       "pessimism", "sadness", "surprise", "trust")
 # Plutchik's eight basic emotions, the label set of the paper's other tweet datasets.
@@ -33,7 +35,7 @@ EC_UNLABELED = "NONE"  # the official test file before gold release carries NONE
 MULTILABEL, SINGLE_LABEL = "multilabel", "single_label"
 
 
-class DataFormatError(ValueError):
+class DataFormatError(UserError, ValueError):
     """A data file that cannot be used as given; the message names the file, line (or record) and column."""
 
     def __init__(self, path: str | os.PathLike, problem: str, *, line: int | None = None,

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.errors import UserError, add_debug_arg, command
+
 from .heads import MULTILABEL
 from .saved import read_classifier_dir
 
@@ -37,7 +39,7 @@ HF_CLASS = {"gpt2": "GPT2ForSequenceClassification", "llama": "LlamaForSequenceC
 _ADDING_POST_PROCESSORS = {"TemplateProcessing", "BertProcessing", "RobertaProcessing"}
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """A classifier that a ``transformers`` sequence-classification model cannot compute exactly."""
 
 
@@ -102,7 +104,7 @@ def export_classifier(model_dir: str | Path, out: str | Path, *, dtype: torch.dt
 
     from pipeline.export_hf import copy_tokenizer_files
     from pipeline.hf_convert import parse_dtype
-    from pipeline.state_dicts import atomic_output_dir
+    from pipeline.files import atomic_dir
 
     from .thresholds import load_thresholds
     model_dir = Path(model_dir)
@@ -110,7 +112,7 @@ def export_classifier(model_dir: str | Path, out: str | Path, *, dtype: torch.dt
     cfg, sd = classifier_to_hf(info, full, parse_dtype(dtype))
     if info.get("thresholds_file"):
         cfg.thresholds = [float(t) for t in load_thresholds(model_dir / info["thresholds_file"], info["label_names"])]
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_dir(out, force=force) as tmp:
         copy_tokenizer_files(model_dir / "tokenizer", tmp)
         _training_tokenization(tmp, info)
         cfg.save_pretrained(tmp)
@@ -167,6 +169,7 @@ def compare_with_project(model_dir: str | Path, hf_dir: str | Path, texts: list[
             "tokens_equal": hf_ids == ours.encode(texts)}
 
 
+@command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m finetune.export_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="classifier directory (what finetune/train.py --save wrote)")
@@ -175,14 +178,9 @@ def main(argv=None) -> int:
                    help="dtype of the exported weights (default float32)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--verify", action="store_true", help="reload with transformers and compare probabilities")
+    add_debug_arg(p)
     args = p.parse_args(argv)
-    from pipeline.hf_convert import ConversionError
-
-    from .saved import ClassifierDirError
-    try:
-        out = export_classifier(args.model, args.out, dtype=args.dtype, force=args.force)
-    except (ExportError, ConversionError, ClassifierDirError, FileNotFoundError, FileExistsError) as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
+    out = export_classifier(args.model, args.out, dtype=args.dtype, force=args.force)
     print(f"exported {args.model} to {out}")
     if args.verify:
         texts = ["I am so happy today!", "This is terrible, I'm furious #angry", "not sure what to expect tomorrow",

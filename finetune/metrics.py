@@ -99,10 +99,17 @@ def write_eval_json(path: str | os.PathLike, results: Mapping, **metadata) -> Pa
     return atomic_write_text(path, json.dumps(doc, indent=2, allow_nan=False, ensure_ascii=False) + "\n")
 
 
-def per_class_f1_figure(results: Mapping, title: str | None = None):
+# Per-class F1 on the E-c test set published by Kant et al. 2018 ("Practical Text Classification With Large
+# Pre-Trained Language Models", arXiv:1812.01207, abstract): the classes the paper names with a value.
+PUBLISHED_EC_TEST_F1 = {"anger": 0.78, "anticipation": 0.42, "disgust": 0.77, "fear": 0.73, "surprise": 0.37}
+
+
+def per_class_f1_figure(results: Mapping, title: str | None = None, reference: Mapping[str, float] | None = None,
+                        reference_label: str = "published"):
     """A matplotlib ``Figure`` (no pyplot, no global backend change) of per-class F1 as grouped bars, one
     group per class, one bar per setting in ``results`` (``evaluate_probabilities`` output) or per system when
-    ``results`` maps system names to score dicts. Class support is shown under each class name."""
+    ``results`` maps system names to score dicts. Class support is shown under each class name.
+    ``reference`` (class -> F1, e.g. ``PUBLISHED_EC_TEST_F1``) is drawn as a marker over the classes it has."""
     from matplotlib.figure import Figure
 
     series = _series(results)
@@ -120,6 +127,11 @@ def per_class_f1_figure(results: Mapping, title: str | None = None):
         bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=legend)
         ax.bar_label(bars, fmt="%.2f", fontsize=6 if len(series) > 2 else 7, padding=1,
                      rotation=90 if len(series) > 2 else 0)
+    if reference:
+        shown = [(i, reference[name]) for i, name in enumerate(names) if name in reference]
+        if shown:
+            ax.scatter([i for i, _ in shown], [v for _, v in shown], marker="_", s=900, linewidths=2.5,
+                       color="black", zorder=3, label=reference_label)
     ax.set_xticks(x, [f"{name}\n(n={first['per_class'][name]['support']})" for name in names], fontsize=8)
     ax.set_ylim(0, 1.08)
     ax.set_ylabel("F1")
@@ -129,11 +141,12 @@ def per_class_f1_figure(results: Mapping, title: str | None = None):
     return fig
 
 
-def plot_per_class_f1(path: str | os.PathLike, results: Mapping, title: str | None = None) -> Path:
+def plot_per_class_f1(path: str | os.PathLike, results: Mapping, title: str | None = None,
+                      reference: Mapping[str, float] | None = None, reference_label: str = "published") -> Path:
     """Save ``per_class_f1_figure`` as a PNG, atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    fig = per_class_f1_figure(results, title)
+    fig = per_class_f1_figure(results, title, reference, reference_label)
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)

@@ -29,6 +29,7 @@ from torch import nn
 
 from models import GPT, MLSTM, GPTConfig, MLSTMConfig
 from models.parallel import vocab_parallel_cross_entropy
+from pipeline.errors import UserError
 
 from .heads import MULTILABEL, ClassificationHead, HeadConfig
 from .saved import CLASSIFIER_FILE, WEIGHTS_FILE
@@ -37,7 +38,7 @@ CONFIG_FILE = "config.json"
 ENCODER_PREFIX = "encoder."
 
 
-class BaseModelError(ValueError):
+class BaseModelError(UserError, ValueError):
     """A base model directory that cannot be read (the message names the directory and the file)."""
 
 

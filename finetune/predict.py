@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+
+from pipeline.errors import add_debug_arg, command
 
 
 def parse_args(argv=None):
@@ -35,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--probabilities", default=None, help="also write the probabilities to this TSV file")
     p.add_argument("--eval-json", default=None, help="write the scores to this JSON file (labelled data)")
+    add_debug_arg(p)
     args = p.parse_args(argv)
     if args.threshold is not None and not 0.0 < args.threshold < 1.0:
         p.error(f"--threshold must be in (0, 1), got {args.threshold}")
@@ -85,24 +89,22 @@ def _columns(path: Path) -> list[str]:
         return next(csv.reader(f, delimiter=sep), [])
 
 
+@command
 def main(argv=None) -> dict:
     parser, args = parse_args(argv)
     import torch
 
-    from finetune.data import DataFormatError
     from finetune.metrics import evaluate_probabilities, format_comparison, single_label_scores, write_eval_json
     from finetune.predictions import write_predictions
-    from finetune.saved import ClassifierDirError, load_classifier
+    from finetune.saved import load_classifier
     from finetune.thresholds import apply_thresholds
-    from pipeline.state_dicts import StateDictError
 
-    try:
-        clf = load_classifier(args.model, dtype=getattr(torch, args.dtype))
-        data = read_texts(args.data, clf.label_names, args.text_column, args.id_column)
-    except (ClassifierDirError, DataFormatError, StateDictError, FileNotFoundError) as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    clf = load_classifier(args.model, dtype=getattr(torch, args.dtype))
+    data = read_texts(args.data, clf.label_names, args.text_column, args.id_column)
     names = clf.label_names
+    t0 = time.perf_counter()
     probs = clf.predict_proba(data.texts, batch_size=args.batch_size, progress=True)
+    seconds = time.perf_counter() - t0
     if clf.multilabel:
         thresholds = np.full(len(names), args.threshold) if args.threshold is not None else (
             clf.thresholds if clf.thresholds is not None else np.full(len(names), 0.5))
@@ -111,13 +113,15 @@ def main(argv=None) -> dict:
         thresholds = None
         predictions = np.eye(len(names), dtype=np.int8)[probs.argmax(axis=1)]
     write_predictions(args.out, data.ids, data.texts, predictions, names)
-    print(f"wrote predictions for {len(data)} texts to {args.out}")
+    print(f"wrote predictions for {len(data)} texts to {args.out} ({len(data) / seconds:.1f} texts/s, batches "
+          f"sorted by length)")
     if args.probabilities:
         from finetune._io import atomic_write_text
         rows = ["\t".join(["ID", *names])] + ["\t".join([i, *(f"{p:.6f}" for p in row)])
                                               for i, row in zip(data.ids, probs)]
         atomic_write_text(args.probabilities, "\n".join(rows) + "\n")
-    result = {"n": len(data), "predictions": predictions, "probabilities": probs}
+    result = {"n": len(data), "predictions": predictions, "probabilities": probs,
+              "texts_per_second": len(data) / seconds}
     if data.labels is not None:
         if clf.multilabel:
             scores = evaluate_probabilities(data.labels, probs, names, thresholds)

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 import torch
+
+from pipeline.errors import UserError
+from pipeline.files import atomic_dir, atomic_path
 
 from ._io import atomic_write_text
 from .heads import MULTILABEL, HeadConfig
@@ -35,7 +36,7 @@ WEIGHTS_FILE = "model.safetensors"
 FORMAT = "finetune.classifier/v1"
 
 
-class ClassifierDirError(ValueError):
+class ClassifierDirError(UserError, ValueError):
     pass
 
 
@@ -50,22 +51,13 @@ def save_classifier_dir(directory: str | os.PathLike, *, full_state: Mapping[str
     d.mkdir(parents=True, exist_ok=True)
     (d / CLASSIFIER_FILE).unlink(missing_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in full_state.items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS_FILE}.", suffix=".tmp", dir=d)
-    os.close(fd)
-    try:
+    with atomic_path(d / WEIGHTS_FILE) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt", "content": FORMAT})
-        os.replace(tmp, d / WEIGHTS_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     names = head_config.label_names or tuple(f"label_{j}" for j in range(head_config.num_labels))
     if thresholds is not None:
         save_thresholds(d / THRESHOLDS_FILE, thresholds, names)
-    tok_tmp = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=d))
-    tokenizer.save(tok_tmp)
-    if (d / "tokenizer").exists():
-        shutil.rmtree(d / "tokenizer")
-    os.replace(tok_tmp, d / "tokenizer")
+    with atomic_dir(d / "tokenizer", force=True) as tok_tmp:
+        tokenizer.save(tok_tmp)
     pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
     info = {
         "format": FORMAT,

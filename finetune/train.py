@@ -19,7 +19,6 @@ thresholds.json tuned on dev or on a held-out part of train, tokenizer/), metric
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -32,12 +31,13 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torc
 import numpy as np
 import torch
 
+from pipeline.errors import UserError, add_debug_arg, command
+
 LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
 
 
-class FinetuneError(ValueError):
+class FinetuneError(UserError, ValueError):
     """Arguments or inputs the job cannot work with (the message says which and why)."""
-
 
 
 def parse_args(argv=None):
@@ -84,6 +84,9 @@ def parse_args(argv=None):
     g.add_argument("--holdout", type=float, default=0.0,
                    help="fraction of train held out to tune thresholds on (0: tune on dev, which makes the dev "
                         "scores at tuned thresholds optimistic)")
+    g.add_argument("--threshold-objective", choices=["macro", "micro", "balanced"], default="micro",
+                   help="macro: each class's threshold maximises that class's F1 (what maximises macro-F1); micro: "
+                        "then coordinate ascent for micro-F1; balanced: for the mean of micro- and macro-F1")
     g = p.add_argument_group("parallelism and engine")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                    help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
@@ -116,6 +119,7 @@ def parse_args(argv=None):
     g.add_argument("--eval-interval", type=int, default=None, help="steps between dev evaluations "
                                                                    "(default: each epoch)")
     g.add_argument("--verbose", action="store_true", help="DeepSpeed's INFO logs")
+    add_debug_arg(g)
     args = p.parse_args(argv)
     problems = []
     if args.epochs <= 0 and args.train_steps is None:
@@ -294,27 +298,10 @@ def full_fp32_state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def user_errors() -> tuple:
-    """Exceptions that are the input's fault: reported as one line, without a traceback."""
-    from finetune.data import DataFormatError
-    from finetune.model import BaseModelError
-    from finetune.saved import ClassifierDirError
-    from models import ConfigError
-    from models.parallel import ParallelConfigError
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.engine import EngineConfigError
-    from pipeline.state_dicts import StateDictError
-    return (FinetuneError, DataFormatError, BaseModelError, ClassifierDirError, ConfigError, ParallelConfigError,
-            CheckpointError, EngineConfigError, StateDictError, FileNotFoundError)
-
-
+@command
 def main(argv=None) -> dict:
-    """Run the job; bad arguments or inputs exit with ``finetune/train.py: error: <what and where>``."""
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except user_errors() as e:
-        sys.exit(f"finetune/train.py: error: {e}")
+    """Run the job; a bad argument or input is one line ``error: <what and where>`` and exit code 2."""
+    return run(parse_args(argv))
 
 
 def run(args) -> dict:
@@ -445,7 +432,8 @@ def run(args) -> dict:
     metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None)
     settings = {"base": str(args.base), "train": train.source, "dev": dev.source, "labels": list(train.label_names),
                 "examples": {"train": len(train), "dev": len(dev), "threshold_tuning": len(tune_on)},
-                "thresholds_tuned_on": "holdout" if args.holdout else "dev", "max_length": max_length,
+                "thresholds_tuned_on": "holdout" if args.holdout else "dev",
+                "threshold_objective": args.threshold_objective, "max_length": max_length,
                 "truncated_train_texts": truncated, "global_batch": ds["train_batch_size"], "micro_batch": micro,
                 "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
                 "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
@@ -515,8 +503,9 @@ def run(args) -> dict:
 
 def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, metrics, settings, config,
            head_config, tokenizer, max_length, normalizer) -> dict:
-    from finetune.metrics import (evaluate_probabilities, format_comparison, plot_per_class_f1,
-                                  single_label_scores, write_eval_json)
+    from finetune.data import SEMEVAL_EC_LABELS
+    from finetune.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison,
+                                  plot_per_class_f1, single_label_scores, write_eval_json)
     from finetune.model import encoder_type_of
     from finetune.predictions import write_predictions
     from finetune.saved import save_classifier_dir
@@ -525,7 +514,8 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
     dev_probs = predict("dev", progress=True)
     tune_probs = dev_probs if tune_on is dev else predict("tune", progress=True)
     test_probs = predict("test", progress=True) if test is not None else None
-    thresholds = tune_thresholds(tune_on.labels, tune_probs) if multilabel else None
+    refine = {"micro": "micro", "macro": None, "balanced": "balanced"}[args.threshold_objective]
+    thresholds = tune_thresholds(tune_on.labels, tune_probs, refine=refine) if multilabel else None
     results = {}
 
     def scores(data, probs):
@@ -543,7 +533,8 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
         results["test"] = scores(test, test_probs)
     state = full_fp32_state(engine)  # collective: every rank takes part
     out = {"dev": results["dev"], "thresholds": None if thresholds is None else thresholds.tolist(),
-           "dev_probabilities": dev_probs, "test_probabilities": test_probs}
+           "dev_probabilities": dev_probs, "test_probabilities": test_probs,
+           "tune_probabilities": tune_probs, "tune_labels": tune_on.labels}
     if save is None or not is_rank0():
         _barrier()
         return out
@@ -551,7 +542,9 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
         systems = {"threshold 0.5": results["dev"]["at_0.5"],
                    f"tuned on {settings['thresholds_tuned_on']}": results["dev"]["tuned"]}
         print(f"dev ({len(dev)} texts):\n" + format_comparison(systems))
-        plot_per_class_f1(save / "per_class_f1.png", results["dev"],
+        published = PUBLISHED_EC_TEST_F1 if set(train.label_names) <= set(SEMEVAL_EC_LABELS) else None
+        plot_per_class_f1(save / "per_class_f1.png", results["dev"], reference=published,
+                          reference_label="Kant et al. 2018, E-c test (the values the paper gives)",
                           title=f"Per-class F1 on dev ({Path(dev.source).name})")
     else:
         s = results["dev"]["single_label"]

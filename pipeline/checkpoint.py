@@ -27,21 +27,14 @@ import torch
 import torch.distributed as dist
 
 from models.parallel import get_rng_tracker
+from pipeline.errors import UserError
+from pipeline.files import atomic_dir, atomic_write_text
 
 COMPLETE = "COMPLETE.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def tag_for_step(step: int) -> str:
@@ -82,13 +75,8 @@ def save_run_files(save_dir: Path, model_config, tokenizer) -> None:
     save_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(save_dir / "config.json", json.dumps(model_config.to_dict(), indent=2) + "\n")
     if tokenizer is not None:
-        tok_dir = save_dir / "tokenizer"
-        tmp = save_dir / f".tokenizer.tmp{os.getpid()}"
-        tokenizer.save(tmp)
-        if tok_dir.exists():
-            import shutil
-            shutil.rmtree(tok_dir)
-        os.replace(tmp, tok_dir)
+        with atomic_dir(save_dir / "tokenizer", force=True) as tmp:
+            tokenizer.save(tmp)
 
 
 def save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, extra_client_state=None) -> Path:

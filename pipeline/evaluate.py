@@ -14,16 +14,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import json
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from pipeline.errors import InputError, add_debug_arg, command
+from pipeline.files import atomic_path, atomic_write_json
 from pipeline.lm_eval import (DataShard, GPTScorer, evaluate_bpc, evaluate_lambada, evaluate_wikitext,
                               load_hf_model, load_hf_tokenizer, load_lambada, load_project_model, load_text,
                               load_wikitext)
@@ -60,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let transformers run the model directory's own Python code (off by default)")
     p.add_argument("--plot", type=Path, help="wikitext/bpc: also save a PNG of the loss against the left context")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_debug_arg(p)
     return p
 
 
@@ -79,25 +79,13 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
+@command
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     for name in ("context_length", "stride", "batch_size", "max_examples"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            sys.exit(f"error: --{name.replace('_', '-')} must be >= 1, got {value}")
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     data = load_data(args.task, args.data, args.max_examples)  # bad data fails before the model loads
 
     if args.hf is not None:
@@ -123,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     context_length = args.context_length or scorer.max_positions
     if context_length is None:
-        sys.exit("error: the model does not say how many positions it reads; pass --context-length")
+        raise InputError(f"{args.hf or args.checkpoint}: the model does not say how many positions it reads; "
+                         f"pass --context-length")
     stride = args.stride or min(MEGATRON_STRIDE, context_length)
     settings = {"context_length": context_length, "batch_size": args.batch_size, "dtype": args.dtype,
                 "max_examples": args.max_examples, **parallel}
@@ -154,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     if is_main:
-        write_json_atomic(args.out, record)
+        atomic_write_json(args.out, record)
         if args.plot is not None and "loss_by_context" in results:
             plot_loss_by_context(record, args.plot)
         print(summary(record), file=sys.stderr)
@@ -177,11 +166,9 @@ def plot_loss_by_context(record: dict, path: Path) -> None:
                  f"context {s['context_length']}, stride {s['stride']}", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def summary(record: dict) -> str:
@@ -198,13 +185,5 @@ def summary(record: dict) -> str:
     return f"{task}: {text}; {record['elapsed_s']:.1f}s"
 
 
-def cli() -> None:
-    """``main`` with bad input reported as one line instead of a traceback."""
-    try:
-        main()
-    except (FileNotFoundError, ValueError, NotImplementedError) as e:
-        sys.exit(f"error: {e}")
-
-
 if __name__ == "__main__":
-    cli()
+    main()

@@ -23,11 +23,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from models.config import ConfigError, GPTConfig
+from models.config import GPTConfig
 from models.mlstm import MLSTMConfig
+from pipeline.errors import add_debug_arg, command
 from pipeline.hf_convert import (HF_ARCHITECTURE, ConversionError, dtype_name, num_parameters_message, parse_dtype,
                                  to_hf)
-from pipeline.state_dicts import StateDictError, atomic_output_dir, read_state_dict
+from pipeline.files import atomic_dir
+from pipeline.state_dicts import read_state_dict
 
 # Files a Hugging Face tokenizer directory may hold; those present are copied as they are.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -136,7 +138,7 @@ def export_hf(config, full_sd: Mapping[str, torch.Tensor], out: str | Path, *, d
         raise ConversionError(f"no Hugging Face exporter for {type(config).__name__}; "
                               f"known: {', '.join(t.__name__ for t in EXPORTERS)}") from None
     out = Path(out)
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_dir(out, force=force) as tmp:
         special = {}
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
@@ -183,6 +185,7 @@ def compare_with_hf(config: GPTConfig, full_sd: Mapping[str, torch.Tensor], hf_d
 
 # -- command line -------------------------------------------------------------------------------------------------------
 
+@command
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.export_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint directory to export")
@@ -193,22 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--verify", action="store_true",
                    help="reload the export with transformers and compare its logits with the project model's")
+    add_debug_arg(p)
     args = p.parse_args(argv)
-    try:
-        config, full_sd, tokenizer_dir = read_full_checkpoint(args.checkpoint)
-        tokenizer_dir = args.tokenizer or tokenizer_dir
-        out = export_hf(config, full_sd, args.out, dtype=args.dtype, tokenizer_dir=tokenizer_dir, force=args.force)
-        arch = HF_ARCHITECTURE.get(getattr(config, "variant", None), type(config).__name__)
-        print(f"exported {arch} ({num_parameters_message(config)}, {dtype_name(parse_dtype(args.dtype))}) to {out}"
-              + ("" if tokenizer_dir else " (no tokenizer: pass --tokenizer DIR to include one)"))
-        if args.verify:
-            diff = compare_with_hf(config, full_sd, out)
-            print(f"verify: max relative logit difference {diff:.2e}")
-            if diff > 1e-4:
-                print("verify: FAILED (more than 1e-4)", file=sys.stderr)
-                return 1
-    except (ConversionError, ConfigError, StateDictError, FileNotFoundError, FileExistsError) as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
+    config, full_sd, tokenizer_dir = read_full_checkpoint(args.checkpoint)
+    tokenizer_dir = args.tokenizer or tokenizer_dir
+    out = export_hf(config, full_sd, args.out, dtype=args.dtype, tokenizer_dir=tokenizer_dir, force=args.force)
+    arch = HF_ARCHITECTURE.get(getattr(config, "variant", None), type(config).__name__)
+    print(f"exported {arch} ({num_parameters_message(config)}, {dtype_name(parse_dtype(args.dtype))}) to {out}"
+          + ("" if tokenizer_dir else " (no tokenizer: pass --tokenizer DIR to include one)"))
+    if args.verify:
+        diff = compare_with_hf(config, full_sd, out)
+        print(f"verify: max relative logit difference {diff:.2e}")
+        if diff > 1e-4:
+            print("verify: FAILED (more than 1e-4)", file=sys.stderr)
+            return 1
     return 0
 
 

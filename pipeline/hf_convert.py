@@ -30,6 +30,7 @@ from typing import Mapping
 import torch
 
 from models.config import ConfigError, GPTConfig
+from pipeline.errors import UserError
 
 GPT2_ARCH = "GPT2LMHeadModel"
 LLAMA_ARCH = "LlamaForCausalLM"
@@ -48,7 +49,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """A model, config or state dict that cannot be converted exactly (the message says which field or tensor)."""
 
 

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 
 from models.config import ConfigError, GPTConfig
+from pipeline.errors import add_debug_arg, command
 from pipeline.export_hf import CONFIG_FILE, WEIGHTS_FILE, copy_tokenizer_files, has_tokenizer
 from pipeline.hf_convert import (ConversionError, config_from_hf, from_hf, load_hf_config, load_hf_model,
                                  num_parameters_message, parallel_sizes, parse_dtype, resolve_hf_source)
-from pipeline.state_dicts import StateDictError, atomic_output_dir, check_output_dir, save_state_dict
+from pipeline.files import atomic_dir, check_output_dir
+from pipeline.state_dicts import save_state_dict
 
 
 def check_layout(config: GPTConfig, tensor_parallel: int, pipeline_parallel: int, source: str) -> None:
@@ -63,7 +65,7 @@ def write_model_dir(config: GPTConfig, full_sd, out: str | Path, *, tokenizer=No
     ``tokenizer`` is a directory of tokenizer files (copied) or a loaded transformers tokenizer (saved).
     Written atomically; read back by ``pipeline.export_hf.read_model_dir``.
     """
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_dir(out, force=force) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         save_state_dict(full_sd, tmp / WEIGHTS_FILE)
         if isinstance(tokenizer, (str, Path)):
@@ -73,6 +75,7 @@ def write_model_dir(config: GPTConfig, full_sd, out: str | Path, *, tokenizer=No
     return Path(out)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.import_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory, or a .gguf file")
@@ -83,13 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
                    help="dtype of the saved weights (default float32, the training master weights)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    add_debug_arg(p)
     args = p.parse_args(argv)
-    try:
-        config, out = import_hf(args.model, args.out, tensor_parallel=args.tensor_parallel,
-                                pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
-                                gguf_file=args.gguf_file, force=args.force)
-    except (ConversionError, ConfigError, StateDictError, FileNotFoundError, FileExistsError) as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
+    config, out = import_hf(args.model, args.out, tensor_parallel=args.tensor_parallel,
+                            pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
+                            gguf_file=args.gguf_file, force=args.force)
     print(f"imported {config.variant} model ({num_parameters_message(config)}, {config.num_layers} layers, "
           f"{config.num_heads} heads / {config.num_kv_heads} KV heads) to {out}; "
           f"fits --tensor-parallel {args.tensor_parallel} --pipeline-parallel {args.pipeline_parallel}")

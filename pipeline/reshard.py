@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from . import checkpoint, universal
-from .state_dicts import atomic_output_dir
+from .errors import add_debug_arg, command
+from .files import atomic_dir
 
 
 def parse_args(argv=None):
@@ -27,6 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="the new run directory (must not exist or be empty)")
     p.add_argument("--tag", default=None, help="the tag to convert (default: the run's latest)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    add_debug_arg(p)
     return p.parse_args(argv)
 
 
@@ -37,7 +39,7 @@ def reshard(run_dir, out, tag: str | None = None, *, force: bool = False) -> Pat
     reason = universal.unsupported_reason(saved, {"zero_stage": 1})
     if reason is not None:
         raise universal.UniversalError(f"{run_dir / tag} cannot be converted: {reason}")
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_dir(out, force=force) as tmp:
         shutil.copy2(run_dir / "config.json", tmp / "config.json")
         if (run_dir / "tokenizer").is_dir():
             shutil.copytree(run_dir / "tokenizer", tmp / "tokenizer")
@@ -54,13 +56,10 @@ def reshard(run_dir, out, tag: str | None = None, *, force: bool = False) -> Pat
     return Path(out)
 
 
+@command
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        out = reshard(args.checkpoint, args.out, args.tag, force=args.force)
-    except (checkpoint.CheckpointError, universal.UniversalError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out = reshard(args.checkpoint, args.out, args.tag, force=args.force)
     print(f"wrote {out}: resume it at any layout with --load {out}")
     return 0
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from pipeline.errors import add_debug_arg, command
+from pipeline.files import atomic_path, atomic_write_json
 
 SPLITS = ("train", "val", "test")
 DEFAULT_CS = tuple(2.0 ** k for k in range(-6, 4))
@@ -155,13 +155,6 @@ def fit_l1_probe(features: dict, labels: dict, Cs=DEFAULT_CS, seed: int = 0):
 
 
 # -- the whole experiment ----------------------------------------------------------------
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def plot_unit(values: dict, labels: dict, unit: int, threshold: float, path: Path, split: str = "test") -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -177,11 +170,9 @@ def plot_unit(values: dict, labels: dict, unit: int, threshold: float, path: Pat
     ax.set_title(f"Most predictive unit {unit} by class ({split})")
     ax.legend()
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def run_sentiment_neuron(model, data_dir: str | Path, out_dir: str | Path, batch_size: int = 64,
@@ -215,10 +206,11 @@ def run_sentiment_neuron(model, data_dir: str | Path, out_dir: str | Path, batch
         "majority_class_test_accuracy": float(max(labels["test"].mean(), 1 - labels["test"].mean())),
         "plot": plot_path.name,
     }
-    _atomic_write_text(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    atomic_write_json(out_dir / "results.json", results)
     return results
 
 
+@command
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="directory with config.json + model.safetensors (save_mlstm)")
@@ -230,6 +222,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--Cs", default=",".join(f"{c:g}" for c in DEFAULT_CS), help="comma-separated C grid for the L1 probe")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-progress", action="store_true")
+    add_debug_arg(ap)
     args = ap.parse_args(argv)
     from models.mlstm import MLSTM, load_mlstm
     from pipeline.checkpoint import is_deepspeed_run_dir, read_full_checkpoint

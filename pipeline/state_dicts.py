@@ -7,19 +7,16 @@ shard of each tensor with the parameter's ``ShardSpec``, without any collective.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
+from pipeline.errors import UserError
 
 
-class StateDictError(ValueError):
+class StateDictError(UserError, ValueError):
     """A state dict that does not fit the model (names the offending key)."""
 
 
@@ -137,48 +134,3 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str | Path, me
 
 
 # -- atomic output directories ---------------------------------------------------------------------------------------
-
-def check_output_dir(out: str | Path, force: bool = False) -> Path:
-    """Refuse an output path that is a file, or a non-empty directory unless ``force``."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output path {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"output directory {out} is not empty; choose another one or pass --force to replace it")
-    return out
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: str | Path, *, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory next to ``out``; on success it becomes ``out`` in one rename.
-
-    A failure (or a kill) part-way leaves ``out`` as it was: no half-written export is ever
-    visible under the target name. A non-empty ``out`` is refused unless ``force``.
-    """
-    out = check_output_dir(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _fsync_tree(root: Path) -> None:
-    # Data first, then the rename: after a crash the target is either the old one or complete.
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)

@@ -35,18 +35,19 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from pipeline.errors import UserError
+from pipeline.files import atomic_dir
 
 MANIFEST = "UNIVERSAL.json"
 CACHE_DIR = "universal"
 
 
-class UniversalError(RuntimeError):
-    pass
+class UniversalError(UserError):
+    """A checkpoint that cannot move to another layout with its optimizer state; the message says why."""
 
 
 def _allow_subparam_shape() -> None:
@@ -211,39 +212,15 @@ def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
         if problem is None:
             return cache
         log(f"universal checkpoint cache {cache} is damaged ({problem}): rebuilding it")
-        _remove(cache)
     if not any((Path(run_dir) / tag).glob("*optim_states.pt")):
         raise UniversalError(f"{Path(run_dir) / tag} has no DeepSpeed optimizer files to convert (a run written by "
-                             f"pipeline.reshard whose universal cache {cache} is gone): reshard the original run again")
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp_root = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=cache.parent))
-    try:
-        out = tmp_root / tag
+                             f"pipeline.reshard whose universal cache {cache} is gone); reshard the original run again")
+    # built under a temporary name and swapped in by one rename (a damaged cache is replaced the same way)
+    with atomic_dir(cache, force=True) as out:
         convert(Path(run_dir) / tag, out)
         files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
-        _fsync_files(out)
         (out / MANIFEST).write_text(json.dumps({"source": tag, "files": files}, indent=2) + "\n")
-        os.replace(out, cache)
-    finally:
-        shutil.rmtree(tmp_root, ignore_errors=True)
     return cache
-
-
-def _remove(path: Path) -> None:
-    # out of the way in one rename first, so that a kill part-way never leaves a half-deleted cache in place
-    trash = path.with_name(f".{path.name}.trash-{os.getpid()}")
-    os.replace(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _fsync_files(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
 def convert(tag_dir: Path, out: Path) -> None:
@@ -253,7 +230,8 @@ def convert(tag_dir: Path, out: Path) -> None:
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
     with contextlib.redirect_stdout(io.StringIO()), _zero3_merged_as_tp1(ds_to_universal, tag_dir):
         ds_to_universal.main(args)  # (its progress report is for a terminal)
-    (out.parent / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside ``out``
+    (out.parent / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside ``out``;
+    # the tags are passed explicitly
     _rename_pipeline_params(tag_dir, out / "zero")
     _model_files_for_every_stage(out)
     _optimizer_state_for_every_stage(out / "zero")

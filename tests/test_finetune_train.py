@@ -256,7 +256,7 @@ def test_mlstm_encoder_cell_state_classifier(work):
     ({"--encoder-layers": "5"}, "--encoder-layers 5: {dir}/base has only 2 layers"),
     ({"--pooling": "none"}, "--pooling none is for encoders that summarise a text themselves (the mLSTM)"),
 ])
-def test_bad_inputs_are_refused_with_a_clear_message(work, change, message):
+def test_bad_inputs_are_refused_with_a_clear_message(work, change, message, capsys):
     from finetune.train import main
     d = work["dir"]
     rows = work["train"].read_text().splitlines()[:4]
@@ -268,7 +268,8 @@ def test_bad_inputs_are_refused_with_a_clear_message(work, change, message):
     args.update({k: v.format(dir=d) for k, v in change.items()})
     with pytest.raises(SystemExit) as e:
         main([x for kv in args.items() for x in kv])
-    assert message.format(dir=d) in str(e.value.code), e.value.code
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message.format(dir=d) in err, err
 
 
 def test_bad_arguments_are_refused_by_the_parser(work, capsys):

@@ -32,10 +32,12 @@ from pathlib import Path
 
 import datasets
 
+from pipeline.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
-class DataSourceError(ValueError):
+class DataSourceError(UserError, ValueError):
     """Bad ``--data`` input: the message names the source, file, field or byte at fault."""
 
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from pipeline.files import atomic_write_text
 
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -121,8 +121,8 @@ class Tokenizer:
                          "vocab_size": self.vocab_size, "fingerprint": self.fingerprint()},
         }
         config = {k: v for k, v in config.items() if v is not None}
-        _atomic_write(directory / "tokenizer.json", self._backend.to_str(pretty=True))
-        _atomic_write(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+        atomic_write_text(directory / "tokenizer.json", self._backend.to_str(pretty=True))
+        atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
 class ByteTokenizer(Tokenizer):
@@ -301,14 +301,3 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.errors import InputError
 from .parallel import DataShard
 from .scoring import Scorer, score_token_stream
 from .tokenization import Tokenizer
@@ -36,15 +37,15 @@ def load_text(path: str | Path, max_lines: int | None = None) -> HeldOutText:
     except FileNotFoundError:
         raise FileNotFoundError(f"text file {path} does not exist") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"text file {path} is not UTF-8 (byte {e.start}): {e.reason}") from None
+        raise InputError(f"text file {path} is not UTF-8 (byte {e.start}): {e.reason}") from None
     lines = text.splitlines(keepends=True)
     if max_lines is not None:
         if max_lines < 1:
-            raise ValueError(f"max_lines must be >= 1, got {max_lines}")
+            raise InputError(f"max_lines must be >= 1, got {max_lines}")
         lines = lines[:max_lines]
         text = "".join(lines)
     if not text:
-        raise ValueError(f"text file {path} is empty")
+        raise InputError(f"text file {path} is empty")
     return HeldOutText(str(path), text, len(lines))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from pipeline.errors import InputError
 from .parallel import DataShard
 from .scoring import Scorer, check_context_length
 from .tokenization import Tokenizer
@@ -37,7 +38,7 @@ def load_lambada(path: str | Path, max_examples: int | None = None) -> list[Lamb
     if not path.exists():
         raise FileNotFoundError(f"LAMBADA file {path} does not exist")
     if max_examples is not None and max_examples < 1:
-        raise ValueError(f"max_examples must be >= 1, got {max_examples}")
+        raise InputError(f"max_examples must be >= 1, got {max_examples}")
     examples = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -48,14 +49,14 @@ def load_lambada(path: str | Path, max_examples: int | None = None) -> list[Lamb
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {lineno}: invalid JSON at column {e.colno}: {e.msg}") from None
+                raise InputError(f"{path}, line {lineno}: invalid JSON at column {e.colno}: {e.msg}") from None
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise ValueError(f"{path}, line {lineno}: expected an object with a string field \"text\", "
+                raise InputError(f"{path}, line {lineno}: expected an object with a string field \"text\", "
                                  f"got {line.strip()[:80]!r}")
             context, sep, target = text.rstrip().rpartition(" ")
             if not sep or not context.strip() or not target:
-                raise ValueError(f"{path}, line {lineno}: the text needs a context and a last word "
+                raise InputError(f"{path}, line {lineno}: the text needs a context and a last word "
                                  f"separated by a space, got {text[:80]!r}")
             examples.append(LambadaExample(context, target, lineno))
     return examples
@@ -75,16 +76,16 @@ def evaluate_lambada(scorer: Scorer, tokenizer: Tokenizer, examples: list[Lambad
     """
     check_context_length(scorer, context_length)
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise InputError(f"batch_size must be >= 1, got {batch_size}")
     shard = shard or DataShard()
     encoded, truncated = [], 0
     for ex in examples:
         ctx, tgt = encode_example(ex, tokenizer)
         if not tgt:
-            raise ValueError(f"line {ex.line}: the last word {ex.target!r} encodes to no tokens")
+            raise InputError(f"line {ex.line}: the last word {ex.target!r} encodes to no tokens")
         keep = context_length + 1 - len(tgt)
         if keep < 1:
-            raise ValueError(f"line {ex.line}: the last word alone has {len(tgt)} tokens, more than "
+            raise InputError(f"line {ex.line}: the last word alone has {len(tgt)} tokens, more than "
                              f"context_length {context_length} allows")
         if len(ctx) > keep:
             ctx, truncated = ctx[-keep:], truncated + 1

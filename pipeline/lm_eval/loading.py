@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.errors import InputError
 from .scoring import HFScorer
 from .tokenization import HFTokenizer
 
@@ -21,7 +22,7 @@ def _split_gguf(path: Path) -> tuple[Path, str | None]:
     """(directory, GGUF file name or None) for a model directory or a ``.gguf`` file."""
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf file; pass a Hugging Face model directory "
+            raise InputError(f"{path} is a file but not a .gguf file; pass a Hugging Face model directory "
                              f"or a GGUF file")
         return path.parent, path.name
     if not path.is_dir():
@@ -44,7 +45,7 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
     """
     from transformers import AutoModelForCausalLM
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     directory, gguf = _split_gguf(Path(path))
     dev = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=DTYPES[dtype],

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from pipeline.errors import InputError
 from models.parallel import vocab_parallel_cross_entropy
 
 from .parallel import DataShard, vocab_parallel_argmax
@@ -104,9 +105,9 @@ def sliding_windows(num_tokens: int, context_length: int, stride: int) -> list[W
     has a full context.
     """
     if context_length < 1:
-        raise ValueError(f"context_length must be >= 1, got {context_length}")
+        raise InputError(f"context_length must be >= 1, got {context_length}")
     if not 1 <= stride <= context_length:
-        raise ValueError(f"stride must be between 1 and context_length ({context_length}), got {stride}")
+        raise InputError(f"stride must be between 1 and context_length ({context_length}), got {stride}")
     if num_tokens < 2:
         return []
     end = min(context_length + 1, num_tokens)
@@ -164,7 +165,7 @@ def score_token_stream(scorer: Scorer, ids: Sequence[int] | torch.Tensor, *, con
     """
     check_context_length(scorer, context_length)
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise InputError(f"batch_size must be >= 1, got {batch_size}")
     shard = shard or DataShard()
     tokens = torch.as_tensor(ids, dtype=torch.long)
     n = tokens.numel()
@@ -192,5 +193,5 @@ def score_token_stream(scorer: Scorer, ids: Sequence[int] | torch.Tensor, *, con
 def check_context_length(scorer: Scorer, context_length: int) -> None:
     limit = scorer.max_positions
     if limit is not None and context_length > limit:
-        raise ValueError(f"context_length {context_length} is longer than the model's {limit} positions; "
+        raise InputError(f"context_length {context_length} is longer than the model's {limit} positions; "
                          f"pass --context-length {limit} or less")

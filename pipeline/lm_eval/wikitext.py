@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.errors import InputError
 from .scoring import DataShard, Scorer, score_token_stream
 from .tokenization import Tokenizer
 
@@ -82,15 +83,15 @@ def load_wikitext(path: str | Path, max_articles: int | None = None) -> WikiText
     except FileNotFoundError:
         raise FileNotFoundError(f"WikiText file {path} does not exist") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"WikiText file {path} is not UTF-8 (byte {e.start}): {e.reason}") from None
+        raise InputError(f"WikiText file {path} is not UTF-8 (byte {e.start}): {e.reason}") from None
     lines = text.splitlines(keepends=True)
     titles = [i for i, line in enumerate(lines) if _ARTICLE_TITLE.fullmatch(line.rstrip("\n"))]
     if not titles:
-        raise ValueError(f"WikiText file {path}: no article title line (' = Title = ') found; "
+        raise InputError(f"WikiText file {path}: no article title line (' = Title = ') found; "
                          f"is this a WikiText file?")
     if max_articles is not None:
         if max_articles < 1:
-            raise ValueError(f"max_articles must be >= 1, got {max_articles}")
+            raise InputError(f"max_articles must be >= 1, got {max_articles}")
         if max_articles < len(titles):
             # Stop before the blank line that precedes the next article's title.
             lines = lines[:titles[max_articles] - 1]

@@ -1,0 +1,112 @@
+"""User errors and the one top-level handler every command uses.
+
+A user error is reported as one line on stderr, by rank 0 only, and the process exits with code 2:
+
+    error: <file/line/field>: <what>; <what to do>
+
+No traceback, unless ``--debug`` is on the command line or ``PIPELINE_DEBUG=1`` is in the environment
+(then the traceback comes first, the same line last, and the exit code is still 2).
+
+How a command uses it:
+
+    from pipeline.errors import UserError, add_debug_arg, command
+
+    class MyError(UserError, ValueError): ...     # a module's own error class derives from UserError
+
+    @command                                       # main(argv) -> int | dict | None
+    def main(argv=None):
+        p = argparse.ArgumentParser(...)
+        add_debug_arg(p)
+        ...
+        raise MyError(f"{path}: line {n}: field 'text' is empty; fill it or drop the line")
+
+``command`` also works when ``main(argv)`` is called from Python (tests, notebooks): a user error raises
+``SystemExit(2)`` after the line is printed. The message of the exception is the part after ``error: ``;
+write it as ``<where>: <what>; <what to do>``. Besides ``UserError`` subclasses, the handler reports the
+model layer's ``ConfigError`` and ``ParallelConfigError`` (models/ does not import pipeline/) and the
+OS errors a wrong path causes (file not found, exists, is a directory, not a directory, permission).
+Anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+
+__all__ = ["UserError", "InputError", "user_error_types", "format_user_error", "reported_errors", "command", "add_debug_arg",
+           "EXIT_USER_ERROR", "DEBUG_ENV"]
+
+EXIT_USER_ERROR = 2
+DEBUG_ENV = "PIPELINE_DEBUG"
+_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
+class UserError(Exception):
+    """Something the user handed in or asked for is wrong; the message says where, what, and what to do."""
+
+
+class InputError(UserError, ValueError):
+    """A malformed input file or argument value, for modules without an error class of their own."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    from models.config import ConfigError
+    from models.parallel.state import ParallelConfigError
+    return (UserError, ConfigError, ParallelConfigError, *_PATH_ERRORS)
+
+
+def format_user_error(error: BaseException) -> str:
+    """The one line: ``error: <message>`` with the message's line breaks folded."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror and len(error.args) == 2:
+        # raised by the OS itself (open, mkdir, ...), not with a message of ours
+        message = f"{error.filename}: {error.strerror.lower()}; check the path"
+    else:
+        message = str(error) or type(error).__name__
+    return "error: " + re.sub(r"\s*\n\s*", " ", message.strip())
+
+
+def _is_rank0() -> bool:
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _debug(argv: Sequence[str] | None) -> bool:
+    args = sys.argv[1:] if argv is None else argv
+    return "--debug" in args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def reported_errors(argv: Sequence[str] | None = None) -> Iterator[None]:
+    """Turn a user error raised in the block into the one line on stderr and ``SystemExit(2)``."""
+    try:
+        yield
+    except user_error_types() as e:
+        if _is_rank0():
+            if _debug(argv):
+                traceback.print_exc()
+            print(format_user_error(e), file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def command(main: Callable) -> Callable:
+    """Decorate a command's ``main(argv=None)`` so that every user error it raises is reported once."""
+    @functools.wraps(main)
+    def wrapper(argv: Sequence[str] | None = None, *args, **kwargs):
+        with reported_errors(argv):
+            return main(argv, *args, **kwargs)
+    return wrapper
+
+
+def add_debug_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of a user error too (or set {DEBUG_ENV}=1)")

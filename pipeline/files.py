@@ -1,0 +1,120 @@
+"""Atomic outputs: a reader never sees a half-written file or directory, and a crash leaves the old one intact.
+
+Every command writes through these helpers (nothing else calls ``os.replace``):
+
+    atomic_write_text(path, text)          # also atomic_write_bytes, atomic_write_json
+    with atomic_path(path) as tmp:         # for writers that want a path: torch.save, safetensors, savefig
+        save_file(tensors, tmp)
+    with atomic_dir(out, force=args.force) as tmp:   # a whole output directory, swapped in by one rename
+        ...write files under tmp...
+
+The data is fsynced before the rename, the rename is fsynced in its directory, a temporary name starts
+with ``.`` beside its target (same file system), and it is removed when the block fails. Files get the
+usual permissions (``0666 & ~umask``), not ``mkstemp``'s 0600.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_dir",
+           "check_output_dir", "fsync_tree"]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (data first, then the rename that publishes it)."""
+    for path in sorted(Path(root).rglob("*"), reverse=True):
+        if path.is_file() or path.is_dir():
+            _fsync(path)
+    _fsync(Path(root))
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; when the block succeeds it replaces ``path`` in one rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj, **dump_kwargs) -> Path:
+    """``obj`` as indented JSON plus a final newline."""
+    return atomic_write_text(path, json.dumps(obj, **{"indent": 2, **dump_kwargs}) + "\n")
+
+
+def check_output_dir(out: str | os.PathLike, force: bool = False) -> Path:
+    """Refuse an output path that is a file, or a non-empty directory unless ``force``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output path {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"output directory {out} is not empty; choose another one or pass --force to replace it")
+    return out
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory next to ``out``; on success it becomes ``out`` in one rename.
+
+    A failure (or a kill) part-way leaves ``out`` as it was. A non-empty ``out`` is refused unless ``force``.
+    """
+    out = check_output_dir(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        fsync_tree(tmp)
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+        os.replace(tmp, out)
+        _fsync(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,176 @@
+"""The job layer: what every training command shares, so that a command only says what model, what data, what step.
+
+    p = argparse.ArgumentParser(...)
+    add_engine_args(p)                 # --deepspeed_config, --tensor-parallel, [--pipeline-parallel], batch sizes
+    add_run_args(p)                    # --seed, --log-interval, --verbose, --debug
+    args = p.parse_args(argv)
+    job = setup(EngineOptions.from_args(args))   # process groups, parallel state and seeds, the DeepSpeed config
+    engine = build_engine(config, job.ds, job.state, ...)
+    train_loop(lambda: train_step(engine, batches), first=1, last=steps, desc="pretrain",
+               hooks=[every(args.log_interval, log), every(args.eval_interval, evaluate)])
+
+Errors: raise a ``pipeline.errors.UserError`` subclass and decorate ``main`` with ``pipeline.errors.command``;
+outputs go through ``pipeline.files``. In the spirit of Megatron's ``pretrain(datasets_provider,
+model_provider, forward_step)``: ``pipeline/pretrain.py`` and ``finetune/train.py`` are providers over this.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from models.parallel import ParallelState, initialize_model_parallel, model_parallel_seed
+from pipeline.distributed import init_distributed
+from pipeline.engine import load_ds_config, resolve_ds_config
+from pipeline.errors import add_debug_arg
+from pipeline.metrics import StepTimer
+
+DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+
+
+def default_ds_config() -> str:
+    return str(DS_CONFIGS / ("bf16_zero1.json" if torch.cuda.is_available() else "cpu.json"))
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# -- argument groups ----------------------------------------------------------------------------------------------------
+
+def add_engine_args(parser: argparse.ArgumentParser, *, pipeline_parallel: bool = True):
+    g = parser.add_argument_group("parallelism and engine")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
+                   help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
+    g.add_argument("--tensor-parallel", type=int, default=1)
+    if pipeline_parallel:
+        g.add_argument("--pipeline-parallel", type=int, default=1)
+    g.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
+    g.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return g
+
+
+def add_run_args(parser: argparse.ArgumentParser, group=None, *, log_interval: int = 1):
+    g = group or parser.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=log_interval)
+    g.add_argument("--verbose", action="store_true", help="DeepSpeed's INFO logs")
+    add_debug_arg(g)
+    return g
+
+
+# -- setup --------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class EngineOptions:
+    """What travels from the command line to the engine (``add_engine_args`` + ``add_run_args``)."""
+    deepspeed_config: str | None = None
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    micro_batch_size: int | None = None
+    global_batch_size: int | None = None
+    seed: int = 1234
+    verbose: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> EngineOptions:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**values, **overrides})
+
+
+@dataclass
+class Job:
+    """What ``setup`` made: the parallel layout and the resolved DeepSpeed config."""
+    options: EngineOptions
+    state: ParallelState
+    ds: dict
+    ds_source: str
+    peak_tflops: float | None
+
+    @property
+    def micro_batch(self) -> int:
+        return self.ds["train_micro_batch_size_per_gpu"]
+
+    @property
+    def global_batch(self) -> int:
+        return self.ds["train_batch_size"]
+
+
+def quiet_deepspeed(verbose: bool) -> None:
+    from deepspeed.utils import logger as ds_logger
+    ds_logger.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def setup(options: EngineOptions) -> Job:
+    """Join the process group, build the (TP, PP, DP) state, seed every rank, load and resolve the DeepSpeed config.
+
+    The config's ``peak_tflops`` (the project's key, for MFU) is taken out before DeepSpeed sees it.
+    """
+    if not options.verbose:
+        quiet_deepspeed(False)
+    init_distributed()
+    state = initialize_model_parallel(options.tensor_parallel, options.pipeline_parallel)
+    model_parallel_seed(options.seed)
+    source = options.deepspeed_config or default_ds_config()
+    ds = load_ds_config(source)
+    peak_tflops = ds.pop("peak_tflops", None)
+    ds = resolve_ds_config(ds, data_parallel=state.data_parallel, pipeline_parallel=state.pipeline_parallel,
+                           micro_batch_size=options.micro_batch_size, global_batch_size=options.global_batch_size,
+                           source=source)
+    return Job(options, state, ds, source, peak_tflops)
+
+
+# -- the training loop --------------------------------------------------------------------------------------------------
+
+@dataclass
+class StepResult:
+    """What a hook sees after each optimizer step."""
+    step: int
+    out: Any  # what the step function returned
+    seconds: float
+    last: bool
+    bar: Any
+
+
+Hook = Callable[[StepResult], None]
+
+
+def every(interval: int | None, hook: Hook, *, at_last: bool = True) -> Hook:
+    """``hook`` on every ``interval``-th step (never when ``interval`` is falsy), and on the last step if
+    ``at_last`` (else not on the last step: e.g. an evaluation that the end of the job does anyway)."""
+    return when(lambda r: bool(interval) and (r.step % interval == 0 if not r.last else at_last), hook)
+
+
+def when(predicate: Callable[[StepResult], bool], hook: Hook) -> Hook:
+    return lambda r: hook(r) if predicate(r) else None
+
+
+def train_loop(step_fn: Callable[[], Any], *, first: int, last: int, desc: str,
+               hooks: Sequence[Hook] = ()) -> None:
+    """Steps ``first`` .. ``last`` of ``step_fn`` (one optimizer step each), timed, with a progress bar on rank 0;
+    after each step every hook runs, in order."""
+    timer = StepTimer()
+    bar = tqdm(total=last, initial=first - 1, desc=desc, disable=not is_rank0(), dynamic_ncols=True)
+    for step in range(first, last + 1):
+        timer.start()
+        out = step_fn()
+        seconds = timer.stop()
+        bar.update(1)
+        result = StepResult(step, out, seconds, step == last, bar)
+        for hook in hooks:
+            hook(result)
+    bar.close()

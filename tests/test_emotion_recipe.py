@@ -1,0 +1,106 @@
+"""The documented E-c recipe (``finetune.recipes.EC_RECIPE``, which bench/emotion_finetune.py runs) end to end on
+a few hundred real tweets: it trains, tunes per-class thresholds on held-out train, and the Hugging Face classifier it exports gives
+``finetune.predict``'s probabilities (fp32, within 1e-5) and, with the thresholds stored in its config, the same
+decisions on every dev tweet. And the threshold objectives: per-class F1 maximises macro-F1 where the micro-F1
+refinement does not; the balanced refinement serves the mean of both."""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import shared_data
+from test_finetune_train import FP32_DS, ec_slice, run, write_base
+
+
+@pytest.fixture(scope="module")
+def recipe_run(tmp_path_factory):
+    from finetune.recipes import EC_RECIPE as RECIPE
+    d = tmp_path_factory.mktemp("recipe")
+    ec = shared_data("semeval2018-ec")
+    (d / "ds.json").write_text(json.dumps(FP32_DS))
+    base = write_base(d / "base", variant="llama")  # the recipe's base (SmolLM2) is a llama
+    train, dev = ec_slice(ec / "train.tsv", d / "train.tsv", 400), ec_slice(ec / "dev.tsv", d / "dev.tsv", 120)
+    save = d / "clf"
+    # the recipe as documented, on a tiny base and a few hundred tweets: fewer epochs, an fp32 config
+    run([sys.executable, "-m", "finetune.train", "--base", str(base), "--train", str(train), "--dev", str(dev),
+         "--deepspeed_config", str(d / "ds.json"), "--save", str(save), *RECIPE, "--epochs", "2", "--lr", "1e-3"],
+        d)
+    return {"dir": d, "save": save, "dev": dev}
+
+
+def test_recipe_trains_tunes_and_exports(recipe_run):
+    from finetune.recipes import EC_RECIPE as RECIPE
+    save = recipe_run["save"]
+    ev = json.loads((save / "eval.json").read_text())
+    settings = ev["settings"]
+    assert settings["thresholds_tuned_on"] == "holdout" and settings["threshold_objective"] == \
+        RECIPE[RECIPE.index("--threshold-objective") + 1]
+    assert settings["pooling"] == RECIPE[RECIPE.index("--pooling") + 1] and not settings["freeze_encoder"]
+    assert settings["pos_weight"] is not None and max(settings["pos_weight"]) > 1.0  # sqrt weights for rare labels
+    assert ev["dev"]["tuned"]["macro_f1"] > 0.0
+    assert (save / "hf" / "config.json").is_file() and (save / "hf" / "model.safetensors").is_file()
+
+
+def test_exported_recipe_classifier_equals_predict_on_every_dev_tweet(recipe_run):
+    from transformers import pipeline
+
+    from finetune.normalize import TweetNormalizer
+    from finetune.predictions import read_predictions
+    from finetune.thresholds import apply_thresholds
+    d, save = recipe_run["dir"], recipe_run["save"]
+    out, probs_file = d / "pred.txt", d / "probs.tsv"
+    run([sys.executable, "-m", "finetune.predict", "--model", str(save), "--data", str(recipe_run["dev"]),
+         "--out", str(out), "--probabilities", str(probs_file)], d)
+    rows = [line.split("\t") for line in probs_file.read_text().splitlines()]
+    names = rows[0][1:]
+    ours = np.array([[float(x) for x in r[1:]] for r in rows[1:]])
+    decided = read_predictions(out)
+
+    config = json.loads((save / "hf" / "config.json").read_text())
+    clf = pipeline("text-classification", model=str(save / "hf"), top_k=None, device="cpu")
+    normalizer = TweetNormalizer(**config["tweet_normalizer"])
+    got = clf([normalizer(t) for t in decided.texts], batch_size=16)
+    theirs = np.array([[{x["label"]: x["score"] for x in row}[n] for n in names] for row in got])
+    assert ours.std() > 1e-3  # not a comparison of constants
+    assert np.abs(theirs - ours).max() < 1e-5
+    hf_decisions = apply_thresholds(theirs, config["thresholds"])
+    assert np.array_equal(hf_decisions, decided.labels)
+    assert len(decided.ids) == 120
+
+
+def _scores(y, p, t):
+    from finetune.metrics import multilabel_scores
+    from finetune.thresholds import apply_thresholds
+    return multilabel_scores(y, apply_thresholds(p, t))
+
+
+def _macro_f1(y, p, t):
+    return _scores(y, p, t)["macro_f1"]
+
+
+def test_threshold_objectives_per_class_micro_and_balanced():
+    from finetune.thresholds import DEFAULT_GRID, tune_thresholds
+    rng = np.random.default_rng(7)
+    n = 600
+    # one frequent, well-separated class and two rare, noisy ones: the micro refinement trades the rare
+    # classes' recall for fewer false positives overall, which micro-F1 rewards and macro-F1 does not
+    y = np.stack([rng.random(n) < 0.5, rng.random(n) < 0.06, rng.random(n) < 0.08], axis=1).astype(np.int8)
+    p = np.clip(np.stack([0.25 + 0.5 * y[:, 0] + rng.normal(0, 0.15, n),
+                          0.2 + 0.25 * y[:, 1] + rng.normal(0, 0.15, n),
+                          0.2 + 0.2 * y[:, 2] + rng.normal(0, 0.15, n)], axis=1), 0, 1)
+    per_class = tune_thresholds(y, p, refine=None)
+    micro = tune_thresholds(y, p, refine="micro")
+    assert _macro_f1(y, p, per_class) > _macro_f1(y, p, micro) + 1e-3
+    # the balanced refinement climbs the mean of the two averages from the per-class optimum
+    balanced = tune_thresholds(y, p, refine="balanced")
+    mean = {name: (lambda s: (s["micro_f1"] + s["macro_f1"]) / 2)(_scores(y, p, t))
+            for name, t in (("per_class", per_class), ("micro", micro), ("balanced", balanced))}
+    assert mean["balanced"] >= max(mean["per_class"], mean["micro"]) - 1e-12
+    assert _macro_f1(y, p, balanced) > _macro_f1(y, p, micro)
+    assert _scores(y, p, balanced)["micro_f1"] > _scores(y, p, per_class)["micro_f1"]
+    # per class, no grid threshold gives a better F1: per-class F1 is the macro-F1 optimum on the grid
+    from sklearn.metrics import f1_score
+    for c in range(y.shape[1]):
+        best = max(f1_score(y[:, c], p[:, c] >= t) for t in DEFAULT_GRID)
+        assert f1_score(y[:, c], p[:, c] >= per_class[c]) == pytest.approx(best, abs=1e-12)
