@@ -25,25 +25,36 @@ def _pretrain_restarted(rank, argv, fp16):
     return tu._pretrain(rank, argv, fp16)
 
 
+def _run_once(work: Path, name: str, make) -> dict:
+    """The losses of the run ``work/name``, made now unless an earlier invocation left it complete."""
+    out = work / name
+    if not (out / "metrics.jsonl").is_file() or 4 not in tu.losses(out):
+        make(out)
+    return tu.losses(out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", default=None, help="directory for the runs (default: a temporary one)")
+    p.add_argument("--work", default=None, help="directory for the runs, reused when given again (default: a "
+                                                "temporary one); pytest's directory of tests/test_universal.py "
+                                                "(ref_*, resumed_*) works too")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         import inspect
         import json
-        (work / "corpus.txt").write_text(inspect.getsource(json) + "\n\n" + inspect.getsource(inspect))
+        if not (work / "corpus.txt").is_file():
+            (work / "corpus.txt").write_text(inspect.getsource(json) + "\n\n" + inspect.getsource(inspect))
         (work / "model.json").write_text(json.dumps(tu.MODEL))
         print(f"{'transition':<20} {'carried step 3':>15} {'step 4':>10} {'restarted step 3':>17} {'step 4':>10}")
         for source, target in tu.TRANSITIONS:
-            ref = tu.losses(tu.reference(work, source))
+            ref = _run_once(work, f"ref_{source}", lambda out: tu.run(work, source, out, "--save-interval", "2"))
             row = []
-            for name, worker in (("carried", None), ("restarted", _pretrain_restarted)):
-                out = tu.run(work, target, work / f"{name}_{source}_{target}", "--load", str(work / f"ref_{source}"),
-                             "--load-tag", "global_step2", worker=worker)
-                got = tu.losses(out)
+            for name, worker in ((f"resumed_{source}_{target}", None),
+                                 (f"restarted_{source}_{target}", _pretrain_restarted)):
+                got = _run_once(work, name, lambda out: tu.run(work, target, out, "--load", str(work / f"ref_{source}"),
+                                                               "--load-tag", "global_step2", worker=worker))
                 row += [abs(got[s] - ref[s]) / ref[s] for s in (3, 4)]
             print(f"{source + ' -> ' + target:<20} {row[0]:>15.2e} {row[1]:>10.2e} {row[2]:>17.2e} {row[3]:>10.2e}",
                   flush=True)

@@ -27,8 +27,8 @@ from pipeline.engine import (EngineConfigError, build_engine, eval_loss, lm_batc
                              train_step, zero_stage)
 from pipeline.errors import UserError, command
 from pipeline.families import ModelFamily, family_named, family_of_dict
-from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, default_ds_config, every,
-                          is_rank0, setup, train_loop, when)
+from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, apply_sequence_parallel,
+                          default_ds_config, every, is_rank0, setup, train_loop, when)
 from pipeline.metrics import MetricsWriter
 from pipeline.schedules import LRSchedule, scaled_lr
 
@@ -116,7 +116,7 @@ def make_model_config(raw: dict, vocab_size: int, seq_length: int | None):
     return family.config_class.from_dict(raw, source=source)
 
 
-# -- the providers: model config and tokenizer, data, model -------------------------------------------------------------
+# -- the providers: model config and tokenizer, data, model ------------------------------------------------------------
 
 @dataclass
 class Model:
@@ -218,10 +218,10 @@ def provide_engine(args, m: Model, job: Job, layout: dict, loader):
     return engine, step
 
 
-# -- the job ------------------------------------------------------------------------------------------------------------
+# -- the job -----------------------------------------------------------------------------------------------------------
 
-@command
 def main(argv=None) -> dict:
+    """The job (a user error raises; run as a command, ``pipeline.errors.command`` reports it in one line)."""
     args = parse_args(argv)
     if args.compile and args.pipeline_parallel > 1:
         raise EngineConfigError("--compile is for pipeline-parallel 1 only (DeepSpeed's pipeline engine runs its "
@@ -229,10 +229,12 @@ def main(argv=None) -> dict:
     job = setup(EngineOptions.from_args(args))
     m = provide_model_config(args)
     m.family.check_layout(m.config, job.state.tensor_parallel, job.state.pipeline_parallel)
+    apply_sequence_parallel(m.config, job)
     train, make_valid = provide_data(args, m, job)
     layout = {"tensor_parallel": job.state.tensor_parallel, "pipeline_parallel": job.state.pipeline_parallel,
               "data_parallel": job.state.data_parallel, "model_type": m.family.name, "precision": precision(job.ds),
-              "zero_stage": zero_stage(job.ds), "universal_info": True}
+              "sequence_parallel": job.options.sequence_parallel, "zero_stage": zero_stage(job.ds),
+              "universal_info": True}
     engine, step = provide_engine(args, m, job, layout, train)
     save_dir = Path(args.save) if args.save else None
     if save_dir is not None and is_rank0():
@@ -283,4 +285,4 @@ def _grad_norm(engine):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)()

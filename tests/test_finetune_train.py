@@ -144,7 +144,7 @@ def test_predict_writes_official_format_with_tuned_thresholds(trained, work, cap
 
 
 def test_classifier_dir_is_a_base_model(trained):
-    from finetune.model import load_full_gpt_state
+    from finetune.saved import load_full_gpt_state
     from finetune.saved import read_classifier_dir
     config, encoder, tokenizer_dir = load_full_gpt_state(trained)
     info, full = read_classifier_dir(trained)
@@ -206,7 +206,7 @@ def test_linear_probe_computes_features_once_and_keeps_the_encoder(work):
         str(work["ds"]), "--freeze-encoder", "--pooling", "mean", "--train-steps", "30", "--lr", "1e-2",
         "--max-length", "32", "--save", str(save), "--hf-export", "no"])[0]
     assert r["feature_seconds"] > 0 and np.mean(r["losses"][-5:]) < np.mean(r["losses"][:5])
-    from finetune.model import load_full_gpt_state
+    from finetune.saved import load_full_gpt_state
     _, base, _ = load_full_gpt_state(work["base"])
     _, encoder, _ = load_full_gpt_state(save)
     assert all(torch.equal(encoder[k], v) for k, v in base.items())  # fp32 run: the frozen weights, unchanged
