@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from models import GPT, MLSTM, MLSTMConfig
-from models.parallel import vocab_parallel_cross_entropy
+from models.parallel import tp_world_size, vocab_parallel_cross_entropy
 from pipeline.errors import UserError
 from pipeline.families import family_named, family_of
 
@@ -68,7 +68,13 @@ class GPTEncoder(LayerDepths, GPT):
         return self.config.hidden_size
 
     def features(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        return self.hidden_states(input_ids)  # causal: the padding after each row's length changes nothing
+        # causal: the padding after each row's length changes nothing. Sequence parallelism cuts the sequence
+        # into TP equal chunks, so a batch is padded to a multiple of TP here and cut back after the gather.
+        s = input_ids.shape[1]
+        pad = -s % tp_world_size() if self.config.sequence_parallel else 0
+        if pad:
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
+        return self.hidden_states(input_ids)[:, :s]
 
     def lm_loss(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over the real tokens of right-padded rows (position t predicts

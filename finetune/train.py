@@ -43,8 +43,8 @@ from pipeline.data import load_tokenizer
 from pipeline.engine import build_engine, optimizer_step, precision
 from pipeline.errors import UserError, command
 from pipeline.families import ModelFamily, family_of
-from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, every, is_rank0,
-                          quiet_deepspeed, setup, train_loop)
+from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, apply_sequence_parallel,
+                          every, is_rank0, quiet_deepspeed, setup, train_loop)
 from pipeline.metrics import MetricsWriter
 from pipeline.schedules import LRSchedule
 
@@ -443,6 +443,7 @@ def run_settings(args, base: Base, data: Splits, head: Head, job: Job, steps: tu
             "encoder": base.family.name, "encoder_layers": base.config.num_layers, "pooling": head.config.pooling,
             "mlp_hidden": list(args.mlp_hidden),
             "precision": precision(job.ds), "tensor_parallel": job.state.tensor_parallel,
+                "sequence_parallel": bool(getattr(base.config, "sequence_parallel", False)),
             "data_parallel": job.state.data_parallel, "seed": args.seed}
 
 
@@ -469,6 +470,7 @@ def run(args) -> dict:
     data = provide_data(args, base)
     head = provide_head(args, base, data)
     job = setup(EngineOptions.from_args(args))
+    apply_sequence_parallel(base.config, job)
     engine, schedule, steps_per_epoch, total_steps = provide_engine(args, base, data, head, job)
     state = job.state
     dp_kwargs = dict(dp_rank=state.get_data_parallel_rank(), dp_world_size=state.data_parallel,
@@ -503,6 +505,7 @@ def run(args) -> dict:
     # thresholds, scores, predictions
     result = finish(FinetuneRun(args, base, data, head, engine, predict, save, metrics, settings))
     result.update(losses=losses, train_seconds=train_seconds, feature_seconds=feature_seconds, steps=total_steps,
+                  sequence_parallel=settings["sequence_parallel"],
                   group_lrs=[(g.get("lr_mult", 1.0), g["lr"]) for g in engine.optimizer.param_groups])
     metrics.close()
     return result

@@ -158,7 +158,8 @@ def test_classifier_dir_is_a_base_model(trained):
 def _finetune_worker(rank, argv):
     from finetune.train import main
     out = main(argv)
-    return {"losses": out["losses"], "dev": torch.tensor(out["dev_probabilities"]), "group_lrs": out["group_lrs"]}
+    return {"losses": out["losses"], "dev": torch.tensor(out["dev_probabilities"]), "group_lrs": out["group_lrs"],
+            "sp": out["sequence_parallel"]}
 
 
 def _layout_argv(work, *extra):
@@ -191,6 +192,16 @@ def test_tensor_and_data_parallel_finetune_equals_single_process(work, single):
         _same(r, single, "TP=2 x DP=2")
     lrs = dict(single["group_lrs"])
     assert lrs[1.0] == pytest.approx(3e-3) and lrs[0.5 ** 3] == pytest.approx(3e-3 * 0.125)  # embedding: L + 1 down
+
+
+def test_sequence_parallel_finetune_equals_single_process(work, single):
+    # TP=2 with sequence parallelism: batches of any width (padded to a multiple of TP inside the encoder), the
+    # hidden states gathered for the head, the aux LM loss on them; the same losses and dev probabilities
+    results = run_distributed(_finetune_worker, 2, _layout_argv(work, "--tensor-parallel", "2",
+                                                                "--sequence-parallel"))
+    assert not single["sp"] and all(r["sp"] for r in results)
+    for r in results:
+        _same(r, single, "TP=2 + SP")
 
 
 def _probe_worker(rank, argv):

@@ -76,10 +76,12 @@ def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1):
     ``project_scorer(model)``.
     Called on every rank after ``pipeline.distributed.init_distributed()``.
     """
+    # the parallel state first: reading a checkpoint builds a meta-device model for its ShardSpecs, which
+    # needs one once several ranks are launched
+    initialize_model_parallel(tensor_parallel, 1)
     config, full, tokenizer_dir = read_full_checkpoint(checkpoint_dir)
     family = family_of(config)
     family.check_layout(config, tensor_parallel, 1)
-    initialize_model_parallel(tensor_parallel, 1)
     if tokenizer_dir is None:
         raise FileNotFoundError(f"{checkpoint_dir} has no tokenizer; pass --tokenizer")
     model = family.build(config, 0)
