@@ -9,6 +9,7 @@ Layout of a save directory::
         layout.json          TP / PP / DP sizes and the step
         COMPLETE.json        written last: every file of the tag with its size
     latest                   the newest complete tag, replaced atomically
+    universal/<tag>/         a tag converted for another layout (``pipeline.universal``), on demand
 
 A save killed at any point leaves at most a tag directory without COMPLETE.json,
 which ``latest`` never names. On load every file listed in COMPLETE.json must be
@@ -240,13 +241,16 @@ def _zero3_weights(load_dir: Path, tag: str, tp: int) -> list[dict]:
 
 def same_layout(saved: dict, current: dict) -> bool:
     keys = ("tensor_parallel", "pipeline_parallel", "data_parallel", "precision")
-    return all(saved.get(k) == current.get(k) for k in keys)
+    # checkpoints from before the ZeRO stage was recorded resume as they always did
+    same_stage = "zero_stage" not in saved or saved["zero_stage"] == current.get("zero_stage")
+    return same_stage and all(saved.get(k) == current.get(k) for k in keys)
 
 
 def restore_after_reshard(engine, load_dir, tag: str) -> tuple[int, dict | None]:
-    """After building the engine from ``read_full_model_state`` weights at a new layout: the step, the
-    learning-rate schedule and the (global, layout-free) data position. Adam moments, the loss scale
-    and RNG streams start afresh: DeepSpeed keeps them in per-rank flat partitions of the old layout."""
+    """After a load at a new layout (``universal.load``, or ``read_full_model_state`` weights where DeepSpeed
+    has no universal path): the step, the learning-rate schedule and the (global, layout-free) data
+    position. RNG streams start afresh (they belong to the ranks of the old layout); without a universal
+    load, so do the Adam moments and the loss scale."""
     layout = saved_layout(load_dir, tag)
     if engine.lr_scheduler is not None and layout.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(layout["scheduler"])

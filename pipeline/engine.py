@@ -200,6 +200,9 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
             # the tied output layer reads the embedding weight outside the embedding's forward
             deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
 
+    from .universal import attach_info
+    attach_info(model, model_config, pipeline=state.pipeline_parallel > 1)  # saved with every checkpoint
+
     if schedule is not None and "scheduler" in ds_config:
         raise EngineConfigError("the DeepSpeed config has a \"scheduler\" section and a learning-rate schedule was "
                                 "given too; remove one of them")
