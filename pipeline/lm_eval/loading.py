@@ -47,7 +47,7 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
                   trust_remote_code: bool = False) -> tuple[HFScorer, dict]:
     """A causal LM from a local Hugging Face directory or GGUF file, as a scorer, plus a description.
 
-    Remote code runs only with ``trust_remote_code=True``; nothing is downloaded.
+    A model's own Python code runs only when the caller opts in (``trust_remote_code``); nothing is downloaded.
     """
     from transformers import AutoModelForCausalLM
     if dtype not in DTYPES:
