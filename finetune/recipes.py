@@ -12,7 +12,7 @@ Jaccard, each at a clear cost in the other average; measured on held-out train a
 ``LINEAR_PROBE``: the cheap reference (the encoder frozen, mean-pooled features of its first 16 layers
 computed once, a linear head trained on them).
 """
-EC_RECIPE = ["--pooling", "last", "--epochs", "3", "--lr", "5e-5", "--warmup", "0.1", "--lr-decay-style", "linear",
+EC_RECIPE = ["--pooling", "last", "--epochs", "2", "--lr", "5e-5", "--warmup", "0.1", "--lr-decay-style", "linear",
              "--global-batch-size", "16", "--max-length", "64", "--pos-weight", "sqrt",
              "--threshold-objective", "balanced", "--holdout", "0.1"]
 

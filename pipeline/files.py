@@ -22,8 +22,21 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_dir",
-           "check_output_dir", "fsync_tree"]
+from pipeline.errors import InputError
+
+__all__ = ["read_utf8_text", "atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
+           "atomic_dir", "check_output_dir", "fsync_tree"]
+
+
+def read_utf8_text(path: str | os.PathLike, what: str = "text file") -> str:
+    """A whole UTF-8 file; a missing file or one that is not UTF-8 is refused naming ``what`` and the path."""
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what} {path} is not UTF-8 (byte {e.start}): {e.reason}") from None
 
 
 def _umask() -> int:
