@@ -14,7 +14,9 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from lm_eval import simple_evaluate, utils
 from lm_eval.api.model import TemplateLM
+from lm_eval.tasks import TaskManager
 
 from pipeline.errors import UserError
 from pipeline.lm_scoring import DataShard
@@ -88,7 +90,6 @@ class ProjectLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """A whole text's log-likelihood in disjoint windows of the model's length, as ``--model hf`` scores it."""
-        from lm_eval import utils
         windows, owners = [], []
         for index, (string,) in enumerate(req.args for req in requests):
             for window in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
@@ -113,8 +114,6 @@ def run_harness(lm: ProjectLM, tasks: Sequence[str], *, include_path: Path | Non
                 limit: int | None = None, num_fewshot: int | None = None, log_samples: bool = False) -> dict:
     """The harness's own tasks (from its registry, or from YAML files under ``include_path``) on ``lm``:
     {"results": per task metrics, "versions", "n-shot", "samples": per task [{doc_id, target, resps}]}."""
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
     manager = TaskManager(include_path=str(include_path) if include_path else None)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
@@ -123,6 +122,10 @@ def run_harness(lm: ProjectLM, tasks: Sequence[str], *, include_path: Path | Non
                            f"give a folder of task YAML files with --include-path")
     out = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
                           log_samples=log_samples, batch_size=lm.batch_size, bootstrap_iters=0)
+    return _from_rank0(_record(out, log_samples) if out is not None else None)
+
+
+def _record(out: dict, log_samples: bool) -> dict:
     record = {key: out.get(key) for key in ("results", "versions", "n-shot", "configs") if key in out}
     record["configs"] = {t: {k: str(v) for k, v in c.items()} for t, c in (record.get("configs") or {}).items()}
     if log_samples:
@@ -130,3 +133,14 @@ def run_harness(lm: ProjectLM, tasks: Sequence[str], *, include_path: Path | Non
                                      "resps": [list(r) if isinstance(r, tuple) else r for r in s["filtered_resps"]]}
                                     for s in samples] for task, samples in out["samples"].items()}
     return record
+
+
+def _from_rank0(record: dict | None) -> dict:
+    """Every rank gets global rank 0's record: the harness aggregates on the processes whose LOCAL_RANK is 0
+    only (it assumes the other local ranks are tensor-parallel peers that need no result) and returns None on
+    the rest."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return record
+    box = [record if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
