@@ -2,7 +2,7 @@
 what it cannot represent. (Export and import through files and at TP=2: test_hf_export.py, test_hf_import.py.)"""
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig, MistralConfig
+from transformers import GPT2Config, GemmaConfig, LlamaConfig
 
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict
@@ -121,8 +121,8 @@ def test_bad_hf_state_dict_names_the_tensor():
 
 
 @pytest.mark.parametrize("hf_cfg, message", [
-    (MistralConfig(hidden_size=32, num_attention_heads=4, architectures=["MistralForCausalLM"]),
-     r"model_type 'mistral' \(MistralForCausalLM\) is not supported; supported: GPT2LMHeadModel"),
+    (GemmaConfig(hidden_size=32, num_attention_heads=4, architectures=["GemmaForCausalLM"]),
+     r"model_type 'gemma' \(GemmaForCausalLM\) is not supported; supported: GPT2LMHeadModel .*MistralForCausalLM"),
     (GPT2Config(n_embd=32, n_head=4, architectures=["GPT2ForSequenceClassification"]),
      r"architecture GPT2ForSequenceClassification is not supported"),
     (GPT2Config(n_embd=32, n_head=4, activation_function="gelu"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig
+from transformers import GemmaConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from conftest import shared_data
 from dist import run_distributed
@@ -146,10 +146,10 @@ def test_refusals_name_the_reason(hf_models, tmp_path, capsys):
         import_hf(llama_dir, tmp_path / "a", pipeline_parallel=3)
     assert not (tmp_path / "a").exists()
 
-    mistral = tmp_path / "mistral"
-    MistralConfig(hidden_size=32, num_attention_heads=4, architectures=["MistralForCausalLM"]).save_pretrained(mistral)
-    with pytest.raises(ConversionError, match=r"model_type 'mistral' \(MistralForCausalLM\) is not supported"):
-        import_hf(mistral, tmp_path / "b")
+    gemma = tmp_path / "gemma"
+    GemmaConfig(hidden_size=32, num_attention_heads=4, architectures=["GemmaForCausalLM"]).save_pretrained(gemma)
+    with pytest.raises(ConversionError, match=r"model_type 'gemma' \(GemmaForCausalLM\) is not supported"):
+        import_hf(gemma, tmp_path / "b")
 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("precious")
