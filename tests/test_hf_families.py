@@ -176,7 +176,7 @@ def _finetune_worker(rank, argv):
 
 
 def test_finetuned_qwen2_exports_as_its_classifier(tmp_path):
-    from transformers import GPT2TokenizerFast
+    from transformers import Qwen2Tokenizer
 
     from finetune.export_hf import compare_with_project
     from test_finetune_train import FP32_DS, ec_slice
@@ -184,8 +184,8 @@ def test_finetuned_qwen2_exports_as_its_classifier(tmp_path):
     hf_dir = tmp_path / "hf-qwen2"
     _random_hf(Qwen2Config, Qwen2ForCausalLM, vocab_size=50257, max_position_embeddings=64, bos_token_id=50256,
                eos_token_id=50256, tie_word_embeddings=True).save_pretrained(hf_dir)
-    GPT2TokenizerFast.from_pretrained(str(shared_data("tokenizers", "gpt2", "merges.txt").parent)).save_pretrained(
-        hf_dir)
+    # transformers loads any model_type qwen2 tokenizer as Qwen2Tokenizer (its own pre-tokenizer): GPT-2's BPE in it
+    Qwen2Tokenizer.from_pretrained(str(shared_data("tokenizers", "gpt2", "merges.txt").parent)).save_pretrained(hf_dir)
     assert import_main(["--model", str(hf_dir), "--out", str(tmp_path / "base")]) == 0
     (tmp_path / "ds.json").write_text(json.dumps(FP32_DS))
     result = run_distributed(_finetune_worker, 1, [
