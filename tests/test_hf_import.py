@@ -127,7 +127,8 @@ def test_project_to_hf_to_project_is_exact(tmp_path):
     back_config, _ = import_hf(tmp_path / "hf", tmp_path / "back")
     back = read_state_dict(tmp_path / "back" / "model.safetensors")
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
-    strip = lambda d: {k: v for k, v in d.items() if k != "extra"}  # noqa: E731 (extra records the source)
+    # extra and hf_model_type record the source
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("extra", "hf_model_type")}  # noqa: E731
     assert strip(back_config.to_dict()) == strip(config.to_dict())
     assert GPTConfig.from_file(tmp_path / "back" / "config.json") == back_config
 
