@@ -19,7 +19,8 @@ from models.parallel import full_state_dict, initialize_model_parallel
 from pipeline.export_hf import export_hf
 from pipeline.hf_convert import ConversionError, to_hf
 from pipeline.import_hf import import_hf, main as import_main
-from pipeline.state_dicts import load_full_state_dict, read_state_dict
+from pipeline.state_dicts import read_state_dict
+from test_hf_import import export_imported, import_each, load_imported
 
 TOL = 1e-5
 COMMON = dict(vocab_size=101, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -60,14 +61,7 @@ def hf_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def imported(hf_models, tmp_path_factory):
-    """name -> project model directory written by the import command (checked for TP=2, PP=2)."""
-    out = {}
-    for name, (path, _, _) in hf_models.items():
-        dst = tmp_path_factory.mktemp("imported") / name
-        assert import_main(["--model", str(path), "--out", str(dst), "--tensor-parallel", "2",
-                            "--pipeline-parallel", "2"]) == 0
-        out[name] = dst
-    return out
+    return import_each(hf_models, tmp_path_factory)
 
 
 def _logits_and_grads(rank, tp, model_dirs):
@@ -76,8 +70,7 @@ def _logits_and_grads(rank, tp, model_dirs):
         initialize_model_parallel(tensor_parallel=tp)
     out = {}
     for name, path in model_dirs.items():
-        model = GPT(GPTConfig.from_file(Path(path) / "config.json")).eval()
-        load_full_state_dict(model, read_state_dict(Path(path) / "model.safetensors", lazy=True))
+        model = load_imported(path)
         with torch.no_grad():
             logits = model(TOKENS)
         model(TOKENS[:, :-1], TOKENS[:, 1:]).backward()
@@ -112,12 +105,7 @@ def test_logits_equal_transformers_at_tp1_and_tp2(hf_models, imported):
 
 def test_hf_to_project_to_hf_is_exact(hf_models, imported, tmp_path):
     for name, (path, logits, hf_sd) in hf_models.items():
-        config = GPTConfig.from_file(imported[name] / "config.json")
-        export_hf(config, dict(read_state_dict(imported[name] / "model.safetensors")), tmp_path / name)
-        back = read_state_dict(tmp_path / name / "model.safetensors")
-        assert back.keys() == hf_sd.keys() - {"lm_head.weight" if config.tie_embeddings else ""}
-        for k in back:
-            assert torch.equal(back[k], hf_sd[k]), (name, k)
+        export_imported(imported[name], tmp_path / name, hf_sd)
         theirs = json.loads((Path(path) / "config.json").read_text())
         ours = json.loads((tmp_path / name / "config.json").read_text())
         differ = {k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k)}

@@ -57,7 +57,11 @@ def hf_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def imported(hf_models, tmp_path_factory):
-    """name -> project model directory written by the import command (checked for TP=2)."""
+    return import_each(hf_models, tmp_path_factory)
+
+
+def import_each(hf_models, tmp_path_factory):
+    """name -> project model directory written by the import command (checked for TP=2, PP=2)."""
     out = {}
     for name, (path, _, _) in hf_models.items():
         dst = tmp_path_factory.mktemp("imported") / name
@@ -72,12 +76,17 @@ def _logits_at_tp(rank, tp, model_dirs, tokens):
     initialize_model_parallel(tensor_parallel=tp)
     out = {}
     for name, path in model_dirs.items():
-        model = GPT(GPTConfig.from_file(Path(path) / "config.json")).eval()
-        # Lazy: each rank reads the tensors one by one and keeps only its shards.
-        load_full_state_dict(model, read_state_dict(Path(path) / "model.safetensors", lazy=True))
         with torch.no_grad():
-            out[name] = model(tokens[name])
+            out[name] = load_imported(path)(tokens[name])
     return out
+
+
+def load_imported(path) -> GPT:
+    """The model of an imported directory at the current TP size (eval mode)."""
+    model = GPT(GPTConfig.from_file(Path(path) / "config.json")).eval()
+    # Lazy: each rank reads the tensors one by one and keeps only its shards.
+    load_full_state_dict(model, read_state_dict(Path(path) / "model.safetensors", lazy=True))
+    return model
 
 
 def test_imported_directories_at_tp2_equal_hf_logits(hf_models, imported):
@@ -99,14 +108,7 @@ def test_imported_directories_at_tp2_equal_hf_logits(hf_models, imported):
 def test_hf_to_project_to_hf_is_exact(hf_models, imported, tmp_path):
     from transformers import AutoTokenizer
     for name, (path, _, hf_sd) in hf_models.items():
-        config = GPTConfig.from_file(imported[name] / "config.json")
-        full = dict(read_state_dict(imported[name] / "model.safetensors"))
-        tokenizer = imported[name] if name == "gpt2" else None
-        export_hf(config, full, tmp_path / name, tokenizer_dir=tokenizer)
-        back = read_state_dict(tmp_path / name / "model.safetensors")
-        assert back.keys() == hf_sd.keys() - {"lm_head.weight" if config.tie_embeddings else ""}
-        for k in back:
-            assert torch.equal(back[k], hf_sd[k]), (name, k)
+        export_imported(imported[name], tmp_path / name, hf_sd, imported[name] if name == "gpt2" else None)
         theirs = json.loads((Path(path) / "config.json").read_text())
         ours = json.loads((tmp_path / name / "config.json").read_text())
         same = ["vocab_size", "bos_token_id", "eos_token_id", "tie_word_embeddings"] + (
@@ -115,6 +117,16 @@ def test_hf_to_project_to_hf_is_exact(hf_models, imported, tmp_path):
         assert {k: ours[k] for k in same} == {k: theirs[k] for k in same}
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "gpt2"))
     assert tok("Hello world").input_ids == [15496, 995]
+
+
+def export_imported(model_dir: Path, out: Path, hf_sd: dict, tokenizer_dir=None) -> None:
+    """Export an imported directory to ``out`` and check its tensors are those of ``hf_sd``, bit for bit."""
+    config = GPTConfig.from_file(model_dir / "config.json")
+    export_hf(config, dict(read_state_dict(model_dir / "model.safetensors")), out, tokenizer_dir=tokenizer_dir)
+    back = read_state_dict(out / "model.safetensors")
+    assert back.keys() == hf_sd.keys() - {"lm_head.weight" if config.tie_embeddings else ""}
+    for k in back:
+        assert torch.equal(back[k], hf_sd[k]), (out, k)
 
 
 def test_project_to_hf_to_project_is_exact(tmp_path):
