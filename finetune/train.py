@@ -331,7 +331,7 @@ def provide_base(args) -> Base:
     if args.encoder_layers is not None:
         config, base_state = first_layers(config, base_state, args.encoder_layers, args.base)
     family.check_layout(config, args.tensor_parallel, 1)
-    max_length = min(args.max_length, getattr(config, "max_position_embeddings", args.max_length))
+    max_length = min(args.max_length, getattr(config, "max_sequence_length", args.max_length))
     pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
     pad_id = tokenizer.eod_id if pad_id is None or pad_id >= config.vocab_size else pad_id
     return Base(family, config, base_state, tokenizer, max_length, pad_id)
