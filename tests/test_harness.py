@@ -149,7 +149,8 @@ def test_checkpoint_at_tp1_equals_lm_eval_hf_on_its_export(work, reference):
 
 def _evaluate(rank, argv):
     from pipeline.evaluate import main
-    return main(argv)["samples"]["lambada_local"] if rank == 1 else None
+    record = main(argv)  # every rank scores (TP peers); rank 1's answer shows that each gets the whole result
+    return record["samples"]["lambada_local"] if rank == 1 else None
 
 
 def test_checkpoint_at_tp2_equals_lm_eval_hf_on_its_export(work, reference):
