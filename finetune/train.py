@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torc
 import numpy as np
 import torch
 
-from pipeline.errors import UserError, add_debug_arg, command
+from pipeline.errors import ArgumentParser, UserError, add_debug_arg, command
 
 LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
 
@@ -41,7 +41,7 @@ class FinetuneError(UserError, ValueError):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--base", required=True, help="base model directory (pretraining checkpoint, config.json + "
                                                   "model.safetensors, or a classifier)")
@@ -112,7 +112,10 @@ def parse_args(argv=None):
     g.add_argument("--pos-weight-max", type=float, default=10.0, help="cap of balanced/sqrt positive weights")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("output")
-    g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...)")
+    g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...); "
+                                                "new or empty unless --force")
+    g.add_argument("--force", action="store_true", help="write into an existing --save that holds an earlier "
+                                                        "classifier of this job")
     g.add_argument("--hf-export", choices=["auto", "no"], default="auto",
                    help="auto: write the Hugging Face classifier to SAVE/hf when the head allows it")
     g.add_argument("--log-interval", type=int, default=10)
@@ -304,7 +307,30 @@ def main(argv=None) -> dict:
     return run(parse_args(argv))
 
 
+def check_save(args) -> None:
+    """--save never is, or holds, an input (the base run would be written into); an existing non-empty one
+    is used only with --force, and only when it holds a classifier this job wrote."""
+    from finetune.saved import CLASSIFIER_FILE
+    from pipeline.files import OutputError, refuse_overlap
+    if args.save is None:
+        return
+    refuse_overlap(args.save, [("--base", args.base), ("--train", args.train), ("--dev", args.dev),
+                               ("--test", args.test), ("--tokenizer", args.tokenizer)], "--save")
+    save = Path(args.save)
+    if save.is_dir() and any(save.iterdir()):
+        if not args.force:
+            raise OutputError(f"--save {save} is not empty; choose a new directory or pass --force to replace "
+                              f"the classifier in it")
+        if not (save / CLASSIFIER_FILE).is_file():
+            raise OutputError(f"--save {save} holds no {CLASSIFIER_FILE}: it is not a classifier directory of this "
+                              f"job, and --force replaces only those; choose a new or empty directory")
+        (save / "metrics.jsonl").unlink(missing_ok=True)  # this job's own log of the run it replaces
+    elif save.exists() and not save.is_dir():
+        raise OutputError(f"--save {save} is a file; give a directory")
+
+
 def run(args) -> dict:
+    check_save(args)
     if not args.verbose:
         from deepspeed.utils import logger as ds_logger
         ds_logger.setLevel(logging.WARNING)
@@ -393,7 +419,6 @@ def run(args) -> dict:
     model_parallel_seed(args.seed)
     ds_source = args.deepspeed_config or default_ds_config()
     ds = load_ds_config(ds_source)
-    ds.pop("peak_tflops", None)
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, micro_batch_size=args.micro_batch_size,
                            global_batch_size=args.global_batch_size, source=ds_source)
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.errors import InputError, add_debug_arg, command
-from pipeline.files import atomic_path, atomic_write_json
+from pipeline.errors import ArgumentParser, InputError, add_debug_arg, command
+from pipeline.files import atomic_path, atomic_write_json, check_output_file, refuse_overlap
 from pipeline.lm_eval import (DataShard, GPTScorer, evaluate_bpc, evaluate_lambada, evaluate_wikitext,
                               load_hf_model, load_hf_tokenizer, load_lambada, load_project_model, load_text,
                               load_wikitext)
@@ -32,7 +32,7 @@ MEGATRON_STRIDE = 32  # Megatron-LM's --overlapping-eval default
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data", required=True, type=Path,
                    help="wikitext: a WikiText file (wiki.test.tokens / test.txt, or wiki.test.raw); "
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run the model directory's own Python code (off by default)")
     p.add_argument("--plot", type=Path, help="wikitext/bpc: also save a PNG of the loss against the left context")
+    p.add_argument("--force", action="store_true", help="replace an existing --out / --plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_debug_arg(p)
     return p
@@ -82,6 +83,11 @@ def sha256(path: Path) -> str:
 @command
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    inputs = [("--data", args.data), ("--hf", args.hf), ("--checkpoint", args.checkpoint), ("--tokenizer", args.tokenizer)]
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path is not None:
+            refuse_overlap(path, inputs, flag)
+            check_output_file(path, args.force, flag)
     for name in ("context_length", "stride", "batch_size", "max_examples"):
         value = getattr(args, name)
         if value is not None and value < 1:

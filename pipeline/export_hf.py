@@ -14,7 +14,6 @@ writing, tokenizer and verification are shared.
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from dataclasses import dataclass
@@ -25,10 +24,10 @@ import torch
 
 from models.config import GPTConfig
 from models.mlstm import MLSTMConfig
-from pipeline.errors import add_debug_arg, command
+from pipeline.errors import ArgumentParser, add_debug_arg, command
 from pipeline.hf_convert import (HF_ARCHITECTURE, ConversionError, dtype_name, num_parameters_message, parse_dtype,
                                  to_hf)
-from pipeline.files import atomic_dir
+from pipeline.files import atomic_dir, check_output_dir, refuse_overlap
 from pipeline.state_dicts import read_state_dict
 
 # Files a Hugging Face tokenizer directory may hold; those present are copied as they are.
@@ -187,7 +186,7 @@ def compare_with_hf(config: GPTConfig, full_sd: Mapping[str, torch.Tensor], hf_d
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.export_hf", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m pipeline.export_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint directory to export")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"],
@@ -198,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="reload the export with transformers and compare its logits with the project model's")
     add_debug_arg(p)
     args = p.parse_args(argv)
+    refuse_overlap(args.out, [("--checkpoint", args.checkpoint), ("--tokenizer", args.tokenizer)])
+    check_output_dir(args.out, args.force)  # before reading the checkpoint
     config, full_sd, tokenizer_dir = read_full_checkpoint(args.checkpoint)
     tokenizer_dir = args.tokenizer or tokenizer_dir
     out = export_hf(config, full_sd, args.out, dtype=args.dtype, tokenizer_dir=tokenizer_dir, force=args.force)

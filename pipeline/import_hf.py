@@ -11,7 +11,6 @@ before anything is written, with the sizes that would.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,11 +18,11 @@ from pathlib import Path
 import torch
 
 from models.config import ConfigError, GPTConfig
-from pipeline.errors import add_debug_arg, command
+from pipeline.errors import ArgumentParser, add_debug_arg, command
 from pipeline.export_hf import CONFIG_FILE, WEIGHTS_FILE, copy_tokenizer_files, has_tokenizer
 from pipeline.hf_convert import (ConversionError, config_from_hf, from_hf, load_hf_config, load_hf_model,
                                  num_parameters_message, parallel_sizes, parse_dtype, resolve_hf_source)
-from pipeline.files import atomic_dir, check_output_dir
+from pipeline.files import atomic_dir, check_output_dir, refuse_overlap
 from pipeline.state_dicts import save_state_dict
 
 
@@ -46,6 +45,7 @@ def import_hf(model: str | Path, out: str | Path, *, tensor_parallel: int = 1, p
               dtype: str | torch.dtype = torch.float32, gguf_file: str | None = None,
               force: bool = False) -> tuple[GPTConfig, Path]:
     """Convert a Hugging Face model directory or GGUF file into the project's model directory ``out``."""
+    refuse_overlap(out, [("--model", model)])
     source = resolve_hf_source(model, gguf_file)
     config = config_from_hf(load_hf_config(source), str(source))
     check_layout(config, tensor_parallel, pipeline_parallel, str(source))
@@ -77,7 +77,7 @@ def write_model_dir(config: GPTConfig, full_sd, out: str | Path, *, tokenizer=No
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.import_hf", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m pipeline.import_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory, or a .gguf file")
     p.add_argument("--gguf-file", help="name of the .gguf file inside --model (when it is a directory)")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")

@@ -99,7 +99,6 @@ class Job:
     state: ParallelState
     ds: dict
     ds_source: str
-    peak_tflops: float | None
 
     @property
     def micro_batch(self) -> int:
@@ -116,10 +115,8 @@ def quiet_deepspeed(verbose: bool) -> None:
 
 
 def setup(options: EngineOptions) -> Job:
-    """Join the process group, build the (TP, PP, DP) state, seed every rank, load and resolve the DeepSpeed config.
-
-    The config's ``peak_tflops`` (the project's key, for MFU) is taken out before DeepSpeed sees it.
-    """
+    """Join the process group, build the (TP, PP, DP) state, seed every rank, load and resolve the DeepSpeed config
+    (DeepSpeed's keys only: ``resolve_ds_config`` refuses others, e.g. ``peak_tflops``, now ``--peak-tflops``)."""
     if not options.verbose:
         quiet_deepspeed(False)
     init_distributed()
@@ -127,11 +124,10 @@ def setup(options: EngineOptions) -> Job:
     model_parallel_seed(options.seed)
     source = options.deepspeed_config or default_ds_config()
     ds = load_ds_config(source)
-    peak_tflops = ds.pop("peak_tflops", None)
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, pipeline_parallel=state.pipeline_parallel,
                            micro_batch_size=options.micro_batch_size, global_batch_size=options.global_batch_size,
                            source=source)
-    return Job(options, state, ds, source, peak_tflops)
+    return Job(options, state, ds, source)
 
 
 # -- the training loop --------------------------------------------------------------------------------------------------
