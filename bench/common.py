@@ -27,6 +27,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 from models import GPTConfig  # noqa: E402
+from pipeline import hf_convert  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -59,27 +60,13 @@ def model_config(size: dict, variant: str = "gpt2") -> GPTConfig:
 
 
 def hf_config(config: GPTConfig):
-    """The ``transformers`` config of the same model (GPT2Config or LlamaConfig), attention through SDPA."""
+    """The ``transformers`` config of the same model (pipeline.hf_convert's, the export's), without a KV cache."""
     if config.vocab_size % config.make_vocab_size_divisible_by:
         raise ValueError(f"vocab_size {config.vocab_size} is not a multiple of {config.make_vocab_size_divisible_by}: "
                          f"the project pads it and Hugging Face would not, so the shapes would differ")
-    if config.variant == "gpt2":
-        from transformers import GPT2Config
-        return GPT2Config(vocab_size=config.vocab_size, n_positions=config.max_position_embeddings,
-                          n_embd=config.hidden_size, n_layer=config.num_layers, n_head=config.num_heads,
-                          n_inner=config.ffn_hidden_size, activation_function="gelu_new",
-                          resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
-                          attn_pdrop=config.attention_dropout, layer_norm_epsilon=config.norm_eps,
-                          initializer_range=config.init_std, tie_word_embeddings=True, use_cache=False)
-    from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                       intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
-                       num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-                       head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
-                       rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta,
-                       tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False,
-                       attention_dropout=config.attention_dropout, initializer_range=config.init_std,
-                       use_cache=False)
+    cfg = hf_convert.hf_config(config)
+    cfg.use_cache = False
+    return cfg
 
 
 def hf_model(config: GPTConfig, device="cpu", dtype=torch.float32):

@@ -155,9 +155,9 @@ def check_flops(config, tokens, device="cpu") -> dict:
     n_tokens = x.numel()
     formula = config.flops_per_token(x.shape[1]) * n_tokens
     ours = GPT(config, init_seed=0).to(device)
-    counted = common.count_training_flops(lambda: ours(x, y).backward())
+    counted = common.count_training_flops(lambda: ours(x, y).backward())  # noqa: F821 (deleted below, after use)
     hf = common.hf_model(config, device)
-    counted_hf = common.count_training_flops(lambda: hf(input_ids=x, labels=x, use_cache=False).loss.backward())
+    counted_hf = common.count_training_flops(lambda: hf(input_ids=x, labels=x, use_cache=False).loss.backward())  # noqa: F821
     del ours, hf
     return {"formula": formula, "counted_project": counted, "counted_hf": counted_hf}
 

@@ -83,7 +83,7 @@ def ds_config(stage: int, bucket: int) -> dict:
 def worker(rank: int, variant: str, size_name: str, stage: int, bucket: int, steps: int, seq: int) -> dict:
     common.quiet_deepspeed()
     from models.parallel import initialize_model_parallel
-    from pipeline.engine import build_engine, resolve_ds_config, train_step
+    from pipeline.engine import build_engine, resolve_ds_config
     state = initialize_model_parallel(1, 1)
     size = dict(CPU_SIZES[size_name])
     config = common.model_config(size, variant)

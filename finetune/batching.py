@@ -56,9 +56,6 @@ class TrainBatches:
         self.epoch, self.consumed = 0, 0
         self._order = None
 
-    def micro_batches_per_epoch(self) -> int:
-        return len(self.encoded) // self.global_micro
-
     def __iter__(self) -> Iterator[dict]:
         return self
 

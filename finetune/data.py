@@ -248,8 +248,8 @@ def _check_ec_layout(path: Path, header: Sequence[str]) -> None:
                               line=1)
     if EC_ID_COLUMN not in header and EC_TEXT_COLUMN not in header and len(header) >= 3 and \
             all(c.strip() in ("0", "1", "NONE") for c in header[2:]):
-        raise DataFormatError(path, f"the first line is a data row, not a header: E-c files start with the header "
-                                    f"'ID<TAB>Tweet<TAB><labels>'; add it", line=1)
+        raise DataFormatError(path, "the first line is a data row, not a header: E-c files start with the header "
+                                    "'ID<TAB>Tweet<TAB><labels>'; add it", line=1)
 
 
 def _check_header_names(path: Path, header: Sequence[str]):

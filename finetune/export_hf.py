@@ -43,7 +43,7 @@ class ExportError(UserError, ValueError):
 
 
 def check_exportable(info: dict) -> None:
-    head, config = info["head_config"], info["encoder_config"]
+    head = info["head_config"]
     problems = []
     if info["encoder_type"] != "gpt":
         problems.append(f"the encoder is {info['encoder_type']!r}; only GPT encoders have a transformers class")
@@ -101,7 +101,7 @@ def export_classifier(model_dir: str | Path, out: str | Path, *, dtype: torch.dt
     """Write the Hugging Face classifier of a classifier directory to ``out`` (atomically)."""
     from huggingface_hub import save_torch_state_dict
 
-    from pipeline.export_hf import copy_tokenizer_files
+    from pipeline.model_dir import copy_tokenizer_files
     from pipeline.hf_convert import parse_dtype
     from pipeline.files import atomic_dir, refuse_overlap
 

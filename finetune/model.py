@@ -12,7 +12,7 @@ The encoder interface is small on purpose; the GPT (``GPTEncoder``) and the mLST
   ``depth_of(param_name)``    -> 0 (input side) .. ``num_depths`` - 1 (output side), for layer-wise LR decay.
 
 Inputs are right padded: the GPT's attention is causal, so padding after a text changes none of its
-positions. Base weights come from ``load_full_gpt_state(directory)``: a pretraining checkpoint of this
+positions. Base weights come from ``finetune.saved.load_full_gpt_state(directory)``: a pretraining checkpoint of this
 project (DeepSpeed files at any TP/PP layout), a directory of ``config.json`` + ``model.safetensors``
 (a full TP=1 state dict, what ``pipeline.import_hf`` writes), or a finetuned classifier directory.
 Each TP rank cuts its own shard of every full tensor (``pipeline.state_dicts.load_full_state_dict``).
@@ -20,21 +20,19 @@ Each TP rank cuts its own shard of every full tensor (``pipeline.state_dicts.loa
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from models import GPT, MLSTM, GPTConfig, MLSTMConfig
-from models.parallel import vocab_parallel_cross_entropy
+from models import GPT, MLSTM, MLSTMConfig
+from models.parallel import tp_world_size, vocab_parallel_cross_entropy
 from pipeline.errors import UserError
+from pipeline.families import family_named, family_of
 
 from .heads import MULTILABEL, ClassificationHead, HeadConfig
-from .saved import CLASSIFIER_FILE, WEIGHTS_FILE
 
-CONFIG_FILE = "config.json"
 ENCODER_PREFIX = "encoder."
 
 
@@ -44,16 +42,39 @@ class BaseModelError(UserError, ValueError):
 
 # ------------------------------------------------------------------------------------------- encoders
 
-class GPTEncoder(GPT):
+class LayerDepths:
+    """Depths for layer-wise learning-rate decay of a model of ``embedding``, ``layers.<i>`` and output parts."""
+
+    @property
+    def num_depths(self) -> int:
+        return self.config.num_layers + 2
+
+    def depth_of(self, name: str) -> int:
+        """embedding 0, layers.i -> i + 1, what follows the layers (final norm, output layer) L + 1."""
+        if name.startswith("embedding."):
+            return 0
+        m = re.match(r"layers\.(\d+)\.", name)
+        return int(m.group(1)) + 1 if m else self.config.num_layers + 1
+
+
+class GPTEncoder(LayerDepths, GPT):
     """The project GPT, with the encoder interface. Same parameters and names as ``GPT``, so a GPT state
     dict loads into it unchanged."""
+
+    default_pooling = "last"  # hidden states per token: the head pools them
 
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
     def features(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        return self.hidden_states(input_ids)  # causal: the padding after each row's length changes nothing
+        # causal: the padding after each row's length changes nothing. Sequence parallelism cuts the sequence
+        # into TP equal chunks, so a batch is padded to a multiple of TP here and cut back after the gather.
+        s = input_ids.shape[1]
+        pad = -s % tp_world_size() if self.config.sequence_parallel else 0
+        if pad:
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
+        return self.hidden_states(input_ids)[:, :s]
 
     def lm_loss(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over the real tokens of right-padded rows (position t predicts
@@ -65,27 +86,17 @@ class GPTEncoder(GPT):
             torch.arange(1, s, device=input_ids.device)[None, :] >= lengths[:, None], -100)
         if not bool((targets != -100).any()):
             return features.new_zeros((), dtype=torch.float32)
-        h = features[:, :-1]
-        logits = self.embedding.logits(h) if self.lm_head is None else self.lm_head(h)
+        h = features[:, :-1]  # the whole sequence, replicated over TP (also under sequence parallelism)
+        logits = self.embedding.logits(h, False) if self.lm_head is None else self.lm_head(h, False)
         return vocab_parallel_cross_entropy(logits, targets, vocab_size=self.config.vocab_size, ignore_index=-100)
 
-    @property
-    def num_depths(self) -> int:
-        return self.config.num_layers + 2
-
-    def depth_of(self, name: str) -> int:
-        """embedding 0, layers.i -> i + 1, final norm and output layer L + 1."""
-        if name.startswith("embedding."):
-            return 0
-        m = re.match(r"layers\.(\d+)\.", name)
-        if m:
-            return int(m.group(1)) + 1
-        return self.config.num_layers + 1
 
 
-class MLSTMEncoder(MLSTM):
+class MLSTMEncoder(LayerDepths, MLSTM):
     """The byte-level mLSTM (data parallel only), with the encoder interface: each text's summary is the last
     layer's cell state after its last byte, as in the sentiment-neuron work. Same parameter names as ``MLSTM``."""
+
+    default_pooling = "none"  # it summarises each text itself
 
     def __init__(self, config: MLSTMConfig, init_seed: int | None = None):
         from models.gpt import seeded_init
@@ -109,43 +120,19 @@ class MLSTMEncoder(MLSTM):
         loss, _ = MLSTM.forward(self, input_ids[:, :-1], targets)
         return loss
 
-    @property
-    def num_depths(self) -> int:
-        return self.config.num_layers + 2
-
-    def depth_of(self, name: str) -> int:
-        """embedding 0, layers.i -> i + 1, output layer L + 1."""
-        if name.startswith("embedding."):
-            return 0
-        m = re.match(r"layers\.(\d+)\.", name)
-        return int(m.group(1)) + 1 if m else self.config.num_layers + 1
-
-
-ENCODERS = {"gpt": GPTEncoder, "mlstm": MLSTMEncoder}
-ENCODER_CONFIGS = {"gpt": GPTConfig, "mlstm": MLSTMConfig}
 
 
 def encoder_type_of(config) -> str:
-    for name, cls in ENCODER_CONFIGS.items():
-        if isinstance(config, cls):
-            return name
-    raise ValueError(f"no encoder for a {type(config).__name__}; known: {', '.join(ENCODERS)}")
+    """The model family of an encoder config (pipeline.families): its name is the encoder type."""
+    return family_of(config).name
 
 
 def build_encoder(encoder_type: str, config, init_seed: int | None = None) -> nn.Module:
-    try:
-        cls = ENCODERS[encoder_type]
-    except KeyError:
-        raise ValueError(f"unknown encoder type {encoder_type!r}; known: {', '.join(ENCODERS)}") from None
-    return cls(config, init_seed=init_seed)
+    return family_named(encoder_type, "encoder type").get("encoder")(config, init_seed=init_seed)
 
 
 def encoder_config_from_dict(encoder_type: str, d: dict, source: str = "encoder config"):
-    try:
-        cls = ENCODER_CONFIGS[encoder_type]
-    except KeyError:
-        raise ValueError(f"{source}: unknown encoder type {encoder_type!r}; known: {', '.join(ENCODERS)}") from None
-    return cls.from_dict(d, source=source)
+    return family_named(encoder_type, source).config_class.from_dict(d, source=source)
 
 
 # ----------------------------------------------------------------------------------------- classifier
@@ -186,7 +173,6 @@ class Classifier(nn.Module):
             encoder.requires_grad_(False)
         if freeze_embeddings:
             encoder.embedding.requires_grad_(False)
-        self.last_losses: dict[str, torch.Tensor] = {}  # parts of the last loss (detached), for logging
 
     @property
     def config(self) -> HeadConfig:
@@ -224,9 +210,10 @@ class Classifier(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 lengths: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                pooled: torch.Tensor | None = None):
+                pooled: torch.Tensor | None = None, return_parts: bool = False):
         """The loss with ``labels``, else the logits [b, k]. ``pooled`` [b, h] (from ``pool``, e.g. computed
-        once for a frozen encoder) replaces ``input_ids``: the head alone runs."""
+        once for a frozen encoder) replaces ``input_ids``: the head alone runs. ``return_parts``: with labels,
+        a dict of the loss and its parts (``cls_loss``, ``lm_loss``; detached) instead of the loss alone."""
         if pooled is not None:
             if input_ids is not None or self.training and not self.freeze_encoder:
                 raise ValueError("pooled features replace input_ids, and train only the head of a frozen encoder")
@@ -242,12 +229,12 @@ class Classifier(nn.Module):
         if labels is None:
             return logits
         loss = self.classification_loss(logits, labels)
-        self.last_losses = {"cls_loss": loss.detach()}
+        parts = {"cls_loss": loss.detach()}
         if self.aux_lm_weight and self.training:
             lm = self.encoder.lm_loss(features, input_ids, lengths)
-            self.last_losses["lm_loss"] = lm.detach()
+            parts["lm_loss"] = lm.detach()
             loss = loss + self.aux_lm_weight * lm
-        return loss
+        return {"loss": loss, **parts} if return_parts else loss
 
     def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.config.problem_type == MULTILABEL:
@@ -294,63 +281,6 @@ class Classifier(nn.Module):
                 group["weight_decay"] = weight_decay
             out.append(group)
         return out
-
-
-# ------------------------------------------------------------------------------ full state dicts in
-
-def load_base_state(directory: str | Path) -> tuple[GPTConfig | MLSTMConfig, dict[str, torch.Tensor], Path | None]:
-    """(model config, full TP=1 state dict, tokenizer directory or None) of a base model directory:
-
-    * a project pretraining run (``config.json``, ``tokenizer/``, ``latest`` -> ``global_stepN/``) saved at any
-      TP/PP layout, GPT or mLSTM (``pipeline.checkpoint.read_full_model_state``); a ``global_stepN`` directory
-      picks that step;
-    * ``config.json`` + ``model.safetensors`` (a full state dict: what ``pipeline.import_hf`` or
-      ``models.save_mlstm`` writes; tokenizer files beside them or in tokenizer/);
-    * a finetuned classifier directory (its encoder).
-
-    Torch files are read with ``weights_only=True``. The tensors keep their stored dtype."""
-    from pipeline.checkpoint import is_deepspeed_run_dir, read_full_model_state
-    d = Path(directory)
-    if not d.exists():
-        raise BaseModelError(f"base model directory {d} does not exist")
-    if not d.is_dir():
-        raise BaseModelError(f"base model {d} is a file; give its directory")
-    if d.name.startswith("global_step") and (d.parent / CONFIG_FILE).is_file():
-        return read_full_model_state(d.parent, d.name)
-    if (d / CLASSIFIER_FILE).is_file():
-        from .saved import read_classifier_dir
-        info, full = read_classifier_dir(d)
-        encoder = {k[len(ENCODER_PREFIX):]: v for k, v in full.items() if k.startswith(ENCODER_PREFIX)}
-        return info["encoder_config"], encoder, _tokenizer_dir(d)
-    if (d / WEIGHTS_FILE).is_file():
-        from models.config import read_config_json
-        from pipeline.state_dicts import read_state_dict
-        if not (d / CONFIG_FILE).is_file():
-            raise BaseModelError(f"{d} has {WEIGHTS_FILE} but no {CONFIG_FILE} (the model config)")
-        model_type = read_config_json(d / CONFIG_FILE).get("model_type", "gpt")
-        config = encoder_config_from_dict(model_type, read_config_json(d / CONFIG_FILE), str(d / CONFIG_FILE))
-        return config, dict(read_state_dict(d / WEIGHTS_FILE)), _tokenizer_dir(d)
-    if is_deepspeed_run_dir(d):
-        return read_full_model_state(d)
-    found = ", ".join(sorted(p.name for p in d.iterdir())[:12]) or "nothing"
-    raise BaseModelError(f"{d} is not a base model directory: expected {CONFIG_FILE} with {WEIGHTS_FILE}, a "
-                         f"pretraining checkpoint (latest, global_stepN/) or a classifier ({CLASSIFIER_FILE}); "
-                         f"found: {found}")
-
-
-def load_full_gpt_state(directory: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], Path | None]:
-    """``load_base_state`` for a GPT base model (refuses any other)."""
-    config, full, tokenizer_dir = load_base_state(directory)
-    if not isinstance(config, GPTConfig):
-        raise BaseModelError(f"{directory} holds a {type(config).__name__} model, not a GPT")
-    return config, full, tokenizer_dir
-
-
-def _tokenizer_dir(d: Path) -> Path | None:
-    for candidate in (d / "tokenizer", d):
-        if (candidate / "tokenizer.json").is_file() or (candidate / "vocab.json").is_file():
-            return candidate
-    return None
 
 
 # ----------------------------------------------------------------------------------------- building

@@ -22,12 +22,21 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from pipeline.errors import UserError
+from models import GPTConfig, MLSTMConfig
+from pipeline.data import load_saved_tokenizer
+from pipeline.checkpoint import is_deepspeed_run_dir, read_full_model_state
+from pipeline.families import family_named
+from pipeline.model_dir import CONFIG_FILE, read_model_dir, tokenizer_dir_of
+from pipeline.state_dicts import load_full_state_dict
 from pipeline.files import atomic_dir, atomic_path
 
 from ._io import atomic_write_text
+from .batching import encode_texts, predict_encoded
 from .heads import MULTILABEL, HeadConfig
+from .model import ENCODER_PREFIX, BaseModelError, build_classifier
 from .normalize import TweetNormalizer
 from .thresholds import THRESHOLDS_FILE, apply_thresholds, load_thresholds, save_thresholds
 
@@ -46,7 +55,6 @@ def save_classifier_dir(directory: str | os.PathLike, *, full_state: Mapping[str
                         training: dict | None = None) -> Path:
     """Write a classifier directory. Complete-or-invisible: ``classifier.json`` is removed first and written
     last, every file atomically, so a reader never pairs new weights with an old description."""
-    from safetensors.torch import save_file
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / CLASSIFIER_FILE).unlink(missing_ok=True)
@@ -78,7 +86,6 @@ def save_classifier_dir(directory: str | os.PathLike, *, full_state: Mapping[str
 
 def read_classifier_info(directory: str | os.PathLike) -> dict:
     """classifier.json with the configs as objects (``encoder_config``, ``head_config``, ``normalizer``)."""
-    from .model import encoder_config_from_dict
     d = Path(directory)
     path = d / CLASSIFIER_FILE
     if not path.is_file():
@@ -90,7 +97,8 @@ def read_classifier_info(directory: str | os.PathLike) -> dict:
         raise ClassifierDirError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
     if info.get("format") != FORMAT:
         raise ClassifierDirError(f"{path}: format is {info.get('format')!r}, expected {FORMAT!r}")
-    info["encoder_config"] = encoder_config_from_dict(info["encoder_type"], info["encoder_config"], str(path))
+    family = family_named(info.get("encoder_type"), str(path))
+    info["encoder_config"] = family.config_class.from_dict(info["encoder_config"], source=str(path))
     try:
         info["head_config"] = HeadConfig.from_dict(info["head_config"])
         info["normalizer"] = None if info["normalizer"] is None else TweetNormalizer.from_dict(info["normalizer"])
@@ -101,7 +109,6 @@ def read_classifier_info(directory: str | os.PathLike) -> dict:
 
 def read_classifier_dir(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """(info, full state dict) of a classifier directory."""
-    from safetensors.torch import load_file
     d = Path(directory)
     info = read_classifier_info(d)
     try:
@@ -132,13 +139,11 @@ class LoadedClassifier:
         return self.info["problem_type"] == MULTILABEL
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        from .batching import encode_texts
         normalizer = self.info["normalizer"]
         texts = [normalizer(t) for t in texts] if normalizer is not None else list(texts)
         return encode_texts(self.tokenizer, texts, self.info["max_length"])
 
     def predict_proba(self, texts: Sequence[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
-        from .batching import predict_encoded
         return predict_encoded(self.model, self.encode(texts), self.info["pad_id"], batch_size=batch_size,
                                progress=progress)
 
@@ -153,14 +158,11 @@ class LoadedClassifier:
 def load_classifier(directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> LoadedClassifier:
     """A saved classifier in one process (TP=1), in eval mode."""
-    from pipeline.data import load_saved_tokenizer
 
-    from .model import build_classifier
     d = Path(directory)
     info, full = read_classifier_dir(d)
     model = build_classifier(info["encoder_config"], info["head_config"], encoder_type=info["encoder_type"],
                              init_seed=0)
-    from pipeline.state_dicts import load_full_state_dict
     load_full_state_dict(model, full, source=str(d / WEIGHTS_FILE))
     model = model.to(device=device, dtype=dtype).eval()
     thresholds = None
@@ -168,3 +170,47 @@ def load_classifier(directory: str | os.PathLike, *, dtype: torch.dtype = torch.
         thresholds = load_thresholds(d / info["thresholds_file"], info["label_names"])
     return LoadedClassifier(model=model, tokenizer=load_saved_tokenizer(d / "tokenizer"), info=info,
                             thresholds=thresholds, directory=d)
+
+
+# ------------------------------------------------------------------------------ full state dicts in
+
+def load_base_state(directory: str | Path) -> tuple[GPTConfig | MLSTMConfig, dict[str, torch.Tensor], Path | None]:
+    """(model config, full TP=1 state dict, tokenizer directory or None) of a base model directory:
+
+    * a project pretraining run (``config.json``, ``tokenizer/``, ``latest`` -> ``global_stepN/``) saved at any
+      TP/PP layout, GPT or mLSTM (``pipeline.checkpoint.read_full_model_state``); a ``global_stepN`` directory
+      picks that step;
+    * ``config.json`` + ``model.safetensors`` (a full state dict: what ``pipeline.import_hf`` or
+      ``models.save_mlstm`` writes; tokenizer files beside them or in tokenizer/);
+    * a finetuned classifier directory (its encoder).
+
+    Torch files are read with ``weights_only=True``. The tensors keep their stored dtype."""
+    d = Path(directory)
+    if not d.exists():
+        raise BaseModelError(f"base model directory {d} does not exist")
+    if not d.is_dir():
+        raise BaseModelError(f"base model {d} is a file; give its directory")
+    if d.name.startswith("global_step") and (d.parent / CONFIG_FILE).is_file():
+        return read_full_model_state(d.parent, d.name)
+    if (d / CLASSIFIER_FILE).is_file():
+        info, full = read_classifier_dir(d)
+        encoder = {k[len(ENCODER_PREFIX):]: v for k, v in full.items() if k.startswith(ENCODER_PREFIX)}
+        return info["encoder_config"], encoder, tokenizer_dir_of(d)
+    if (d / WEIGHTS_FILE).is_file():
+        if not (d / CONFIG_FILE).is_file():
+            raise BaseModelError(f"{d} has {WEIGHTS_FILE} but no {CONFIG_FILE} (the model config)")
+        return read_model_dir(d)
+    if is_deepspeed_run_dir(d):
+        return read_full_model_state(d)
+    found = ", ".join(sorted(p.name for p in d.iterdir())[:12]) or "nothing"
+    raise BaseModelError(f"{d} is not a base model directory: expected {CONFIG_FILE} with {WEIGHTS_FILE}, a "
+                         f"pretraining checkpoint (latest, global_stepN/) or a classifier ({CLASSIFIER_FILE}); "
+                         f"found: {found}")
+
+
+def load_full_gpt_state(directory: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], Path | None]:
+    """``load_base_state`` for a GPT base model (refuses any other)."""
+    config, full, tokenizer_dir = load_base_state(directory)
+    if not isinstance(config, GPTConfig):
+        raise BaseModelError(f"{directory} holds a {type(config).__name__} model, not a GPT")
+    return config, full, tokenizer_dir

@@ -19,10 +19,11 @@ thresholds.json tuned on dev or on a held-out part of train, tokenizer/), metric
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torchrun
@@ -31,7 +32,22 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torc
 import numpy as np
 import torch
 
-from pipeline.errors import ArgumentParser, UserError, add_debug_arg, command
+from finetune.batching import TrainBatches, encode_texts, pooled_features, predict_encoded, predict_pooled
+from finetune.export_hf import ExportError, export_classifier
+from finetune.heads import MULTILABEL, HeadConfig
+from finetune.metrics import evaluate_probabilities, single_label_scores
+from finetune.model import build_classifier
+from finetune.normalize import TweetNormalizer
+from finetune.saved import CLASSIFIER_FILE, load_base_state
+from pipeline.data import load_tokenizer
+from pipeline.engine import build_engine, optimizer_step, precision
+from pipeline.errors import ArgumentParser, UserError, command
+from pipeline.families import ModelFamily, family_of
+from pipeline.files import OutputError, refuse_overlap
+from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, apply_sequence_parallel,
+                          every, is_rank0, quiet_deepspeed, setup, train_loop)
+from pipeline.metrics import MetricsWriter
+from pipeline.schedules import LRSchedule
 
 LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
 
@@ -87,14 +103,8 @@ def parse_args(argv=None):
     g.add_argument("--threshold-objective", choices=["macro", "micro", "balanced"], default="micro",
                    help="macro: each class's threshold maximises that class's F1 (what maximises macro-F1); micro: "
                         "then coordinate ascent for micro-F1; balanced: for the mean of micro- and macro-F1")
-    g = p.add_argument_group("parallelism and engine")
-    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
-                   help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
-    g.add_argument("--tensor-parallel", type=int, default=1)
-    g.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
-    g.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
+    add_engine_args(p, pipeline_parallel=False)
     g.add_argument("--eval-batch-size", type=int, default=64)
-    g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=float, default=3.0)
     g.add_argument("--train-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
@@ -110,7 +120,6 @@ def parse_args(argv=None):
                    help="BCE positive weights: none, balanced (negatives/positives), sqrt (its square root), or "
                         "comma-separated numbers, one per label")
     g.add_argument("--pos-weight-max", type=float, default=10.0, help="cap of balanced/sqrt positive weights")
-    g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("output")
     g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...); "
                                                 "new or empty unless --force")
@@ -118,12 +127,15 @@ def parse_args(argv=None):
                                                         "classifier of this job")
     g.add_argument("--hf-export", choices=["auto", "no"], default="auto",
                    help="auto: write the Hugging Face classifier to SAVE/hf when the head allows it")
-    g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=None, help="steps between dev evaluations "
                                                                    "(default: each epoch)")
-    g.add_argument("--verbose", action="store_true", help="DeepSpeed's INFO logs")
-    add_debug_arg(g)
+    add_run_args(p, g, log_interval=10)
     args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
     problems = []
     if args.epochs <= 0 and args.train_steps is None:
         problems.append(f"--epochs must be > 0, got {args.epochs}")
@@ -147,12 +159,6 @@ def parse_args(argv=None):
         problems.append(f"--mlp-hidden takes comma-separated integers, got {args.mlp_hidden!r}")
     if problems:
         p.error("; ".join(problems))
-    return args
-
-
-def is_rank0() -> bool:
-    import torch.distributed as dist
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -219,18 +225,20 @@ def parse_pos_weight(spec: str, labels: np.ndarray, cap: float):
     return w
 
 
-def check_encoder_options(args, encoder_type: str) -> None:
-    """The mLSTM runs data-parallel only, and summarises each text itself (pooling 'none')."""
-    if encoder_type == "mlstm":
+def check_encoder_options(args, family) -> None:
+    """An encoder that summarises each text itself (the mLSTM: pooling 'none') takes no other pooling and has
+    no layers to cut; a family without tensor parallelism runs data-parallel only."""
+    encoder = family.get("encoder")
+    if encoder.default_pooling == "none":
         problems = []
-        if args.tensor_parallel != 1:
-            problems.append(f"--tensor-parallel {args.tensor_parallel} (the mLSTM is data-parallel only)")
+        if args.tensor_parallel != 1 and not family.tensor_parallel_capable:
+            problems.append(f"--tensor-parallel {args.tensor_parallel} (the {family.name} is data-parallel only)")
         if args.pooling not in (None, "none"):
             problems.append(f"--pooling {args.pooling} (its features are the final cell state: pooling 'none')")
         if args.encoder_layers is not None:
             problems.append("--encoder-layers")
         if problems:
-            raise FinetuneError(f"{args.base} is an mLSTM, which does not take " + "; ".join(problems))
+            raise FinetuneError(f"{args.base} is an {family.name}, which does not take " + "; ".join(problems))
     elif args.pooling == "none":
         raise FinetuneError("--pooling none is for encoders that summarise a text themselves (the mLSTM); a GPT "
                             "gives hidden states per token: choose last, mean, max or attention")
@@ -254,37 +262,22 @@ def holdout_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
 
 # ------------------------------------------------------------------------------------------- training
 
+def classifier_forward(engine, batch) -> dict:
+    """The losses of one micro-batch (token ids, or the pooled features of a frozen encoder)."""
+    dev = engine.device
+    if "pooled" in batch:
+        parts = engine(None, batch["labels"].to(dev), pooled=batch["pooled"].to(dev), return_parts=True)
+    else:
+        parts = engine(batch["input_ids"].to(dev), batch["labels"].to(dev), lengths=batch["lengths"].to(dev),
+                       return_parts=True)
+    return {**parts, "tokens": batch["lengths"].sum() if "lengths" in batch else 0}
+
+
 def finetune_step(engine, batches) -> dict:
-    """One optimizer step over all micro-batches of the global batch; mean losses over them and over DP."""
-    import torch.distributed as dist
-    gas = engine.gradient_accumulation_steps()
-    sums = torch.zeros(3, dtype=torch.float64, device=engine.device)  # loss, classification loss, LM loss
-    tokens = 0
-    for _ in range(gas):
-        b = next(batches)
-        dev = engine.device
-        if "pooled" in b:
-            loss = engine(None, b["labels"].to(dev), pooled=b["pooled"].to(dev))
-        else:
-            loss = engine(b["input_ids"].to(dev), b["labels"].to(dev), lengths=b["lengths"].to(dev))
-        engine.backward(loss)
-        engine.step()
-        parts = engine.module.last_losses
-        zero = torch.zeros((), device=engine.device)
-        sums += torch.stack([t.float() for t in (loss.detach(), parts.get("cls_loss", zero),
-                                                 parts.get("lm_loss", zero))]).double()
-        tokens += int(b["lengths"].sum()) if "lengths" in b else 0
-    sums /= gas
-    extra = torch.tensor([tokens], dtype=torch.float64, device=engine.device)
-    mpu = engine.mpu
-    if mpu is not None and mpu.get_data_parallel_world_size() > 1:
-        both = torch.cat([sums, extra])
-        dist.all_reduce(both, group=mpu.get_data_parallel_group())
-        sums, extra = both[:3] / mpu.get_data_parallel_world_size(), both[3:]
-    sums, extra = sums.cpu(), extra.cpu()  # one device sync per optimizer step
-    out = {"loss": float(sums[0]), "cls_loss": float(sums[1]), "tokens": int(extra[0])}
-    if engine.module.aux_lm_weight:
-        out["lm_loss"] = float(sums[2])
+    """One optimizer step over all micro-batches of the global batch; mean losses over them and over DP
+    (tokens: summed)."""
+    out = optimizer_step(engine, batches, classifier_forward, counts=("tokens",))
+    out["tokens"] = int(out["tokens"])
     return out
 
 
@@ -310,8 +303,6 @@ def main(argv=None) -> dict:
 def check_save(args) -> None:
     """--save never is, or holds, an input (the base run would be written into); an existing non-empty one
     is used only with --force, and only when it holds a classifier this job wrote."""
-    from finetune.saved import CLASSIFIER_FILE
-    from pipeline.files import OutputError, refuse_overlap
     if args.save is None:
         return
     refuse_overlap(args.save, [("--base", args.base), ("--train", args.train), ("--dev", args.dev),
@@ -329,28 +320,24 @@ def check_save(args) -> None:
         raise OutputError(f"--save {save} is a file; give a directory")
 
 
-def run(args) -> dict:
-    check_save(args)
-    if not args.verbose:
-        from deepspeed.utils import logger as ds_logger
-        ds_logger.setLevel(logging.WARNING)
-    from finetune.batching import TrainBatches, encode_texts, pooled_features, predict_encoded, predict_pooled
-    from finetune.heads import MULTILABEL, HeadConfig
-    from finetune.model import build_classifier, encoder_type_of, load_base_state
-    from finetune.normalize import TweetNormalizer
-    from models.parallel import initialize_model_parallel, model_parallel_seed
-    from pipeline.data import load_tokenizer
-    from pipeline.distributed import init_distributed
-    from pipeline.engine import build_engine, load_ds_config, precision, resolve_ds_config
-    from pipeline.metrics import MetricsWriter, StepTimer
-    from pipeline.pretrain import default_ds_config
-    from pipeline.schedules import LRSchedule
+# ------------------------------------------------------------------------------------------ providers
 
-    # base model and tokenizer. Inputs are read and checked before any process group exists: a bad file
-    # fails at once, on every rank.
+@dataclass
+class Base:
+    """The base model provider's result: the encoder's family, config and full weights, and its tokenizer."""
+    family: ModelFamily
+    config: object
+    state: dict
+    tokenizer: object
+    max_length: int
+    pad_id: int
+
+
+def provide_base(args) -> Base:
+    """Inputs are read and checked before any process group exists: a bad file fails at once, on every rank."""
     config, base_state, tokenizer_dir = load_base_state(args.base)
-    encoder_type = encoder_type_of(config)
-    check_encoder_options(args, encoder_type)
+    family = family_of(config)
+    check_encoder_options(args, family)
     if args.tokenizer is None and tokenizer_dir is None:
         raise FinetuneError(f"{args.base} holds no tokenizer; pass --tokenizer")
     try:
@@ -361,19 +348,35 @@ def run(args) -> dict:
         raise FinetuneError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model in {args.base} only "
                             f"{config.vocab_size}: it is not this model's tokenizer")
     if args.encoder_dropout is not None:
-        if encoder_type == "gpt":
-            config.hidden_dropout = config.attention_dropout = args.encoder_dropout
-        else:
-            config.dropout = args.encoder_dropout
+        for name in ("hidden_dropout", "attention_dropout", "dropout"):  # the GPT's two, the mLSTM's one
+            if hasattr(config, name):
+                setattr(config, name, args.encoder_dropout)
     if args.encoder_layers is not None:
         config, base_state = first_layers(config, base_state, args.encoder_layers, args.base)
-    if encoder_type == "gpt":
-        config.check_parallel(args.tensor_parallel)
+    family.check_layout(config, args.tensor_parallel, 1)
     max_length = min(args.max_length, getattr(config, "max_position_embeddings", args.max_length))
     pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
     pad_id = tokenizer.eod_id if pad_id is None or pad_id >= config.vocab_size else pad_id
+    return Base(family, config, base_state, tokenizer, max_length, pad_id)
 
-    # data
+
+@dataclass
+class Splits:
+    """The data provider's result: the splits, and their texts as token ids."""
+    train: object
+    dev: object
+    tune_on: object  # where the thresholds are tuned: dev, or a held-out part of train
+    test: object | None
+    encoded: dict
+    truncated: int
+    normalizer: TweetNormalizer | None
+
+    @property
+    def multilabel(self) -> bool:
+        return self.train.task == MULTILABEL
+
+
+def provide_data(args, base: Base) -> Splits:
     subset = label_subset(args.labels)
     train, dev = load_split(args.train, args), load_split(args.dev, args)
     test = load_split(args.test, args, require_labels=False) if args.test else None
@@ -393,141 +396,191 @@ def run(args) -> dict:
     if args.holdout:
         keep, held = holdout_split(len(train), args.holdout, args.seed)
         train, tune_on = train.subset(keep), train.subset(held)
-    multilabel = train.task == MULTILABEL
-    encoded = {name: encode_texts(tokenizer, norm(split.texts), max_length)
+    encoded = {name: encode_texts(base.tokenizer, norm(split.texts), base.max_length)
                for name, split in (("train", train), ("dev", dev), ("tune", tune_on), ("test", test))
                if split is not None}
-    truncated = sum(len(ids) == max_length for ids in encoded["train"])
+    truncated = sum(len(ids) == base.max_length for ids in encoded["train"])
+    return Splits(train, dev, tune_on, test, encoded, truncated, normalizer)
 
-    # model
+
+@dataclass
+class Head:
+    config: HeadConfig
+    pos_weight: torch.Tensor | None
+    priors: np.ndarray
+
+
+def provide_head(args, base: Base, data: Splits) -> Head:
+    config = base.config
     head_bias = {"yes": True, "no": False, "auto": getattr(config, "variant", None) != "llama"}[args.head_bias]
-    pooling = args.pooling or {"gpt": "last", "mlstm": "none"}[encoder_type]
+    pooling = args.pooling or base.family.get("encoder").default_pooling
     try:
-        head_config = HeadConfig(config.hidden_size, train.num_labels, pooling=pooling,
-                                 mlp_hidden=args.mlp_hidden, dropout=args.dropout, problem_type=train.task,
-                                 label_names=train.label_names, output_bias=head_bias)
+        head_config = HeadConfig(config.hidden_size, data.train.num_labels, pooling=pooling,
+                                 mlp_hidden=args.mlp_hidden, dropout=args.dropout, problem_type=data.train.task,
+                                 label_names=data.train.label_names, output_bias=head_bias)
     except ValueError as e:
         raise FinetuneError(str(e)) from None
-    if args.pos_weight != "none" and not multilabel:
+    if args.pos_weight != "none" and not data.multilabel:
         raise FinetuneError("--pos-weight is for multilabel data")
-    pos_weight = parse_pos_weight(args.pos_weight, train.labels, args.pos_weight_max) if multilabel else None
-    priors = train.labels.mean(axis=0)
+    pos_weight = parse_pos_weight(args.pos_weight, data.train.labels, args.pos_weight_max) if data.multilabel else None
+    return Head(head_config, pos_weight, data.train.labels.mean(axis=0))
 
-    # the process groups, the DeepSpeed config
-    init_distributed()
-    state = initialize_model_parallel(args.tensor_parallel, 1)
-    model_parallel_seed(args.seed)
-    ds_source = args.deepspeed_config or default_ds_config()
-    ds = load_ds_config(ds_source)
-    ds = resolve_ds_config(ds, data_parallel=state.data_parallel, micro_batch_size=args.micro_batch_size,
-                           global_batch_size=args.global_batch_size, source=ds_source)
 
+def provide_engine(args, base: Base, data: Splits, head: Head, job: Job):
+    """(engine, LR schedule, steps per epoch, total steps)."""
     def builder(cfg, init_seed):
-        return build_classifier(cfg, head_config, encoder_state=base_state, init_seed=init_seed,
-                                aux_lm_weight=args.aux_lm_weight, pos_weight=pos_weight,
+        return build_classifier(cfg, head.config, encoder_state=base.state, init_seed=init_seed,
+                                aux_lm_weight=args.aux_lm_weight, pos_weight=head.pos_weight,
                                 freeze_encoder=args.freeze_encoder, freeze_embeddings=args.freeze_embeddings,
-                                label_priors=priors, source=str(args.base))
+                                label_priors=head.priors, source=str(args.base))
 
     def groups(model):
         return model.param_groups(weight_decay=args.weight_decay, layer_lr_decay=args.layer_lr_decay,
                                   head_lr_mult=args.head_lr_mult)
 
-    micro, dp = ds["train_micro_batch_size_per_gpu"], state.data_parallel
-    steps_per_epoch = len(train) // ds["train_batch_size"]
+    steps_per_epoch = len(data.train) // job.global_batch
     if steps_per_epoch < 1:
-        raise FinetuneError(f"{len(train)} training examples are fewer than one global batch "
-                            f"({ds['train_batch_size']}); use a smaller --global-batch-size")
+        raise FinetuneError(f"{len(data.train)} training examples are fewer than one global batch "
+                            f"({job.global_batch}); use a smaller --global-batch-size")
     total_steps = args.train_steps or max(1, math.ceil(args.epochs * steps_per_epoch))
     schedule = LRSchedule(args.lr, int(args.warmup * total_steps), total_steps, args.lr_decay_style, args.min_lr)
-    engine = build_engine(config, ds, state, init_seed=args.seed, schedule=schedule, model_builder=builder,
-                          param_groups_fn=groups)
-    del base_state
-    dp_kwargs = dict(dp_rank=state.get_data_parallel_rank(), dp_world_size=dp, dp_group=state.get_data_parallel_group())
-    cached = args.freeze_encoder and pooling != "attention"
+    engine = build_engine(base.config, job.ds, job.state, init_seed=args.seed, schedule=schedule,
+                          model_builder=builder, param_groups_fn=groups)
+    base.state = None  # the engine holds the weights now
+    return engine, schedule, steps_per_epoch, total_steps
+
+
+def run_settings(args, base: Base, data: Splits, head: Head, job: Job, steps: tuple[int, int], cached: bool) -> dict:
+    steps_per_epoch, total_steps = steps
+    return {"base": str(args.base), "train": data.train.source, "dev": data.dev.source,
+            "labels": list(data.train.label_names),
+            "examples": {"train": len(data.train), "dev": len(data.dev), "threshold_tuning": len(data.tune_on)},
+            "thresholds_tuned_on": "holdout" if args.holdout else "dev",
+            "threshold_objective": args.threshold_objective, "max_length": base.max_length,
+            "truncated_train_texts": data.truncated, "global_batch": job.global_batch, "micro_batch": job.micro_batch,
+            "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
+            "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
+            "pos_weight": None if head.pos_weight is None else head.pos_weight.tolist(),
+            "aux_lm_weight": args.aux_lm_weight,
+            "freeze_encoder": args.freeze_encoder, "freeze_embeddings": args.freeze_embeddings,
+            "features_computed_once": cached,
+            "encoder": base.family.name, "encoder_layers": base.config.num_layers, "pooling": head.config.pooling,
+            "mlp_hidden": list(args.mlp_hidden),
+            "precision": precision(job.ds), "tensor_parallel": job.state.tensor_parallel,
+                "sequence_parallel": bool(getattr(base.config, "sequence_parallel", False)),
+            "data_parallel": job.state.data_parallel, "seed": args.seed}
+
+
+@dataclass
+class FinetuneRun:
+    """What the end of the job (thresholds, scores, predictions, the saved classifier) works from."""
+    args: argparse.Namespace
+    base: Base
+    data: Splits
+    head: Head
+    engine: object
+    predict: Callable
+    save: Path | None
+    metrics: MetricsWriter
+    settings: dict
+
+
+# ------------------------------------------------------------------------------------------------ the job
+
+def run(args) -> dict:
+    check_save(args)
+    if not args.verbose:
+        quiet_deepspeed(False)
+    base = provide_base(args)
+    data = provide_data(args, base)
+    head = provide_head(args, base, data)
+    job = setup(EngineOptions.from_args(args))
+    apply_sequence_parallel(base.config, job)
+    engine, schedule, steps_per_epoch, total_steps = provide_engine(args, base, data, head, job)
+    state = job.state
+    dp_kwargs = dict(dp_rank=state.get_data_parallel_rank(), dp_world_size=state.data_parallel,
+                     dp_group=state.get_data_parallel_group())
+    cached = args.freeze_encoder and head.config.pooling != "attention"
+    encoded = data.encoded
     t_features = time.perf_counter()
     if cached:  # a frozen encoder gives the same features every epoch: compute them once
-        encoded = {name: pooled_features(engine.module, ids, pad_id, batch_size=args.eval_batch_size,
+        encoded = {name: pooled_features(engine.module, ids, base.pad_id, batch_size=args.eval_batch_size,
                                          progress=is_rank0(), desc=f"features {name}", **dp_kwargs)
                    for name, ids in encoded.items()}
     feature_seconds = time.perf_counter() - t_features if cached else 0.0
-    batches = TrainBatches(encoded["train"], train.labels, micro, state.get_data_parallel_rank(), dp, pad_id,
-                           seed=args.seed)
+    batches = TrainBatches(encoded["train"], data.train.labels, job.micro_batch, state.get_data_parallel_rank(),
+                           state.data_parallel, base.pad_id, seed=args.seed)
 
     save = Path(args.save) if args.save else None
     metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None)
-    settings = {"base": str(args.base), "train": train.source, "dev": dev.source, "labels": list(train.label_names),
-                "examples": {"train": len(train), "dev": len(dev), "threshold_tuning": len(tune_on)},
-                "thresholds_tuned_on": "holdout" if args.holdout else "dev",
-                "threshold_objective": args.threshold_objective, "max_length": max_length,
-                "truncated_train_texts": truncated, "global_batch": ds["train_batch_size"], "micro_batch": micro,
-                "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
-                "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
-                "pos_weight": None if pos_weight is None else pos_weight.tolist(),
-                "aux_lm_weight": args.aux_lm_weight,
-                "freeze_encoder": args.freeze_encoder, "freeze_embeddings": args.freeze_embeddings,
-                "features_computed_once": cached,
-                "encoder": encoder_type, "encoder_layers": config.num_layers, "pooling": pooling,
-                "mlp_hidden": list(args.mlp_hidden),
-                "precision": precision(ds), "tensor_parallel": state.tensor_parallel, "data_parallel": dp,
-                "seed": args.seed}
+    settings = run_settings(args, base, data, head, job, (steps_per_epoch, total_steps), cached)
     metrics.write({"settings": settings})
 
     def predict(name, progress=False):
         if cached:
             return predict_pooled(engine.module, encoded[name])
-        return predict_encoded(engine.module, encoded[name], pad_id, batch_size=args.eval_batch_size,
+        return predict_encoded(engine.module, encoded[name], base.pad_id, batch_size=args.eval_batch_size,
                                progress=progress and is_rank0(), desc=f"predict {name}", **dp_kwargs)
 
-    def dev_scores() -> dict:
-        from finetune.metrics import evaluate_probabilities, single_label_scores
-        probs = predict("dev")
-        if multilabel:
-            s = evaluate_probabilities(dev.labels, probs, dev.label_names)["at_0.5"]
-            return {"dev_micro_f1": s["micro_f1"], "dev_macro_f1": s["macro_f1"], "dev_jaccard": s["jaccard"]}
-        s = single_label_scores(dev.class_indices(), probs.argmax(1), dev.label_names)
-        return {"dev_accuracy": s["accuracy"], "dev_macro_f1": s["macro_f1"]}
-
-    from tqdm import tqdm
-    eval_every = args.eval_interval or steps_per_epoch
-    losses, timer, t0 = [], StepTimer(), time.perf_counter()
-    bar = tqdm(total=total_steps, desc="finetune", disable=not is_rank0(), dynamic_ncols=True)
-    window_tokens, window_seconds = 0, 0.0
-    for step in range(1, total_steps + 1):
-        timer.start()
-        out = finetune_step(engine, batches)
-        seconds = timer.stop()
-        losses.append(out["loss"])
-        window_tokens += out["tokens"]
-        window_seconds += seconds
-        bar.update(1)
-        if step % args.log_interval == 0 or step == total_steps:
-            norm_ = engine.get_global_grad_norm()
-            record = {"step": step, "epoch": step / steps_per_epoch, **{k: v for k, v in out.items() if k != "tokens"},
-                      "lr": schedule(step - 1), "grad_norm": None if norm_ is None else float(norm_),
-                      "tokens_per_s": window_tokens / window_seconds,
-                      "examples_per_s": ds["train_batch_size"] * args.log_interval / window_seconds
-                      if step % args.log_interval == 0 else None}
-            metrics.write(record)
-            bar.set_postfix(loss=f"{out['loss']:.4f}", lr=f"{record['lr']:.2e}")
-            window_tokens, window_seconds = 0, 0.0
-        if step % eval_every == 0 and step != total_steps:
-            scores = dev_scores()
-            metrics.write({"step": step, "epoch": step / steps_per_epoch, **scores})
-            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-    bar.close()
+    losses, t0 = [], time.perf_counter()
+    hooks = loop_hooks(args, engine, data, predict, metrics, schedule, steps_per_epoch, job.global_batch, losses)
+    train_loop(lambda: finetune_step(engine, batches), first=1, last=total_steps, desc="finetune", hooks=hooks)
     train_seconds = time.perf_counter() - t0
 
     # thresholds, scores, predictions
-    result = finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, metrics, settings,
-                    config, head_config, tokenizer, max_length, normalizer)
+    result = finish(FinetuneRun(args, base, data, head, engine, predict, save, metrics, settings))
     result.update(losses=losses, train_seconds=train_seconds, feature_seconds=feature_seconds, steps=total_steps,
+                  sequence_parallel=settings["sequence_parallel"],
                   group_lrs=[(g.get("lr_mult", 1.0), g["lr"]) for g in engine.optimizer.param_groups])
     metrics.close()
     return result
 
 
-def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, metrics, settings, config,
-           head_config, tokenizer, max_length, normalizer) -> dict:
+def loop_hooks(args, engine, data: Splits, predict, metrics, schedule, steps_per_epoch: int, global_batch: int,
+               losses: list) -> list:
+    """The training loop's hooks: keep each loss, log every --log-interval steps, score dev every
+    --eval-interval steps (default each epoch; the end of the job scores it anyway)."""
+    window = {"tokens": 0, "seconds": 0.0}
+
+    def keep(r: StepResult) -> None:
+        losses.append(r.out["loss"])
+        window["tokens"] += r.out["tokens"]
+        window["seconds"] += r.seconds
+
+    def log(r: StepResult) -> None:
+        norm_ = engine.get_global_grad_norm()
+        full_window = r.step % args.log_interval == 0
+        record = {"step": r.step, "epoch": r.step / steps_per_epoch,
+                  **{k: v for k, v in r.out.items() if k != "tokens"},
+                  "lr": schedule(r.step - 1), "grad_norm": None if norm_ is None else float(norm_),
+                  "tokens_per_s": window["tokens"] / window["seconds"],
+                  "examples_per_s": global_batch * args.log_interval / window["seconds"] if full_window else None}
+        metrics.write(record)
+        r.bar.set_postfix(loss=f"{r.out['loss']:.4f}", lr=f"{record['lr']:.2e}")
+        window.update(tokens=0, seconds=0.0)
+
+    def evaluate(r: StepResult) -> None:
+        scores = dev_scores(data, predict("dev"))
+        metrics.write({"step": r.step, "epoch": r.step / steps_per_epoch, **scores})
+        r.bar.write(f"step {r.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+
+    return [keep, every(args.log_interval, log), every(args.eval_interval or steps_per_epoch, evaluate, at_last=False)]
+
+
+def dev_scores(data: Splits, probs) -> dict:
+    dev = data.dev
+    if data.multilabel:
+        s = evaluate_probabilities(dev.labels, probs, dev.label_names)["at_0.5"]
+        return {"dev_micro_f1": s["micro_f1"], "dev_macro_f1": s["macro_f1"], "dev_jaccard": s["jaccard"]}
+    s = single_label_scores(dev.class_indices(), probs.argmax(1), dev.label_names)
+    return {"dev_accuracy": s["accuracy"], "dev_macro_f1": s["macro_f1"]}
+
+
+def finish(r: FinetuneRun) -> dict:
+    args, engine, predict, save, metrics, settings = r.args, r.engine, r.predict, r.save, r.metrics, r.settings
+    train, dev, tune_on, test, multilabel = r.data.train, r.data.dev, r.data.tune_on, r.data.test, r.data.multilabel
+    config, head_config, tokenizer, max_length = r.base.config, r.head.config, r.base.tokenizer, r.base.max_length
+    normalizer = r.data.normalizer
     from finetune.data import SEMEVAL_EC_LABELS
     from finetune.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison,
                                   plot_per_class_f1, single_label_scores, write_eval_json)
@@ -591,11 +644,6 @@ def finish(args, engine, predict, train, dev, tune_on, test, multilabel, save, m
 
 
 def _export(save: Path):
-    try:
-        from finetune.export_hf import ExportError, export_classifier
-    except ImportError as e:  # the LM conversion (pipeline.hf_convert) is not installed in this tree
-        print(f"Hugging Face export skipped: {e}")
-        return None
     try:
         path = export_classifier(save, save / "hf", force=True)
     except ExportError as e:

@@ -13,15 +13,20 @@ class ConfigError(ValueError):
     pass
 
 
-def read_config_json(path: str | Path) -> dict:
-    """A model config file's JSON, or a ConfigError naming the file (and line and column)."""
+def read_json(path: str | Path, what: str, error: type[Exception]):
+    """A JSON file's contents, or ``error`` naming ``what`` it is, the file (and line and column)."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"model config file {path} does not exist") from None
+        raise error(f"{what} {path} does not exist") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"model config file {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        raise error(f"{what} {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+
+
+def read_config_json(path: str | Path) -> dict:
+    """A model config file's JSON, or a ConfigError naming the file (and line and column)."""
+    return read_json(path, "model config file", ConfigError)
 
 
 @dataclass
@@ -47,6 +52,7 @@ class GPTConfig:
     init_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     bias: bool | None = None               # None: True for gpt2, False for llama
+    sequence_parallel: bool = False        # split norms/dropout/residuals along the sequence across TP ranks
     extra: dict = field(default_factory=dict)  # free-form metadata (e.g. where an import came from)
 
     def __post_init__(self):
@@ -92,6 +98,8 @@ class GPTConfig:
             return "the gpt2 variant ties its input and output embeddings (tie_embeddings must be true)"
         if self.bias is None:
             self.bias = self.variant == "gpt2"
+        if not isinstance(self.sequence_parallel, bool):
+            return f"sequence_parallel must be true or false, got {self.sequence_parallel!r}"
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 return f"{name} must be in [0, 1), got {getattr(self, name)}"
@@ -106,20 +114,30 @@ class GPTConfig:
             if value % by:
                 raise ConfigError(f"invalid model config for tensor_parallel={tensor_parallel}: {name} {value} "
                                   f"is not divisible by the {what} {by}")
+        if self.sequence_parallel and self.seq_length % tensor_parallel:
+            raise ConfigError(f"invalid model config for tensor_parallel={tensor_parallel}: sequence parallelism "
+                              f"splits the sequence into {tensor_parallel} equal chunks, and seq_length "
+                              f"{self.seq_length} is not divisible by {tensor_parallel}; choose a seq_length "
+                              f"that is a multiple of {tensor_parallel}")
         if pipeline_parallel > self.num_layers:
             raise ConfigError(f"pipeline_parallel={pipeline_parallel} is more than num_layers {self.num_layers}: "
                               f"every pipeline stage needs at least one transformer layer")
 
     # -- (de)serialisation ----------------------------------------------------
     def to_dict(self) -> dict:
-        return {"model_type": "gpt", **dataclasses.asdict(self)}
+        # sequence_parallel is how one run lays out its activations (like its TP size), not part of the
+        # model: saved configs leave it out, so a checkpoint loads at any layout, with or without it.
+        d = dataclasses.asdict(self)
+        d.pop("sequence_parallel")
+        return {"model_type": "gpt", **d}
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "model config") -> "GPTConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known - {"model_type"})
         if unknown:
-            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; "
+                              f"known fields: {', '.join(sorted(known))}")
         if d.get("model_type", "gpt") != "gpt":
             raise ConfigError(f"{source}: model_type is {d['model_type']!r}, expected 'gpt'")
         try:

@@ -6,7 +6,11 @@ Two variants (``GPTConfig.variant``):
 
 Layout is [batch, seq, hidden]. Attention heads, MLP columns and the
 vocabulary are split across tensor-parallel ranks; everything else is
-replicated. The model is a sequence of stages (``Embedding``, ``TransformerLayer``
+replicated, or with ``sequence_parallel`` (Korthikanti et al. 2022) split along
+the sequence: each TP rank embeds, normalises, drops out and adds residuals on
+its own chunk of the sequence, the chunks are all-gathered entering attention,
+the MLP and the output layer, and reduce-scattered leaving them.
+The model is a sequence of stages (``Embedding``, ``TransformerLayer``
 x L, ``FinalNorm``, ``LMHead``) so that the same modules, with the same
 parameter names, make up DeepSpeed's pipeline stages (pipeline/pipe_model.py).
 
@@ -23,9 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tensor_parallel_region,
-                       gather_from_tensor_parallel_region, normal_init, tensor_parallel_rng, tp_world_size,
-                       vocab_parallel_cross_entropy, vocab_parallel_parameter)
+from .parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm, SequenceParallelRMSNorm,
+                       VocabParallelEmbedding, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                       gather_from_tensor_parallel_region, mark_sequence_parallel, normal_init,
+                       sequence_gather_linear, sequence_parallel_parameter, tensor_parallel_rng, tp_rank,
+                       tp_world_size, vocab_parallel_cross_entropy, vocab_parallel_parameter)
 
 
 @contextlib.contextmanager
@@ -46,9 +52,19 @@ def stage_seed(init_seed: int | None, index: int) -> int | None:
 
 
 def _norm(config: GPTConfig) -> nn.Module:
+    sp = config.sequence_parallel
     if config.variant == "gpt2":
-        return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-    return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        return (SequenceParallelLayerNorm if sp else nn.LayerNorm)(config.hidden_size, eps=config.norm_eps)
+    return (SequenceParallelRMSNorm if sp else nn.RMSNorm)(config.hidden_size, eps=config.norm_eps)
+
+
+def _dropout(drop: nn.Dropout, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on the residual stream: replicated activations draw the same mask on every TP rank (default
+    RNG); sequence-split ones draw from the model-parallel RNG, so that each chunk gets its own mask."""
+    if not (sequence_parallel and drop.p > 0 and drop.training):
+        return drop(x)
+    with tensor_parallel_rng():
+        return drop(x)
 
 
 def _output_init(config: GPTConfig):
@@ -106,17 +122,19 @@ class Attention(nn.Module):
         self.local_kv_heads = config.num_kv_heads // tp
         self.head_dim = d
         self.dropout = config.attention_dropout
+        sp = config.sequence_parallel
         self.qkv = ColumnParallelLinear(
             config.hidden_size, output_sizes=(config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d),
-            bias=config.bias, init_method=normal_init(config.init_std))
+            bias=config.bias, init_method=normal_init(config.init_std), sequence_parallel=sp)
         self.dense = RowParallelLinear(config.num_heads * d, config.hidden_size, bias=config.bias,
-                                       input_is_parallel=True, init_method=_output_init(config))
+                                       input_is_parallel=True, init_method=_output_init(config), sequence_parallel=sp)
         self.rotary = (RotaryEmbedding(d, config.rope_theta)
                        if config.variant == "llama" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).split(self.qkv.local_output_sizes, dim=-1)
+        qkv = self.qkv(x)  # the whole sequence (gathered under sequence parallelism)
+        b, s, _ = qkv.shape
+        q, k, v = qkv.split(self.qkv.local_output_sizes, dim=-1)
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
@@ -134,10 +152,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gated = config.variant == "llama"
         f = config.ffn_hidden_size
+        sp = config.sequence_parallel
         self.fc_in = ColumnParallelLinear(config.hidden_size, output_sizes=(f, f) if self.gated else (f,),
-                                          bias=config.bias, init_method=normal_init(config.init_std))
+                                          bias=config.bias, init_method=normal_init(config.init_std),
+                                          sequence_parallel=sp)
         self.fc_out = RowParallelLinear(f, config.hidden_size, bias=config.bias, input_is_parallel=True,
-                                        init_method=_output_init(config))
+                                        init_method=_output_init(config), sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc_in(x)
@@ -160,14 +180,20 @@ class TransformerLayer(nn.Module):
             self.post_attention_norm = _norm(config)
             self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x)))
-        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+        sp = self.sequence_parallel
+        x = x + _dropout(self.dropout, self.attention(self.input_norm(x)), sp)
+        return x + _dropout(self.dropout, self.mlp(self.post_attention_norm(x)), sp)
 
 
 class Embedding(nn.Module):
-    """Token (vocab-parallel) plus, for gpt2, learned position embeddings."""
+    """Token (vocab-parallel) plus, for gpt2, learned position embeddings.
+
+    Under sequence parallelism the partial token embeddings are reduce-scattered along the sequence and
+    each rank adds the positions of its own chunk (so the position table is a sequence-parallel parameter).
+    """
 
     def __init__(self, config: GPTConfig, init_seed: int | None = None):
         super().__init__()
@@ -175,26 +201,36 @@ class Embedding(nn.Module):
         with seeded_init(init_seed):
             self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                           pad_multiple=config.make_vocab_size_divisible_by,
-                                                          init_method=normal_init(config.init_std))
+                                                          init_method=normal_init(config.init_std),
+                                                          sequence_parallel=config.sequence_parallel)
             self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
                                         if config.variant == "gpt2" else None)
             if self.position_embeddings is not None:
                 nn.init.normal_(self.position_embeddings.weight, std=config.init_std)
+                if config.sequence_parallel:
+                    mark_sequence_parallel(self.position_embeddings.weight)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output layer of a tied model: the word-embedding matrix, transposed."""
-        return parallel_lm_logits(hidden, self.word_embeddings.weight)
+    def logits(self, hidden: torch.Tensor, sequence_split: bool | None = None) -> torch.Tensor:
+        """Output layer of a tied model: the word-embedding matrix, transposed. ``sequence_split``: whether
+        ``hidden`` is this rank's sequence chunk (default: as the model's final norm gives it)."""
+        split = self.config.sequence_parallel if sequence_split is None else sequence_split
+        return parallel_lm_logits(hidden, self.word_embeddings.weight, split)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
         if s > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {s} tokens is longer than max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        h = self.word_embeddings(input_ids)
+        h = self.word_embeddings(input_ids)  # [b, s / tp, h] under sequence parallelism
         if self.position_embeddings is not None:
-            h = h + self.position_embeddings(torch.arange(s, device=input_ids.device))
-        return self.dropout(h)
+            start = tp_rank() * h.shape[1] if self.config.sequence_parallel else 0
+            positions = torch.arange(start, start + h.shape[1], device=input_ids.device)
+            table = self.position_embeddings.weight
+            if self.config.sequence_parallel:
+                table = sequence_parallel_parameter(table)
+            h = h + F.embedding(positions, table)
+        return _dropout(self.dropout, h, self.config.sequence_parallel)
 
 
 class FinalNorm(nn.Module):
@@ -211,16 +247,23 @@ class LMHead(nn.Module):
 
     def __init__(self, config: GPTConfig, init_seed: int | None = None):
         super().__init__()
+        self.sequence_parallel = config.sequence_parallel
         with seeded_init(init_seed):
             self.weight = vocab_parallel_parameter(config.vocab_size, config.hidden_size,
                                                    config.make_vocab_size_divisible_by, normal_init(config.init_std))
 
-    def forward(self, hidden):
-        return parallel_lm_logits(hidden, self.weight)
+    def forward(self, hidden, sequence_split: bool | None = None):
+        """``sequence_split``: as ``Embedding.logits``."""
+        split = self.sequence_parallel if sequence_split is None else sequence_split
+        return parallel_lm_logits(hidden, self.weight, split)
 
 
-def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of the vocabulary logits (the input is replicated, f op first)."""
+def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_split: bool = False) -> torch.Tensor:
+    """This rank's slice of the vocabulary logits for the whole sequence. A replicated input goes through the
+    f op; a sequence-split one is all-gathered (the gradient reduce-scattered) inside the matmul. Gathering
+    the [b, s, h] hidden states costs less memory than the [b, s, V / tp] logits they make either way."""
+    if sequence_split and tp_world_size() > 1:
+        return sequence_gather_linear(hidden, weight)
     return F.linear(copy_to_tensor_parallel_region(hidden), weight)
 
 
@@ -246,11 +289,16 @@ class GPT(nn.Module):
         self.lm_head = None if config.tie_embeddings else LMHead(config, stage_seed(init_seed, L + 2))
         self.checkpoint_fn = None  # set by the training wiring, e.g. deepspeed.checkpointing.checkpoint
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embedding.word_embeddings.weight if self.lm_head is None else self.lm_head.weight
-
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states [b, s, h]."""
+        """Final-normed hidden states [b, s, h] of the whole sequence (for replicated consumers, e.g. a
+        classification head: under sequence parallelism they are gathered, the gradient split)."""
+        h = self._local_hidden_states(input_ids)
+        if self.config.sequence_parallel:
+            h = gather_from_sequence_parallel_region(h, 1, tensor_parallel_output_grad=False)
+        return h
+
+    def _local_hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states: [b, s, h], or this rank's [b, s / tp, h] under sequence parallelism."""
         h = self.embedding(input_ids)
         for layer in self.layers:
             if self.checkpoint_fn is not None and self.training:
@@ -261,7 +309,7 @@ class GPT(nn.Module):
 
     def parallel_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits [b, s, padded_vocab / tp]."""
-        h = self.hidden_states(input_ids)
+        h = self._local_hidden_states(input_ids)
         return self.embedding.logits(h) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, label_smoothing: float = 0.0,

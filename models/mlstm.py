@@ -54,7 +54,7 @@ class MLSTMConfig:
     weight_norm: str | bool = "all"        # "all" cell weights (sentiment-discovery), "recurrent" (W_h, W_mh) or "none"
     dropout: float = 0.0                   # on the embedding and on every layer's output
     seq_length: int = 256                  # TBPTT chunk length (bptt)
-    init_range: float | None = None        # cell + output weights ~ U(-r, r); None: 1/sqrt(hidden_size) (PyTorch RNN default)
+    init_range: float | None = None        # cell + output weights ~ U(-r, r); None: 1/sqrt(hidden_size) (as torch RNNs)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -74,7 +74,8 @@ class MLSTMConfig:
         elif self.weight_norm is False:
             self.weight_norm = "none"
         if self.weight_norm not in WEIGHT_NORM_MODES:
-            return f"weight_norm must be one of {', '.join(WEIGHT_NORM_MODES)} (or true/false), got {self.weight_norm!r}"
+            return (f"weight_norm must be one of {', '.join(WEIGHT_NORM_MODES)} (or true/false), "
+                    f"got {self.weight_norm!r}")
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             return f"dropout must be in [0, 1), got {self.dropout!r}"
         if self.init_range is not None and not (isinstance(self.init_range, (int, float)) and self.init_range > 0):
@@ -94,7 +95,8 @@ class MLSTMConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; "
+                              f"known fields: {', '.join(sorted(known))}")
         try:
             return cls(**d)
         except ConfigError as e:
@@ -405,7 +407,8 @@ class MLSTM(nn.Module):
             return cs[-1]
         lengths = torch.as_tensor(lengths, device=cs.device)
         if lengths.min() < 1 or lengths.max() > cs.shape[0]:
-            raise ValueError(f"lengths must be in [1, {cs.shape[0]}], got min {int(lengths.min())} max {int(lengths.max())}")
+            raise ValueError(f"lengths must be in [1, {cs.shape[0]}], got min {int(lengths.min())} "
+                             f"max {int(lengths.max())}")
         return cs[lengths.long() - 1, torch.arange(cs.shape[1], device=cs.device)]
 
     def num_parameters(self) -> int:
@@ -436,7 +439,8 @@ def save_mlstm(model: MLSTM, directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt", "model_type": "mlstm"}))
+    _atomic_write(directory / WEIGHTS_NAME,
+                  lambda p: save_file(tensors, p, metadata={"format": "pt", "model_type": "mlstm"}))
     text = json.dumps(model.config.to_dict(), indent=2) + "\n"
     _atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(text))
     return directory

@@ -10,6 +10,7 @@ Layout of a save directory::
         COMPLETE.json        written last: every file of the tag with its size and sha256
     latest                   the newest complete tag, replaced atomically
     zero_to_fp32.py          (ZeRO runs) DeepSpeed's recovery script, made weights-only
+    universal/<tag>/         a tag converted for another layout (``pipeline.universal``), on demand
 
 A save killed at any point leaves at most a tag directory without COMPLETE.json,
 which ``latest`` never names. On load every file listed in COMPLETE.json must be
@@ -31,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 from models.parallel import get_rng_tracker
-from pipeline.errors import UserError
+from pipeline.families import family_of_dict
 from pipeline.files import atomic_dir, atomic_write_text
+from pipeline.model_dir import read_model_dir
 
 from . import safe_load
 from .safe_load import CheckpointError
@@ -46,7 +48,8 @@ def tag_for_step(step: int) -> str:
 
 def rng_state() -> dict:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    state = {"python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
              "torch": torch.get_rng_state(),
              "tracker": get_rng_tracker().get_states()}
     if torch.cuda.is_available():
@@ -233,41 +236,25 @@ def saved_layout(load_dir, tag: str) -> dict:
     return json.loads((Path(load_dir) / tag / "layout.json").read_text())
 
 
-def gpt_shard_specs(config) -> dict:
-    """{parameter name: ShardSpec or None} of the GPT, from a model built on the meta device (no memory)."""
-    from models import GPT
-    from models.parallel import get_shard_spec
-    with torch.device("meta"):
-        model = GPT(config, init_seed=0)
-    return {name: get_shard_spec(p) for name, p in model.named_parameters()}
-
-
 def read_full_model_state(load_dir, tag: str | None = None):
-    """(GPTConfig, full TP=1 state dict, tokenizer dir) of a checkpoint saved at any (TP, PP, DP).
+    """(model config, full TP=1 state dict, tokenizer dir) of a checkpoint saved at any (TP, PP, DP).
 
     Reads the DeepSpeed model files of every TP rank (and, for pipelines, every layer file),
     and joins the shards with each parameter's ShardSpec. The weights are those the run
     computed with (bf16/fp16 runs store them in that precision). ZeRO-3 partitions the
     weights themselves: those runs are read with DeepSpeed's zero_to_fp32 (TP=1 only).
     """
-    from models import GPTConfig, MLSTMConfig
     load_dir = Path(load_dir)
     tag = resolve_tag(load_dir, tag)
     tag_dir = load_dir / tag
     tokenizer_dir = load_dir / "tokenizer"
     tokenizer_dir = tokenizer_dir if tokenizer_dir.is_dir() else None
-    if json.loads((load_dir / "config.json").read_text()).get("model_type") == "mlstm":
-        # data parallelism only: one copy of the weights (ZeRO-3: DeepSpeed's reader)
-        config = MLSTMConfig.from_file(load_dir / "config.json")
-        if (tag_dir / "mp_rank_00_model_states.pt").is_file():
-            full = safe_load.safe_torch_load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
-        else:
-            full = _zero3_weights(load_dir, tag, 1)[0]
-        return config, own_storage(full), tokenizer_dir
-    config = GPTConfig.from_file(load_dir / "config.json")
+    raw = json.loads((load_dir / "config.json").read_text())
+    family = family_of_dict(raw, str(load_dir / "config.json"))
+    config = family.config_class.from_dict(raw, source=str(load_dir / "config.json"))
     layout = saved_layout(load_dir, tag)
-    tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
-    specs = gpt_shard_specs(config)
+    tp, pp = layout.get("tensor_parallel", 1), layout.get("pipeline_parallel", 1)
+    specs = family.shard_specs(config)
     per_rank: list[dict] = [dict() for _ in range(tp)]
     if pp == 1 and not (tag_dir / "mp_rank_00_model_states.pt").is_file():
         per_rank = _zero3_weights(load_dir, tag, tp)  # ZeRO-3 writes zero_pp_rank_<dp>_mp_rank_<tp> files only
@@ -329,13 +316,16 @@ def _zero3_weights(load_dir: Path, tag: str, tp: int) -> list[dict]:
 
 def same_layout(saved: dict, current: dict) -> bool:
     keys = ("tensor_parallel", "pipeline_parallel", "data_parallel", "precision")
-    return all(saved.get(k) == current.get(k) for k in keys)
+    # checkpoints from before the ZeRO stage was recorded resume as they always did
+    same_stage = "zero_stage" not in saved or saved["zero_stage"] == current.get("zero_stage")
+    return same_stage and all(saved.get(k) == current.get(k) for k in keys)
 
 
 def restore_after_reshard(engine, load_dir, tag: str) -> tuple[int, dict | None]:
-    """After building the engine from ``read_full_model_state`` weights at a new layout: the step, the
-    learning-rate schedule and the (global, layout-free) data position. Adam moments, the loss scale
-    and RNG streams start afresh: DeepSpeed keeps them in per-rank flat partitions of the old layout."""
+    """After a load at a new layout (``universal.load``, or ``read_full_model_state`` weights where DeepSpeed
+    has no universal path): the step, the learning-rate schedule and the (global, layout-free) data
+    position. RNG streams start afresh (they belong to the ranks of the old layout); without a universal
+    load, so do the Adam moments and the loss scale."""
     layout = saved_layout(load_dir, tag)
     if engine.lr_scheduler is not None and layout.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(layout["scheduler"])
@@ -352,14 +342,13 @@ def is_deepspeed_run_dir(path) -> bool:
 
 
 def read_full_checkpoint(path, tag: str | None = None):
-    """(GPTConfig, full TP=1 state dict, tokenizer dir) of any model directory the project writes:
+    """(model config, full TP=1 state dict, tokenizer dir) of any model directory the project writes:
     a pretraining run directory (DeepSpeed checkpoints at any layout; ``tag`` or its latest), one of
     its ``global_step<N>`` directories, or a ``config.json`` + ``model.safetensors`` directory
-    (what ``pipeline.import_hf`` writes)."""
+    (what ``pipeline.import_hf`` writes; ``pipeline.model_dir``)."""
     path = Path(path)
     if path.name.startswith("global_step") and (path.parent / "config.json").is_file():
         return read_full_model_state(path.parent, path.name)
     if is_deepspeed_run_dir(path):
         return read_full_model_state(path, tag)
-    from .export_hf import read_model_dir
     return read_model_dir(path)

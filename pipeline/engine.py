@@ -8,13 +8,12 @@ on the same 3-D topology and trains with ``train_batch``.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from models.config import read_json
 from models.parallel import ParallelState
 
 from . import safe_load
@@ -30,14 +29,7 @@ class EngineConfigError(UserError, ValueError):
 def load_ds_config(path_or_dict) -> dict:
     if isinstance(path_or_dict, dict):
         return copy.deepcopy(path_or_dict)
-    path = Path(path_or_dict)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise EngineConfigError(f"DeepSpeed config {path} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise EngineConfigError(f"DeepSpeed config {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
-                                f"{e.msg}") from None
+    return read_json(path_or_dict, "DeepSpeed config", EngineConfigError)
 
 
 def _enabled(ds: dict, key: str) -> bool:
@@ -129,6 +121,29 @@ def check_supported(ds: dict, pipeline_parallel: int, source: str = "DeepSpeed c
         raise EngineConfigError(f"{source}: optimizer offload is not supported with pipeline parallelism")
 
 
+def sequence_parallel_ds_config(ds: dict, state: ParallelState, source: str = "DeepSpeed config") -> dict:
+    """The DeepSpeed config for a sequence-parallel model; refuses what would mix up the ranks' chunks.
+
+    DeepSpeed's pipeline engine by default splits each activation sent between stages (and its gradient)
+    across the TP ranks and joins the pieces on arrival, assuming every TP rank holds the same tensor;
+    its activation checkpointing can do the same with ``partition_activations``. Under sequence
+    parallelism each rank holds its own chunk (already 1/tp of the tensor), so both must be off.
+    """
+    ds = copy.deepcopy(ds)
+    if ds.get("activation_checkpointing", {}).get("partition_activations"):
+        raise EngineConfigError(f"{source}: activation_checkpointing.partition_activations splits activations "
+                                f"that sequence parallelism has already split across the TP ranks; set it to false")
+    if state.pipeline_parallel > 1:
+        pipe = ds.setdefault("pipeline", {})
+        for key in ("pipe_partitioned", "grad_partitioned"):
+            if pipe.get(key):
+                raise EngineConfigError(f"{source}: pipeline.{key} is true, but under sequence parallelism each TP "
+                                        f"rank sends its own sequence chunk between stages; set it to false "
+                                        f"(or leave it out)")
+            pipe[key] = False
+    return ds
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> list[dict]:
     """No weight decay on biases and norm weights (1-D tensors), as Megatron and GPT-2 train."""
     decay, no_decay = [], []
@@ -156,6 +171,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     import deepspeed
 
     check_supported(ds_config, state.pipeline_parallel)
+    if getattr(model_config, "sequence_parallel", False):
+        ds_config = sequence_parallel_ds_config(ds_config, state)
     checkpoint_fn = None
     if activation_checkpointing:
         deepspeed.checkpointing.configure(state, deepspeed_config=ds_config)
@@ -187,6 +204,9 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         if zero_stage(ds_config) == 3 and getattr(model, "lm_head", 1) is None:
             # the tied output layer reads the embedding weight outside the embedding's forward
             deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
+
+    from .universal import attach_info
+    attach_info(model, model_config, pipeline=state.pipeline_parallel > 1)  # saved with every checkpoint
 
     if schedule is not None and "scheduler" in ds_config:
         raise EngineConfigError("the DeepSpeed config has a \"scheduler\" section and a learning-rate schedule was "

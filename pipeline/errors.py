@@ -21,10 +21,12 @@ How a command uses it:
         raise MyError(f"{path}: line {n}: field 'text' is empty; fill it or drop the line")
 
 ``command`` also works when ``main(argv)`` is called from Python (tests, notebooks): a user error raises
-``SystemExit(2)`` after the line is printed. The message of the exception is the part after ``error: ``;
-write it as ``<where>: <what>; <what to do>``. Besides ``UserError`` subclasses, the handler reports the
-model layer's ``ConfigError`` and ``ParallelConfigError`` (models/ does not import pipeline/) and the
-OS errors a wrong path causes (file not found, exists, is a directory, not a directory, permission).
+``SystemExit(2)`` after the line is printed. A command whose Python callers want the exception itself
+(``pipeline.pretrain``, ``pipeline.evaluate``) decorates only its entry point: ``command(main)()``.
+The message of the exception is the part after ``error: ``; write it as ``<where>: <what>; <what to do>``.
+Besides ``UserError`` subclasses, the handler reports the model layer's ``ConfigError`` and
+``ParallelConfigError`` (models/ does not import pipeline/) and the OS errors a wrong path causes (file not
+found, exists, is a directory, not a directory, permission).
 Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
@@ -38,7 +40,8 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 
-__all__ = ["UserError", "InputError", "ArgumentParser", "user_error_types", "format_user_error", "reported_errors", "command", "add_debug_arg",
+__all__ = ["UserError", "InputError", "ArgumentParser", "user_error_types", "format_user_error", "reported_errors",
+           "command", "add_debug_arg",
            "EXIT_USER_ERROR", "DEBUG_ENV"]
 
 EXIT_USER_ERROR = 2

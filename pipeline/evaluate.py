@@ -20,12 +20,17 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import transformers
 
+from models.parallel import get_parallel_state
+from pipeline.distributed import init_distributed
 from pipeline.errors import ArgumentParser, InputError, add_debug_arg, command
 from pipeline.files import atomic_path, atomic_write_json, check_output_file, refuse_overlap
-from pipeline.lm_eval import (DataShard, GPTScorer, evaluate_bpc, evaluate_lambada, evaluate_wikitext,
-                              load_hf_model, load_hf_tokenizer, load_lambada, load_project_model, load_text,
-                              load_wikitext)
+from pipeline.hf_convert import add_dtype_arg, short_dtype_name
+from pipeline.lm_eval import (DataShard, evaluate_bpc, evaluate_lambada, evaluate_wikitext, load_hf_model,
+                              load_hf_tokenizer, load_lambada, load_project_model, load_text, load_wikitext,
+                              project_scorer)
 
 TASKS = ("wikitext", "lambada", "bpc")
 MEGATRON_STRIDE = 32  # Megatron-LM's --overlapping-eval default
@@ -50,11 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int,
                    help=f"wikitext/bpc: new tokens scored per window; smaller gives each token more context "
                         f"and costs more (default: Megatron's {MEGATRON_STRIDE}, capped at --context-length)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows (wikitext, bpc) or passages (lambada) per forward (default: 8)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="windows (wikitext, bpc) or passages (lambada) per forward (default: 8)")
     p.add_argument("--max-examples", type=int,
                    help="score a prefix only: the first N passages (lambada), articles (wikitext) or lines (bpc)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="model weights and compute (default: fp32)")
-    p.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu, cuda, cuda:1 ... (--hf only; default: auto)")
+    add_dtype_arg(p, default="fp32", help="model weights and compute")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda if there is one), cpu, cuda, cuda:1 ... (--hf only; default: auto)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run the model directory's own Python code (off by default)")
     p.add_argument("--plot", type=Path, help="wikitext/bpc: also save a PNG of the loss against the left context")
@@ -80,14 +87,21 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-@command
-def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    inputs = [("--data", args.data), ("--hf", args.hf), ("--checkpoint", args.checkpoint), ("--tokenizer", args.tokenizer)]
+def check_outputs(args) -> None:
+    """--out and --plot: never an input (or a directory holding one); an existing file only with --force."""
+    inputs = [("--data", args.data), ("--hf", args.hf), ("--checkpoint", args.checkpoint),
+              ("--tokenizer", args.tokenizer)]
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path is not None:
             refuse_overlap(path, inputs, flag)
             check_output_file(path, args.force, flag)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Score and write the result (a user error raises; ``python -m`` reports it in one line, exit 2)."""
+    args = build_parser().parse_args(argv)
+    args.dtype = short_dtype_name(args.dtype)
+    check_outputs(args)
     for name in ("context_length", "stride", "batch_size", "max_examples"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -100,16 +114,13 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer = load_hf_tokenizer(args.tokenizer or args.hf, trust_remote_code=args.trust_remote_code)
         shard, is_main, parallel = DataShard(), True, {"tensor_parallel": 1, "data_parallel": 1}
     else:
-        import torch.distributed as dist
-        from models.parallel import get_parallel_state
-        from pipeline.distributed import init_distributed
         init_distributed()
         model, tokenizer = load_project_model(args.checkpoint, args.tensor_parallel)
         if args.dtype != "fp32":
             model.to(dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype])
         if args.tokenizer is not None:
             tokenizer = load_hf_tokenizer(args.tokenizer)
-        scorer, shard, is_main = GPTScorer(model), DataShard.current(), dist.get_rank() == 0
+        scorer, shard, is_main = project_scorer(model), DataShard.current(), dist.get_rank() == 0
         state = get_parallel_state()
         parallel = {"tensor_parallel": state.tensor_parallel, "data_parallel": state.data_parallel}
         model_info = {"source": str(args.checkpoint), "format": "project", "dtype": args.dtype,
@@ -136,7 +147,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.task != "lambada":
         settings["stride"] = stride
 
-    import transformers
     record = {
         "task": args.task,
         "results": results,
@@ -192,4 +202,4 @@ def summary(record: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)()

@@ -22,10 +22,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.errors import UserError
+from pipeline.errors import InputError, UserError
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_dir",
-           "check_output_dir", "check_output_file", "refuse_overlap", "OutputError", "fsync_tree"]
+__all__ = ["read_utf8_text", "atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
+           "atomic_dir", "check_output_dir", "check_output_file", "refuse_overlap", "OutputError", "fsync_tree"]
 
 
 class OutputError(UserError, FileExistsError):
@@ -33,6 +33,17 @@ class OutputError(UserError, FileExistsError):
 
     def __init__(self, message: str):
         super().__init__(message)  # one argument: the handler prints the message, not an OS error format
+
+
+def read_utf8_text(path: str | os.PathLike, what: str = "text file") -> str:
+    """A whole UTF-8 file; a missing file or one that is not UTF-8 is refused naming ``what`` and the path."""
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what} {path} is not UTF-8 (byte {e.start}): {e.reason}") from None
 
 
 def _umask() -> int:

@@ -49,6 +49,20 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def add_dtype_arg(parser, *, default: str = "float32", help: str = "dtype of the weights") -> None:
+    """``--dtype``, the same names for every command: float32/bfloat16/float16 or fp32/bf16/fp16."""
+    parser.add_argument("--dtype", default=default, choices=DTYPE_CHOICES, help=f"{help} (default {default})")
+
+
+def short_dtype_name(name: str) -> str:
+    """'fp32', 'bf16' or 'fp16' for any of the ``DTYPE_CHOICES``."""
+    return SHORT_DTYPE_NAMES[DTYPES[name]]
+
+
 class ConversionError(UserError, ValueError):
     """A model, config or state dict that cannot be converted exactly (the message says which field or tensor)."""
 
@@ -250,7 +264,8 @@ def config_from_hf(cfg, source: str = "Hugging Face config") -> GPTConfig:
     model_type = getattr(cfg, "model_type", None)
     if model_type not in _ACCEPTED_ARCHITECTURES:
         raise ConversionError(
-            f"{source}: model_type {model_type!r} ({', '.join(getattr(cfg, 'architectures', None) or []) or 'no architecture'}) "
+            f"{source}: model_type {model_type!r} "
+            f"({', '.join(getattr(cfg, 'architectures', None) or []) or 'no architecture'}) "
             f"is not supported; supported: {GPT2_ARCH} (model_type 'gpt2') and {LLAMA_ARCH} (model_type 'llama')")
     archs = getattr(cfg, "architectures", None) or []
     unknown = [a for a in archs if a not in _ACCEPTED_ARCHITECTURES[model_type]]
@@ -370,7 +385,7 @@ def _ignorable(name: str) -> bool:
     return name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))
 
 
-# -- loading Hugging Face models from disk ------------------------------------------------------------------------------
+# -- loading Hugging Face models from disk -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class HFSource:
@@ -419,7 +434,8 @@ def load_hf_model(source: HFSource, dtype: torch.dtype = torch.float32):
     config_from_hf(load_hf_config(source), str(source))  # refuse before reading gigabytes of weights
     model, info = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, trust_remote_code=False,
                                                        output_loading_info=True, **source.kwargs())
-    missing = [k for k in info.get("missing_keys", []) if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    missing = [k for k in info.get("missing_keys", [])
+               if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing:
         raise ConversionError(f"{source}: the checkpoint lacks weight(s) {', '.join(sorted(missing)[:8])}; "
                               f"transformers would initialise them randomly")

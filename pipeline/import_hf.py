@@ -11,7 +11,6 @@ before anything is written, with the sizes that would.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,11 +18,11 @@ import torch
 
 from models.config import ConfigError, GPTConfig
 from pipeline.errors import ArgumentParser, add_debug_arg, command
-from pipeline.export_hf import CONFIG_FILE, WEIGHTS_FILE, copy_tokenizer_files, has_tokenizer
-from pipeline.hf_convert import (ConversionError, config_from_hf, from_hf, load_hf_config, load_hf_model,
-                                 num_parameters_message, parallel_sizes, parse_dtype, resolve_hf_source)
-from pipeline.files import atomic_dir, check_output_dir, refuse_overlap
-from pipeline.state_dicts import save_state_dict
+from pipeline.model_dir import has_tokenizer, write_model_dir
+from pipeline.hf_convert import (ConversionError, add_dtype_arg, config_from_hf, from_hf, load_hf_config,
+                                 load_hf_model, num_parameters_message, parallel_sizes, parse_dtype,
+                                 resolve_hf_source)
+from pipeline.files import check_output_dir, refuse_overlap
 
 
 def check_layout(config: GPTConfig, tensor_parallel: int, pipeline_parallel: int, source: str) -> None:
@@ -59,22 +58,6 @@ def import_hf(model: str | Path, out: str | Path, *, tensor_parallel: int = 1, p
     return config, write_model_dir(config, full_sd, out, tokenizer=tokenizer, force=force)
 
 
-def write_model_dir(config: GPTConfig, full_sd, out: str | Path, *, tokenizer=None, force: bool = False) -> Path:
-    """The project's model directory: config.json, model.safetensors (full TP=1 state dict), tokenizer files.
-
-    ``tokenizer`` is a directory of tokenizer files (copied) or a loaded transformers tokenizer (saved).
-    Written atomically; read back by ``pipeline.export_hf.read_model_dir``.
-    """
-    with atomic_dir(out, force=force) as tmp:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        save_state_dict(full_sd, tmp / WEIGHTS_FILE)
-        if isinstance(tokenizer, (str, Path)):
-            copy_tokenizer_files(tokenizer, tmp)
-        elif tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-    return Path(out)
-
-
 @command
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m pipeline.import_hf", description=__doc__.split("\n\n")[0])
@@ -83,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
     p.add_argument("--tensor-parallel", type=int, default=1, help="TP size the model will be trained at (checked)")
     p.add_argument("--pipeline-parallel", type=int, default=1, help="PP size the model will be trained at (checked)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
-                   help="dtype of the saved weights (default float32, the training master weights)")
+    add_dtype_arg(p, help="dtype of the saved weights (float32: the training master weights)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     add_debug_arg(p)
     args = p.parse_args(argv)

@@ -1,7 +1,8 @@
 """The job layer: what every training command shares, so that a command only says what model, what data, what step.
 
     p = argparse.ArgumentParser(...)
-    add_engine_args(p)                 # --deepspeed_config, --tensor-parallel, [--pipeline-parallel], batch sizes
+    add_engine_args(p)                 # --deepspeed_config, --tensor-parallel, [--pipeline-parallel],
+                                       # --sequence-parallel, batch sizes
     add_run_args(p)                    # --seed, --log-interval, --verbose, --debug
     args = p.parse_args(argv)
     job = setup(EngineOptions.from_args(args))   # process groups, parallel state and seeds, the DeepSpeed config
@@ -29,7 +30,7 @@ from tqdm import tqdm
 
 from models.parallel import ParallelState, initialize_model_parallel, model_parallel_seed
 from pipeline.distributed import init_distributed
-from pipeline.engine import load_ds_config, resolve_ds_config
+from pipeline.engine import EngineConfigError, load_ds_config, resolve_ds_config, sequence_parallel_ds_config
 from pipeline.errors import add_debug_arg
 from pipeline.metrics import StepTimer
 
@@ -49,7 +50,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-# -- argument groups ----------------------------------------------------------------------------------------------------
+# -- argument groups ---------------------------------------------------------------------------------------------------
 
 def add_engine_args(parser: argparse.ArgumentParser, *, pipeline_parallel: bool = True):
     g = parser.add_argument_group("parallelism and engine")
@@ -58,6 +59,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, pipeline_parallel: bool 
     g.add_argument("--tensor-parallel", type=int, default=1)
     if pipeline_parallel:
         g.add_argument("--pipeline-parallel", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence parallelism (Korthikanti et al. 2022): norms, dropout and residuals on 1/TP of "
+                        "the sequence per tensor-parallel rank; needs --tensor-parallel > 1 and a sequence length "
+                        "divisible by it")
     g.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
     g.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -73,7 +78,7 @@ def add_run_args(parser: argparse.ArgumentParser, group=None, *, log_interval: i
     return g
 
 
-# -- setup --------------------------------------------------------------------------------------------------------------
+# -- setup -------------------------------------------------------------------------------------------------------------
 
 @dataclass
 class EngineOptions:
@@ -81,6 +86,7 @@ class EngineOptions:
     deepspeed_config: str | None = None
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    sequence_parallel: bool = False
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     seed: int = 1234
@@ -117,6 +123,9 @@ def quiet_deepspeed(verbose: bool) -> None:
 def setup(options: EngineOptions) -> Job:
     """Join the process group, build the (TP, PP, DP) state, seed every rank, load and resolve the DeepSpeed config
     (DeepSpeed's keys only: ``resolve_ds_config`` refuses others, e.g. ``peak_tflops``, now ``--peak-tflops``)."""
+    if options.sequence_parallel and options.tensor_parallel == 1:
+        raise EngineConfigError("--sequence-parallel splits the sequence across the tensor-parallel ranks and does "
+                                "nothing with --tensor-parallel 1; drop it or use --tensor-parallel 2 or more")
     if not options.verbose:
         quiet_deepspeed(False)
     init_distributed()
@@ -127,10 +136,21 @@ def setup(options: EngineOptions) -> Job:
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, pipeline_parallel=state.pipeline_parallel,
                            micro_batch_size=options.micro_batch_size, global_batch_size=options.global_batch_size,
                            source=source)
+    if options.sequence_parallel:
+        sequence_parallel_ds_config(ds, state, source)  # its refusals, before any work
     return Job(options, state, ds, source)
 
 
-# -- the training loop --------------------------------------------------------------------------------------------------
+def apply_sequence_parallel(config, job: Job) -> None:
+    """Switch the model config to sequence parallelism when the job asks for it, and check the layout again
+    (the sequence length must divide by TP). Call after the family's ``check_layout``, which refuses the
+    models that have no tensor parallelism at all."""
+    if job.options.sequence_parallel:
+        config.sequence_parallel = True
+        config.check_parallel(job.state.tensor_parallel, job.state.pipeline_parallel)
+
+
+# -- the training loop -------------------------------------------------------------------------------------------------
 
 @dataclass
 class StepResult:

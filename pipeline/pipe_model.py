@@ -88,3 +88,12 @@ def gpt_to_pipe_layer(name: str, config: GPTConfig) -> int:
     if name.startswith("final_norm."):
         return config.num_layers + 1
     return config.num_layers + 2
+
+
+def gpt_to_pipe_name(name: str, config: GPTConfig) -> str:
+    """The inverse of ``pipe_to_gpt_name``: a ``GPT`` parameter name as the PipelineModule names it."""
+    idx = gpt_to_pipe_layer(name, config)
+    rest = name.split(".", 2)[2] if name.startswith("layers.") else name.partition(".")[2]
+    if idx == 0 and config.tie_embeddings:
+        return f"tied_modules.{TIED_KEY}.{rest}"
+    return f"{idx}.{rest}"

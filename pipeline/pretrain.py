@@ -20,14 +20,15 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torc
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import ConfigError
-from pipeline import checkpoint
+from pipeline import checkpoint, universal
 from pipeline.data import (DistributedBatchLoader, StreamBatchLoader, build_pretraining_data, check_same_tokenizer,
                            load_saved_tokenizer, load_tokenizer, main_process_first)
-from pipeline.engine import EngineConfigError, build_engine, eval_loss, lm_batches, loss_scale, precision, train_step
+from pipeline.engine import (EngineConfigError, build_engine, eval_loss, lm_batches, loss_scale, precision,
+                             train_step, zero_stage)
 from pipeline.errors import ArgumentParser, UserError, command
 from pipeline.families import ModelFamily, family_named, family_of_dict
-from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, default_ds_config, every,
-                          is_rank0, setup, train_loop, when)
+from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, apply_sequence_parallel,
+                          default_ds_config, every, is_rank0, setup, train_loop, when)
 from pipeline.metrics import MetricsWriter
 from pipeline.schedules import LRSchedule, scaled_lr
 
@@ -118,7 +119,7 @@ def make_model_config(raw: dict, vocab_size: int, seq_length: int | None):
     return family.config_class.from_dict(raw, source=source)
 
 
-# -- the providers: model config and tokenizer, data, model -------------------------------------------------------------
+# -- the providers: model config and tokenizer, data, model ------------------------------------------------------------
 
 @dataclass
 class Model:
@@ -185,22 +186,32 @@ def lr_schedule(args, ds: dict) -> LRSchedule | None:
 
 
 def provide_engine(args, m: Model, job: Job, layout: dict, loader):
-    """The DeepSpeed engine, resumed (same layout: DeepSpeed's own load; another layout: the full weights
-    re-cut) or started from imported weights; returns (engine, first step)."""
-    full_state, tag = None, None
+    """The DeepSpeed engine, resumed (same layout: DeepSpeed's own load; another layout: a universal
+    checkpoint, or the full weights re-cut where DeepSpeed has none) or started from imported weights;
+    returns (engine, first step)."""
+    full_state, tag, cache, ds = None, None, None, job.ds
     if m.resume:
         tag = checkpoint.resolve_tag(m.load_dir, args.load_tag)
-        if not checkpoint.same_layout(checkpoint.saved_layout(m.load_dir, tag), layout):
-            _, full_state, _ = checkpoint.read_full_model_state(m.load_dir, tag)
+        saved = checkpoint.saved_layout(m.load_dir, tag)
+        if saved.get("universal_only") or not checkpoint.same_layout(saved, layout):
+            # another layout: the optimizer state moves through a universal checkpoint where DeepSpeed can
+            cache = universal.prepare(m.load_dir, tag, saved, layout)
+            if cache is not None:
+                ds = universal.enable(ds)
+            else:
+                _, full_state, _ = checkpoint.read_full_model_state(m.load_dir, tag)
     elif m.load_dir is not None:  # weights only (e.g. an imported Hugging Face model): a new run starts from them
         _, full_state, _ = checkpoint.read_full_checkpoint(m.load_dir)
     builder = m.family.build_for_training if job.state.pipeline_parallel == 1 else None
-    engine = build_engine(m.config, job.ds, job.state, init_seed=args.seed, schedule=lr_schedule(args, job.ds),
+    engine = build_engine(m.config, ds, job.state, init_seed=args.seed, schedule=lr_schedule(args, job.ds),
                           activation_checkpointing=args.activation_checkpointing, full_state_dict=full_state,
                           model_builder=builder)
     step = 0
     if m.resume:
-        if full_state is None:
+        if cache is not None:
+            universal.load(engine, cache, m.config)
+            step, data_state = checkpoint.restore_after_reshard(engine, m.load_dir, tag)
+        elif full_state is None:
             step, data_state = checkpoint.load(engine, m.load_dir, tag)
         else:
             step, data_state = checkpoint.restore_after_reshard(engine, m.load_dir, tag)
@@ -211,10 +222,10 @@ def provide_engine(args, m: Model, job: Job, layout: dict, loader):
     return engine, step
 
 
-# -- the job ------------------------------------------------------------------------------------------------------------
+# -- the job -----------------------------------------------------------------------------------------------------------
 
-@command
 def main(argv=None) -> dict:
+    """The job (a user error raises; run as a command, ``pipeline.errors.command`` reports it in one line)."""
     args = parse_args(argv)
     if args.compile and args.pipeline_parallel > 1:
         raise EngineConfigError("--compile is for pipeline-parallel 1 only (DeepSpeed's pipeline engine runs its "
@@ -222,9 +233,12 @@ def main(argv=None) -> dict:
     job = setup(EngineOptions.from_args(args))
     m = provide_model_config(args)
     m.family.check_layout(m.config, job.state.tensor_parallel, job.state.pipeline_parallel)
+    apply_sequence_parallel(m.config, job)
     train, make_valid = provide_data(args, m, job)
     layout = {"tensor_parallel": job.state.tensor_parallel, "pipeline_parallel": job.state.pipeline_parallel,
-              "data_parallel": job.state.data_parallel, "model_type": m.family.name, "precision": precision(job.ds)}
+              "data_parallel": job.state.data_parallel, "model_type": m.family.name, "precision": precision(job.ds),
+              "sequence_parallel": job.options.sequence_parallel, "zero_stage": zero_stage(job.ds),
+              "universal_info": True}
     engine, step = provide_engine(args, m, job, layout, train)
     save_dir = Path(args.save) if args.save else None
     if save_dir is not None and is_rank0():
@@ -275,4 +289,4 @@ def _grad_norm(engine):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)()

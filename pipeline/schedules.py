@@ -26,7 +26,8 @@ class LRSchedule:
         if self.style not in STYLES:
             raise ValueError(f"unknown learning-rate decay style {self.style!r}; choose one of {', '.join(STYLES)}")
         if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, {self.total_steps}")
+            raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, "
+                             f"{self.total_steps}")
         if not 0.0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr {self.min_lr} must be in [0, lr={self.lr}]")
 

@@ -218,7 +218,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--max-length", type=int, default=None, help="truncate texts to this many bytes")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N examples of each split (smoke runs)")
-    ap.add_argument("--Cs", default=",".join(f"{c:g}" for c in DEFAULT_CS), help="comma-separated C grid for the L1 probe")
+    ap.add_argument("--Cs", default=",".join(f"{c:g}" for c in DEFAULT_CS),
+                    help="comma-separated C grid for the L1 probe")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-progress", action="store_true")
     add_debug_arg(ap)

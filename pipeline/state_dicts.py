@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline.errors import UserError
@@ -85,7 +87,6 @@ class LazySafetensors(Mapping):
     """
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
         self.path = Path(path)
         self._file = safe_open(str(self.path), framework="pt")
         self._keys = list(self._file.keys())
@@ -108,11 +109,9 @@ def read_state_dict(path: str | Path, *, lazy: bool = False) -> Mapping[str, tor
     if not path.is_file():
         raise FileNotFoundError(f"weights file {path} does not exist")
     if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
         try:
             if lazy:
                 return LazySafetensors(path)
-            from safetensors.torch import load_file
             return load_file(str(path))
         except SafetensorError as e:
             raise StateDictError(f"weights file {path} is not a readable safetensors file: {e}") from None
@@ -131,7 +130,6 @@ def read_state_dict(path: str | Path, *, lazy: bool = False) -> Mapping[str, tor
 
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
     """Write tensors to one safetensors file (contiguous CPU copies; shared storage is written twice)."""
-    from safetensors.torch import save_file
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
     save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
 

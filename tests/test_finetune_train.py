@@ -144,7 +144,7 @@ def test_predict_writes_official_format_with_tuned_thresholds(trained, work, cap
 
 
 def test_classifier_dir_is_a_base_model(trained):
-    from finetune.model import load_full_gpt_state
+    from finetune.saved import load_full_gpt_state
     from finetune.saved import read_classifier_dir
     config, encoder, tokenizer_dir = load_full_gpt_state(trained)
     info, full = read_classifier_dir(trained)
@@ -158,7 +158,8 @@ def test_classifier_dir_is_a_base_model(trained):
 def _finetune_worker(rank, argv):
     from finetune.train import main
     out = main(argv)
-    return {"losses": out["losses"], "dev": torch.tensor(out["dev_probabilities"]), "group_lrs": out["group_lrs"]}
+    return {"losses": out["losses"], "dev": torch.tensor(out["dev_probabilities"]), "group_lrs": out["group_lrs"],
+            "sp": out["sequence_parallel"]}
 
 
 def _layout_argv(work, *extra):
@@ -193,6 +194,16 @@ def test_tensor_and_data_parallel_finetune_equals_single_process(work, single):
     assert lrs[1.0] == pytest.approx(3e-3) and lrs[0.5 ** 3] == pytest.approx(3e-3 * 0.125)  # embedding: L + 1 down
 
 
+def test_sequence_parallel_finetune_equals_single_process(work, single):
+    # TP=2 with sequence parallelism: batches of any width (padded to a multiple of TP inside the encoder), the
+    # hidden states gathered for the head, the aux LM loss on them; the same losses and dev probabilities
+    results = run_distributed(_finetune_worker, 2, _layout_argv(work, "--tensor-parallel", "2",
+                                                                "--sequence-parallel"))
+    assert not single["sp"] and all(r["sp"] for r in results)
+    for r in results:
+        _same(r, single, "TP=2 + SP")
+
+
 def _probe_worker(rank, argv):
     from finetune.train import main
     out = main(argv)
@@ -206,7 +217,7 @@ def test_linear_probe_computes_features_once_and_keeps_the_encoder(work):
         str(work["ds"]), "--freeze-encoder", "--pooling", "mean", "--train-steps", "30", "--lr", "1e-2",
         "--max-length", "32", "--save", str(save), "--hf-export", "no"])[0]
     assert r["feature_seconds"] > 0 and np.mean(r["losses"][-5:]) < np.mean(r["losses"][:5])
-    from finetune.model import load_full_gpt_state
+    from finetune.saved import load_full_gpt_state
     _, base, _ = load_full_gpt_state(work["base"])
     _, encoder, _ = load_full_gpt_state(save)
     assert all(torch.equal(encoder[k], v) for k, v in base.items())  # fp32 run: the frozen weights, unchanged

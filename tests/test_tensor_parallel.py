@@ -55,13 +55,18 @@ def test_tp_equals_tp1(variant, tp):
     ref = _reference(CONFIGS[variant])
     results = run_distributed(_run, tp, tp, CONFIGS[variant])
     for rank, res in enumerate(results):
-        assert res["params"].keys() == ref["params"].keys()
-        for name in ref["params"]:  # same initial weights whatever the TP size
-            assert torch.equal(res["params"][name], ref["params"][name]), name
-        diffs = {"logits": _max_rel(res["logits"], ref["logits"]), "loss": _max_rel(res["loss"], ref["loss"])}
-        assert res["grads"].keys() == ref["grads"].keys()
-        for name in ref["grads"]:
-            diffs[name] = _max_rel(res["grads"][name], ref["grads"][name])
-        worst = max(diffs, key=diffs.get)
-        print(f"{variant} TP={tp} rank {rank}: max relative difference {diffs[worst]:.2e} ({worst})")
-        assert diffs[worst] < 1e-5, (worst, diffs[worst])
+        assert_matches_reference(res, ref, f"{variant} TP={tp} rank {rank}")
+
+
+def assert_matches_reference(res: dict, ref: dict, label: str) -> None:
+    """Same initial weights; logits, loss and every gathered gradient within 1e-5 relative."""
+    assert res["params"].keys() == ref["params"].keys()
+    for name in ref["params"]:  # same initial weights whatever the TP size
+        assert torch.equal(res["params"][name], ref["params"][name]), name
+    diffs = {"logits": _max_rel(res["logits"], ref["logits"]), "loss": _max_rel(res["loss"], ref["loss"])}
+    assert res["grads"].keys() == ref["grads"].keys()
+    for name in ref["grads"]:
+        diffs[name] = _max_rel(res["grads"][name], ref["grads"][name])
+    worst = max(diffs, key=diffs.get)
+    print(f"{label}: max relative difference {diffs[worst]:.2e} ({worst})")
+    assert diffs[worst] < 1e-5, (worst, diffs[worst])

@@ -1,19 +1,27 @@
-"""Megatron-LM (2019) tensor-parallel primitives. Nothing here knows about any model."""
+"""Megatron-LM tensor-parallel primitives (2019) and sequence parallelism (2022). Nothing here knows about any model."""
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, normal_init,
-                     sharded_parameter, vocab_parallel_parameter)
-from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
-                       reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region)
+                     sequence_gather_linear, sharded_parameter, vocab_parallel_parameter)
+from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+                       scatter_to_tensor_parallel_region, sequence_parallel_parameter)
+from .norms import SequenceParallelLayerNorm, SequenceParallelRMSNorm
 from .random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed, tensor_parallel_rng
-from .sharding import ShardSpec, divide, full_state_dict, gather_full, get_shard_spec, padded_size
+from .sharding import (ShardSpec, divide, full_state_dict, gather_full, get_shard_spec, is_sequence_parallel,
+                       mark_sequence_parallel, padded_size)
 from .state import (ParallelConfigError, ParallelState, destroy_model_parallel, get_parallel_state,
                     initialize_model_parallel, tp_group, tp_rank, tp_world_size)
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "normal_init", "sharded_parameter", "vocab_parallel_parameter",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "normal_init", "sharded_parameter",
+    "vocab_parallel_parameter", "sequence_gather_linear",
     "vocab_parallel_cross_entropy",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "sequence_parallel_parameter",
+    "SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "mark_sequence_parallel", "is_sequence_parallel",
     "MODEL_PARALLEL_RNG", "get_rng_tracker", "model_parallel_seed", "tensor_parallel_rng",
     "ShardSpec", "divide", "full_state_dict", "gather_full", "get_shard_spec", "padded_size",
     "ParallelConfigError", "ParallelState", "initialize_model_parallel", "get_parallel_state",

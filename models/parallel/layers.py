@@ -3,6 +3,11 @@
 Weights are initialised as the full (master) tensor from the default RNG,
 identically on every rank, and each rank keeps its slice: a model built at
 TP=2 starts from exactly the weights of the same model at TP=1.
+
+With ``sequence_parallel`` the layers take and give activations split along
+the sequence (dimension ``sequence_dim``, 1 in a [batch, seq, ...] layout)
+instead of replicated ones: column-parallel all-gathers its input, row-parallel
+and the embedding reduce-scatter their outputs.
 """
 from __future__ import annotations
 
@@ -12,9 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mappings import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
-                       reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region)
-from .sharding import ShardSpec, divide, set_shard_spec
+from .mappings import (copy_to_tensor_parallel_region, gather_along, gather_from_tensor_parallel_region,
+                       reduce_from_tensor_parallel_region, reduce_scatter_along,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region,
+                       sequence_parallel_parameter)
+from .sharding import ShardSpec, divide, mark_sequence_parallel, set_shard_spec
 from .state import tp_rank, tp_world_size
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
@@ -42,6 +49,38 @@ def vocab_parallel_parameter(vocab_size: int, dim: int, pad_multiple: int = 128,
     return sharded_parameter((vocab_size, dim), spec, init_method, dtype, device)
 
 
+class _SequenceGatherLinear(torch.autograd.Function):
+    """Y = all_gather_seq(X) A^T + b. Only the local chunk of X is kept for the backward, which gathers it
+    again for the weight gradient (the paper's saving: the gathered input is never stored), and
+    reduce-scatters the input gradient (each rank's is a partial sum over its output columns)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dim):
+        ctx.dim, ctx.has_bias = dim, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(gather_along(x, dim), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = reduce_scatter_along(grad.matmul(weight), ctx.dim)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            full = gather_along(x, ctx.dim)
+            grad_w = flat_grad.t().matmul(full.reshape(-1, full.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = flat_grad.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           dim: int = 1) -> torch.Tensor:
+    """A column-parallel matmul on sequence-split input (``x`` this rank's chunk of dimension ``dim``)."""
+    return _SequenceGatherLinear.apply(x, weight, bias, dim)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns (output features) across TP ranks.
 
@@ -49,12 +88,18 @@ class ColumnParallelLinear(nn.Module):
     each is split across the ranks on its own, so a rank holds its slice of each.
     With ``gather_output`` the full output is all-gathered; otherwise the output
     stays split, ready for a ``RowParallelLinear`` with ``input_is_parallel``.
+    With ``sequence_parallel`` the input is this rank's sequence chunk: it is
+    all-gathered (the output covers the whole sequence, split by columns).
     """
 
     def __init__(self, in_features: int, out_features: int | None = None, *, output_sizes: Sequence[int] | None = None,
                  bias: bool = True, gather_output: bool = False, init_method: InitMethod = normal_init(0.02),
-                 dtype=None, device=None):
+                 sequence_parallel: bool = False, sequence_dim: int = 1, dtype=None, device=None):
         super().__init__()
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel exclude each other "
+                             "(a sequence-parallel output feeds a RowParallelLinear)")
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         if output_sizes is None:
             if out_features is None:
                 raise ValueError("ColumnParallelLinear needs out_features or output_sizes")
@@ -75,23 +120,34 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and tp_world_size() > 1:
+            return sequence_gather_linear(x, self.weight, self.bias, self.sequence_dim)
         y = F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)
         return gather_from_tensor_parallel_region(y) if self.gather_output else y
 
     def extra_repr(self):
         return (f"in={self.in_features}, out={self.output_sizes}, local_out={self.local_output_sizes}, "
-                f"bias={self.bias is not None}, gather_output={self.gather_output}")
+                f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(nn.Module):
     """Y = X A + b with A split by rows (input features); partial products are all-reduced.
 
-    The bias is added once, after the reduction.
+    The bias is added once, after the reduction. With ``sequence_parallel`` the
+    partial products are reduce-scattered along the sequence instead: each rank
+    gets its chunk of the sum, and the bias (replicated, applied to that chunk
+    only) is marked sequence-parallel so that its gradient is summed over TP.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, input_is_parallel: bool = False,
-                 init_method: InitMethod = normal_init(0.02), dtype=None, device=None):
+                 init_method: InitMethod = normal_init(0.02), sequence_parallel: bool = False, sequence_dim: int = 1,
+                 dtype=None, device=None):
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel (its input is the "
+                             "column-split output of a ColumnParallelLinear)")
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.in_features = in_features
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
@@ -100,18 +156,23 @@ class RowParallelLinear(nn.Module):
         self.weight = sharded_parameter((out_features, in_features), spec, init_method, dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.get_default_dtype()))
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.sequence_dim)
+            return y + sequence_parallel_parameter(self.bias) if self.bias is not None else y
         y = reduce_from_tensor_parallel_region(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):
         return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
-                f"input_is_parallel={self.input_is_parallel}")
+                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -120,12 +181,15 @@ class VocabParallelEmbedding(nn.Module):
     The vocabulary is padded to a multiple of ``pad_multiple * tp`` (Megatron pads to
     128 x TP for fast kernels); padding rows start at zero and are never looked up.
     Each rank embeds the ids in its range, zeros the rest, and the partial
-    embeddings are summed across ranks.
+    embeddings are summed across ranks; with ``sequence_parallel`` they are
+    reduce-scattered, each rank keeping its chunk of the sequence.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, pad_multiple: int = 128,
-                 init_method: InitMethod = normal_init(0.02), dtype=None, device=None):
+                 init_method: InitMethod = normal_init(0.02), sequence_parallel: bool = False, sequence_dim: int = 1,
+                 dtype=None, device=None):
         super().__init__()
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.weight = vocab_parallel_parameter(num_embeddings, embedding_dim, pad_multiple, init_method, dtype, device)
@@ -140,6 +204,8 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, self.sequence_dim)
         return reduce_from_tensor_parallel_region(out)
 
     def extra_repr(self):

@@ -1,9 +1,13 @@
-"""The conjugate communication ops of Megatron-LM (2019), as autograd functions.
+"""The conjugate communication ops of Megatron-LM (2019), and those of its sequence parallelism (2022).
 
 ``copy_to_tensor_parallel_region`` is the paper's *f* (identity forward,
 all-reduce backward) and ``reduce_from_tensor_parallel_region`` its *g*
 (all-reduce forward, identity backward). Scatter/gather split or join the
 last dimension across the tensor-parallel ranks.
+
+Sequence parallelism replaces *f* by an all-gather along the sequence (its
+backward a reduce-scatter) and *g* by a reduce-scatter (its backward an
+all-gather): same communication volume, activations split by TP in between.
 """
 from __future__ import annotations
 
@@ -95,3 +99,116 @@ def scatter_to_tensor_parallel_region(x):
 
 def gather_from_tensor_parallel_region(x):
     return _GatherFromTensorParallelRegion.apply(x)
+
+
+# -- sequence parallelism (Korthikanti et al. 2022) ----------------------------------------------------------------
+# Between the tensor-parallel matmuls the activations are split along the sequence: rank r holds the r-th of
+# tp equal chunks of dimension ``dim``. Entering a column-parallel matmul the chunks are all-gathered (and the
+# input gradient, a partial sum on each rank, is reduce-scattered); leaving a row-parallel one the partial
+# outputs are reduce-scattered instead of all-reduced (and the gradient all-gathered).
+
+def _sequence_chunk(x: torch.Tensor, dim: int) -> torch.Tensor:
+    world = tp_world_size()
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"sequence length {x.shape[dim]} (dimension {dim}) is not divisible by tensor-parallel "
+                         f"size {world}: sequence parallelism splits it into {world} equal chunks")
+    return x.chunk(world, dim=dim)[tp_rank()].contiguous()
+
+
+def gather_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """All-gather the TP ranks' chunks of dimension ``dim``, in rank order (no autograd)."""
+    world = tp_world_size()
+    if world == 1:
+        return x
+    local = x.movedim(dim, 0).contiguous()  # the collective joins along the leading dimension
+    out = local.new_empty((world * local.shape[0], *local.shape[1:]))
+    dist.all_gather_single(out, local, group=tp_group())
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over the TP ranks, each keeping its chunk of dimension ``dim`` (no autograd)."""
+    world = tp_world_size()
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"sequence length {x.shape[dim]} (dimension {dim}) is not divisible by tensor-parallel "
+                         f"size {world}")
+    full = x.movedim(dim, 0).contiguous()
+    out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
+    dist.reduce_scatter_single(out, full, group=tp_group())
+    return out.movedim(0, dim).contiguous()
+
+
+def all_reduce_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the TP group, accumulated in fp32 whatever the dtype (a new tensor)."""
+    if tp_world_size() == 1:
+        return x
+    acc = x.float().contiguous() if x.dtype != torch.float32 else x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(acc, group=tp_group())
+    return acc.to(x.dtype)
+
+
+class _ToSequenceParallelRegion(torch.autograd.Function):
+    """Into the sequence-split region: this rank's chunk of a replicated tensor (``reduce`` false) or of the
+    sum of the ranks' partial tensors (``reduce`` true: a reduce-scatter). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, dim, reduce):
+        ctx.dim = dim
+        return reduce_scatter_along(x, dim) if reduce else _sequence_chunk(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_along(grad, ctx.dim), None, None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, partial_grad):
+        ctx.dim, ctx.partial_grad = dim, partial_grad
+        return gather_along(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.partial_grad:  # a tensor-parallel consumer: each rank holds a partial sum of the gradient
+            return reduce_scatter_along(grad, ctx.dim), None, None
+        return _sequence_chunk(grad, ctx.dim), None, None  # a replicated consumer: the gradient is whole
+
+
+class _SequenceParallelParameter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param):
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_fp32(grad)
+
+
+def scatter_to_sequence_parallel_region(x, dim: int = 1):
+    """Keep this rank's chunk of dimension ``dim`` (a replicated tensor enters the sequence-split region);
+    backward: all-gather."""
+    return _ToSequenceParallelRegion.apply(x, dim, False)
+
+
+def gather_from_sequence_parallel_region(x, dim: int = 1, tensor_parallel_output_grad: bool = True):
+    """All-gather the chunks of dimension ``dim``. Backward: reduce-scatter when the consumer is
+    tensor-parallel (its input gradient is a partial sum per rank), else keep this rank's chunk."""
+    return _GatherFromSequenceParallelRegion.apply(x, dim, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, dim: int = 1):
+    """Sum the partial results of the TP ranks, each keeping its chunk of dimension ``dim``; backward: all-gather."""
+    return _ToSequenceParallelRegion.apply(x, dim, True)
+
+
+def sequence_parallel_parameter(param):
+    """A replicated parameter applied to sequence-split activations: identity forward; backward sums its
+    gradient (from this rank's chunk only) over the TP group, in fp32, before autograd accumulates it. The
+    sum is part of the graph, so it holds under any ZeRO stage, pipeline stage and activation checkpointing."""
+    if tp_world_size() == 1:
+        return param
+    return _SequenceParallelParameter.apply(param)

@@ -1,9 +1,9 @@
 """Model-parallel RNG: two random streams, as in Megatron-LM.
 
-* The default stream is seeded with ``seed`` (+ an offset per pipeline stage):
+* The default stream is seeded with ``seed + 100 x pp_rank`` (the stage's seed):
   identical on the TP ranks of a stage, so dropout on replicated activations
   (residual, embedding) draws the same mask everywhere they are replicated.
-* The tracked "model-parallel" stream is seeded with ``seed + 2718 + tp_rank``:
+* The tracked "model-parallel" stream is seeded with the stage's seed ``+ 2718 + tp_rank``:
   it differs across TP ranks (each rank drops different heads' probabilities)
   and is the same on every data-parallel replica. Code in a TP region draws
   from it inside ``get_rng_tracker().fork()``.

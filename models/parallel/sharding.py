@@ -78,6 +78,17 @@ def set_shard_spec(param: torch.nn.Parameter, spec: ShardSpec) -> None:
     param.shard_spec = spec
 
 
+def mark_sequence_parallel(param: torch.nn.Parameter) -> None:
+    """A replicated parameter applied to sequence-split activations (norms, row-parallel biases): it has no
+    ShardSpec, so checkpoints, resharding and export treat it as replicated, and its forward goes through
+    ``sequence_parallel_parameter`` so that its gradient is the sum over the TP ranks (identical on each)."""
+    param.sequence_parallel = True
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "sequence_parallel", False))
+
+
 def get_shard_spec(param: torch.Tensor) -> ShardSpec | None:
     return getattr(param, "shard_spec", None)
 

@@ -49,22 +49,9 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
     load = dict(text_field=text_field, cache_dir=cache_dir, encoding_errors=encoding_errors,
                 txt_sample_by=txt_sample_by)
     name = ", ".join(s.spec for s in sources)
-    files = [f for s in sources for f in s.files()]
     if streaming:
-        docs = [load_documents(s, streaming=True, **load) for s in sources]
-        try:  # combining may read the first rows (to resolve features): name the file if that fails
-            # The content-hash split is applied after mixing: repeats of a document all land on one side.
-            # Filtering Arrow batches keeps the stream in Arrow end to end (no per-document dicts).
-            train = _combine(docs, weights, seed)
-            if valid_fraction:
-                train = train.with_format("arrow").filter(_HashSplit(seed, valid_fraction, False),
-                                                          batched=True).with_format(None)
-            valid = (_combine(docs, None, seed).with_format("arrow").filter(
-                _HashSplit(seed, valid_fraction, True), batched=True).with_format(None) if valid_fraction else None)
-        except Exception as e:
-            raise explain_read_error(e, files, name) from e
-        make = lambda d, part: StreamingSequences(d, tokenizer, seq_length, name=f"{part} of {name}", files=files)
-        return make(train, "train"), (make(valid, "valid") if valid is not None else None)
+        return _streaming_data(sources, load, tokenizer, seq_length, valid_fraction=valid_fraction, seed=seed,
+                               weights=weights)
 
     with main_process_first():
         trains, valids = [], []
@@ -119,6 +106,26 @@ def parse_weights(weights, sources) -> list[float]:
         raise DataSourceError(f"--data-weights: {len(values)} weights for {len(sources)} data sources "
                               f"({', '.join(s.spec for s in sources)}); give one weight per source")
     return [w / sum(values) for w in values]
+
+
+def _streaming_data(sources, load: dict, tokenizer: Tokenizer, seq_length: int, *, valid_fraction: float, seed: int,
+                    weights):
+    name = ", ".join(s.spec for s in sources)
+    files = [f for s in sources for f in s.files()]
+    docs = [load_documents(s, streaming=True, **load) for s in sources]
+    try:  # combining may read the first rows (to resolve features): name the file if that fails
+        # The content-hash split is applied after mixing: repeats of a document all land on one side.
+        # Filtering Arrow batches keeps the stream in Arrow end to end (no per-document dicts).
+        train = _combine(docs, weights, seed)
+        if valid_fraction:
+            train = train.with_format("arrow").filter(_HashSplit(seed, valid_fraction, False),
+                                                      batched=True).with_format(None)
+        valid = (_combine(docs, None, seed).with_format("arrow").filter(
+            _HashSplit(seed, valid_fraction, True), batched=True).with_format(None) if valid_fraction else None)
+    except Exception as e:
+        raise explain_read_error(e, files, name) from e
+    make = lambda d, part: StreamingSequences(d, tokenizer, seq_length, name=f"{part} of {name}", files=files)
+    return make(train, "train"), (make(valid, "valid") if valid is not None else None)
 
 
 def _combine(parts, weights, seed):

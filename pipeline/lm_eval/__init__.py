@@ -6,7 +6,7 @@ any tensor-parallel size. Text enters through a ``Tokenizer`` adapter.
 """
 from .bpc import HeldOutText, evaluate_bpc, load_text
 from .lambada import LambadaExample, encode_example, evaluate_lambada, load_lambada
-from .loading import load_hf_model, load_hf_tokenizer, load_project_model, resolve_device
+from .loading import load_hf_model, load_hf_tokenizer, load_project_model, project_scorer, resolve_device
 from .parallel import DataShard, vocab_parallel_argmax
 from .scoring import (GPTScorer, HFScorer, Scorer, StreamScore, TokenScores, Window, score_token_stream,
                       sliding_windows)
@@ -20,5 +20,5 @@ __all__ = [
     "WikiText", "load_wikitext", "wikitext_detokenize", "evaluate_wikitext",
     "LambadaExample", "load_lambada", "encode_example", "evaluate_lambada",
     "HeldOutText", "load_text", "evaluate_bpc",
-    "load_hf_model", "load_hf_tokenizer", "load_project_model", "resolve_device",
+    "load_hf_model", "load_hf_tokenizer", "load_project_model", "project_scorer", "resolve_device",
 ]

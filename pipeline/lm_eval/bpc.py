@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import InputError
+from pipeline.files import read_utf8_text
 from .parallel import DataShard
 from .scoring import Scorer, score_token_stream
 from .tokenization import Tokenizer
@@ -32,12 +33,7 @@ class HeldOutText:
 def load_text(path: str | Path, max_lines: int | None = None) -> HeldOutText:
     """A UTF-8 text file, whole or its first ``max_lines`` lines."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"text file {path} does not exist") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"text file {path} is not UTF-8 (byte {e.start}): {e.reason}") from None
+    text = read_utf8_text(path, "text file")
     lines = text.splitlines(keepends=True)
     if max_lines is not None:
         if max_lines < 1:

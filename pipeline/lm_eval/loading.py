@@ -1,11 +1,17 @@
-"""Loading the models to score: Hugging Face directories / GGUF files, and (to come) project checkpoints."""
+"""Loading the models to score: Hugging Face directories / GGUF files, and the project's own model directories."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+import models.hf_mlstm  # noqa: F401  (registers the project's mLSTM with the Auto classes, for --hf of its export)
+from models.parallel import initialize_model_parallel
+from pipeline.checkpoint import read_full_checkpoint
 from pipeline.errors import InputError
+from pipeline.families import family_of
+from pipeline.state_dicts import load_full_state_dict
+
 from .scoring import HFScorer
 from .tokenization import HFTokenizer
 
@@ -41,7 +47,7 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
                   trust_remote_code: bool = False) -> tuple[HFScorer, dict]:
     """A causal LM from a local Hugging Face directory or GGUF file, as a scorer, plus a description.
 
-    Remote code runs only with ``trust_remote_code=True``; nothing is downloaded.
+    A model's own Python code runs only when the caller opts in (``trust_remote_code``); nothing is downloaded.
     """
     from transformers import AutoModelForCausalLM
     if dtype not in DTYPES:
@@ -60,22 +66,29 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
 
 
 def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1):
-    """A project model directory -> (models.GPT with this rank's shards, tokenizer).
+    """A project model directory -> (the model with this rank's shards, tokenizer).
 
     Any directory ``pipeline.checkpoint.read_full_checkpoint`` reads: a pretraining run (DeepSpeed
-    checkpoints saved at any TP/PP/DP layout), one of its ``global_step<N>`` tags, or an
-    ``import_hf`` directory. The full weights are re-cut for ``tensor_parallel`` (pipeline stages are
-    not needed to score); the data-parallel size is what is left of the launched world.
+    checkpoints saved at any TP/PP/DP layout, GPT or mLSTM), one of its ``global_step<N>`` tags, or a
+    ``config.json`` + ``model.safetensors`` directory. The full weights are re-cut for ``tensor_parallel``
+    (pipeline stages are not needed to score); the data-parallel size is what is left of the launched world.
+    The model family (``pipeline.families``) builds the model, and refuses a TP size it lacks; its scorer is
+    ``project_scorer(model)``.
     Called on every rank after ``pipeline.distributed.init_distributed()``.
     """
-    from models import GPT
-    from models.parallel import initialize_model_parallel
-    from pipeline.checkpoint import read_full_checkpoint
-    from pipeline.state_dicts import load_full_state_dict
+    # the parallel state first: reading a checkpoint builds a meta-device model for its ShardSpecs, which
+    # needs one once several ranks are launched
     initialize_model_parallel(tensor_parallel, 1)
     config, full, tokenizer_dir = read_full_checkpoint(checkpoint_dir)
+    family = family_of(config)
+    family.check_layout(config, tensor_parallel, 1)
     if tokenizer_dir is None:
         raise FileNotFoundError(f"{checkpoint_dir} has no tokenizer; pass --tokenizer")
-    model = GPT(config, init_seed=0)
+    model = family.build(config, 0)
     load_full_state_dict(model, full, source=str(checkpoint_dir))
     return model.eval(), load_hf_tokenizer(tokenizer_dir)
+
+
+def project_scorer(model):
+    """The scorer the model's family registers (GPTScorer, MLSTMScorer)."""
+    return family_of(model.config).get("scorer")(model)

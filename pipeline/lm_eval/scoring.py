@@ -68,14 +68,21 @@ def hf_max_positions(config) -> int | None:
     return None
 
 
-class GPTScorer:
+class ProjectScorer:
+    """A project model (``model.config.vocab_size``) that reads at most ``max_positions`` tokens."""
+
+    def __init__(self, model, max_positions: int):
+        self.model = model.eval()
+        self.vocab_size = model.config.vocab_size
+        self.max_positions = max_positions
+        self.device = next(model.parameters()).device
+
+
+class GPTScorer(ProjectScorer):
     """The project's ``models.GPT`` at any tensor-parallel size (call it on every rank of the TP group)."""
 
     def __init__(self, model):
-        self.model = model.eval()
-        self.vocab_size = model.config.vocab_size
-        self.max_positions = model.config.max_position_embeddings
-        self.device = next(model.parameters()).device
+        super().__init__(model, model.config.max_position_embeddings)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, *, greedy: bool = False) -> TokenScores:
@@ -83,6 +90,21 @@ class GPTScorer:
         local = self.model.parallel_logits(ids[:, :-1])
         nll = vocab_parallel_cross_entropy(local, ids[:, 1:], vocab_size=self.vocab_size, reduction="none")
         return TokenScores(nll.float(), vocab_parallel_argmax(local, self.vocab_size) if greedy else None)
+
+
+class MLSTMScorer(ProjectScorer):
+    """The project's ``models.MLSTM`` (one process per data-parallel rank): each window is read from a zero
+    state, as the exported ``MLSTMForCausalLM`` reads it. Its window is the TBPTT length it trained with."""
+
+    def __init__(self, model):
+        super().__init__(model, model.config.seq_length)
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, *, greedy: bool = False) -> TokenScores:
+        ids = ids.to(self.device)
+        logits, _ = self.model(ids[:, :-1])
+        nll = torch.stack([F.cross_entropy(row.float(), t, reduction="none") for row, t in zip(logits, ids[:, 1:])])
+        return TokenScores(nll, logits.argmax(-1) if greedy else None)
 
 
 # --- sliding windows over one long token stream -------------------------------

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import InputError
+from pipeline.files import read_utf8_text
 from .scoring import DataShard, Scorer, score_token_stream
 from .tokenization import Tokenizer
 
@@ -78,12 +79,7 @@ def load_wikitext(path: str | Path, max_articles: int | None = None) -> WikiText
     ``max_articles`` keeps the text up to the start of article ``max_articles + 1``.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"WikiText file {path} does not exist") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"WikiText file {path} is not UTF-8 (byte {e.start}): {e.reason}") from None
+    text = read_utf8_text(path, "WikiText file")
     lines = text.splitlines(keepends=True)
     titles = [i for i, line in enumerate(lines) if _ARTICLE_TITLE.fullmatch(line.rstrip("\n"))]
     if not titles:

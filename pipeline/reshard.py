@@ -1,0 +1,68 @@
+"""Convert a checkpoint once, offline, into a run directory that resumes at any layout with its optimizer state.
+
+    python -m pipeline.reshard --checkpoint runs/gpt2 --out runs/gpt2-universal [--tag global_step200]
+    deepspeed --num_gpus 8 pipeline/pretrain.py --load runs/gpt2-universal --tensor-parallel 4 ...
+
+``--load RUN`` into another layout converts on its own (into ``RUN/universal/<tag>``, reused by later
+loads); this is for clusters where the conversion should run once, before the job, on one machine.
+The output holds the run's config and tokenizer, the universal checkpoint
+(``universal/<tag>``, DeepSpeed's format) and a tag directory with the saved layout, data position
+and RNG streams, marked as universal only; the source is not written to.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from . import checkpoint, universal
+from .errors import add_debug_arg, command
+from .files import atomic_dir
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="a pretraining run directory")
+    p.add_argument("--out", required=True, help="the new run directory (must not exist or be empty)")
+    p.add_argument("--tag", default=None, help="the tag to convert (default: the run's latest)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    add_debug_arg(p)
+    return p.parse_args(argv)
+
+
+def reshard(run_dir, out, tag: str | None = None, *, force: bool = False) -> Path:
+    run_dir = Path(run_dir)
+    tag = checkpoint.resolve_tag(run_dir, tag)
+    saved = checkpoint.saved_layout(run_dir, tag)
+    reason = universal.unsupported_reason(saved, {"zero_stage": 1})
+    if reason is not None:
+        raise universal.UniversalError(f"{run_dir / tag} cannot be converted: {reason}")
+    with atomic_dir(out, force=force) as tmp:
+        shutil.copy2(run_dir / "config.json", tmp / "config.json")
+        if (run_dir / "tokenizer").is_dir():
+            shutil.copytree(run_dir / "tokenizer", tmp / "tokenizer")
+        universal.ensure_cache(run_dir, tag, cache_root=tmp, log=lambda *_: None)
+        tag_dir = tmp / tag
+        tag_dir.mkdir()
+        for state in sorted((run_dir / tag).glob("rank*_state.pt")):
+            shutil.copy2(state, tag_dir / state.name)
+        (tag_dir / "layout.json").write_text(json.dumps({**saved, "universal_only": True}, indent=2) + "\n")
+        files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())}
+        (tag_dir / checkpoint.COMPLETE).write_text(json.dumps({"step": saved["step"], "files": files}, indent=2)
+                                                   + "\n")
+        (tmp / "latest").write_text(tag + "\n")
+    return Path(out)
+
+
+@command
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = reshard(args.checkpoint, args.out, args.tag, force=args.force)
+    print(f"wrote {out}: resume it at any layout with --load {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

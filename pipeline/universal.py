@@ -1,0 +1,394 @@
+"""Universal checkpoints: resume a run at another TP / PP / DP size or ZeRO stage with its optimizer state.
+
+DeepSpeed does the work: ``deepspeed.checkpoint.ds_to_universal`` turns a ZeRO checkpoint
+into one folder per parameter (fp32 weight, Adam moments, step), and an engine built
+with ``"checkpoint": {"load_universal": true}`` cuts them into its own partitions.
+The project supplies what DeepSpeed needs to know about each parameter, read off its
+``ShardSpec``: the ``universal_checkpoint_info`` saved with every checkpoint
+(``checkpoint_info``). Written here are only the pieces DeepSpeed's universal path lacks,
+each beside the code it fixes:
+
+- names: a pipeline names parameters by layer index, the GPT by module path; the cache
+  stores the GPT's names and a pipeline engine reads them under those (``_gpt_names``); the tied
+  embedding is kept from the first stage (``attach_info``).
+- ZeRO stage changes: the cache holds the model files and ``optimizer_state.pt`` in the forms of
+  both ZeRO-1/2 and ZeRO-3 (``_model_files_for_every_stage``, ``_optimizer_state_for_every_stage``),
+  a TP=1 ZeRO-3 source goes through DeepSpeed's TP-aware merge (``_zero3_merged_as_tp1``), and a
+  ZeRO-3 target cuts its shards with the ShardSpec (``_zero3_hp_loader``: DeepSpeed's takes the
+  stored tensor as is, which a re-padded vocabulary breaks) and keeps each parameter group's own
+  hyperparameters (``_zero3_param_groups``).
+
+Layout of the cache, beside the tags it converts::
+
+    <run>/universal/<tag>/           what ds_to_universal writes (zero/<param>/..., mp_rank_* files)
+    <run>/universal/<tag>/UNIVERSAL.json   written last: source tag and every file with its size
+
+It is built under a temporary name and renamed into place, so it is complete or absent;
+one whose manifest is missing or does not match its files is removed and rebuilt.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.files import atomic_dir
+
+MANIFEST = "UNIVERSAL.json"
+CACHE_DIR = "universal"
+
+
+class UniversalError(UserError):
+    """A checkpoint that cannot move to another layout with its optimizer state; the message says why."""
+
+
+def _allow_subparam_shape() -> None:
+    # The cache pickles DeepSpeed's SubparamShape with every fused parameter, and its optimizer state the
+    # loss scaler and ZeRO stage: the types weights-only loads of it allow.
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    torch.serialization.add_safe_globals([SubparamShape, ZeroStageEnum, LossScaler, DynamicLossScaler])
+
+
+_allow_subparam_shape()
+
+
+# -- metadata: ShardSpec -> DeepSpeed's universal_checkpoint_info ------------------------------------------------
+
+def checkpoint_info(named_params, vocab_size: int | None, tp: int) -> dict:
+    """DeepSpeed's ``universal_checkpoint_info`` for ``(name, parameter)`` pairs saved at TP size ``tp``.
+
+    Every name becomes an exact pattern of the category its ShardSpec describes: no spec
+    (replicated on every TP rank), a split along dim 1 (row parallel), fused parts (QKV,
+    gate/up: DeepSpeed's ``SubparamShape``, with each part's width per rank), a padded
+    vocabulary. A plain split along dim 0 is DeepSpeed's default.
+    """
+    from deepspeed.checkpoint.constants import (
+        ORIGINAL_VOCAB_SIZE,
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+        PARAMETER_WITH_SUB_PARAMS,
+        SUB_PARAM_SHARD_WIDTHS,
+        TP_REPLICATED_PARAMETER_PATTERNS,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        VOCABULARY_PARAMETER_PATTERNS,
+    )
+
+    from models.parallel import get_shard_spec
+    replicated, row, vocab, sub_params, widths = [], [], [], [], {}
+    for name, param in named_params:
+        spec, pattern = get_shard_spec(param), f"^{re.escape(name)}$"
+        if spec is None:
+            replicated.append(pattern)
+        elif spec.pad_multiple:
+            if spec.dim != 0 or len(spec.parts) != 1:
+                raise UniversalError(f"{name}: a padded parameter must be one part split along dim 0 (a vocabulary)")
+            vocab.append(pattern)
+        elif len(spec.parts) > 1:
+            shape = [-1] * param.ndim
+            shape[spec.dim] = tuple(spec.parts)
+            sub_params.append({"patterns": [pattern], "shape": tuple(shape), "partition_dim": spec.dim})
+            widths[pattern] = [[p // tp] * tp for p in spec.parts]
+        elif spec.dim == 1:
+            row.append(pattern)
+    info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4, TP_REPLICATED_PARAMETER_PATTERNS: replicated,
+            PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: row, VOCABULARY_PARAMETER_PATTERNS: vocab,
+            PARAMETER_WITH_SUB_PARAMS: sub_params, SUB_PARAM_SHARD_WIDTHS: widths}
+    if vocab:
+        info[ORIGINAL_VOCAB_SIZE] = int(vocab_size)
+    return info
+
+
+def attach_info(model: torch.nn.Module, model_config, pipeline: bool) -> None:
+    """Give ``model`` (what DeepSpeed's engine wraps) the metadata its checkpoints are saved with."""
+    from models.parallel import tp_world_size
+    if pipeline:  # a stage holds only its layers: describe the whole GPT, under the pipeline's names
+        from .pipe_model import gpt_to_pipe_name
+        named = [(gpt_to_pipe_name(n, model_config), p) for n, p in meta_gpt(model_config).named_parameters()]
+    else:
+        named = list(model.named_parameters())
+    info = checkpoint_info(named, getattr(model_config, "vocab_size", None), tp_world_size())
+    if pipeline:
+        # The tied embedding lives on the first and the last stage; the last stage's copy of its position
+        # embedding receives no gradient. The first stage's copy is the one to keep.
+        from deepspeed.checkpoint.constants import PIPELINE_REPLICATED_PARAMETER_PATTERNS
+
+        from .pipe_model import TIED_KEY
+        info[PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [f"^tied_modules\\.{TIED_KEY}\\."]
+    model.universal_checkpoint_info = info
+
+
+def meta_gpt(config):
+    """The GPT built on the meta device (no memory): its names and ShardSpecs."""
+    from models import GPT
+    with torch.device("meta"):
+        return GPT(config, init_seed=0)
+
+
+# -- the decision on --load -----------------------------------------------------------------------------------------
+
+def unsupported_reason(saved: dict, current: dict) -> str | None:
+    """Why the optimizer state of a checkpoint saved at layout ``saved`` cannot move to ``current``."""
+    if not saved.get("universal_info"):
+        return "the checkpoint was saved without universal-checkpoint metadata (before this version)"
+    if saved.get("zero_stage", 0) < 1 or current.get("zero_stage", 0) < 1:
+        # without ZeRO DeepSpeed keeps the optimizer in its own unpartitioned format, which ds_to_universal
+        # does not read and load_universal does not write into
+        return "DeepSpeed's universal checkpoints need ZeRO stage 1-3 at both layouts"
+    return None
+
+
+def enable(ds_config: dict) -> dict:
+    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+
+
+def prepare(load_dir, tag: str, saved: dict, current: dict, *, log=print) -> Path | None:
+    """Collective. The universal cache of ``load_dir/tag`` (converted on rank 0 if needed), or None
+    (with the reason logged) where the optimizer state cannot move to this layout."""
+    import torch.distributed as dist
+    reason = unsupported_reason(saved, current)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if reason is not None:
+        if saved.get("universal_only"):
+            raise UniversalError(f"{Path(load_dir) / tag} holds a universal checkpoint only, and {reason}")
+        if rank0:
+            log(f"warning: resuming {Path(load_dir) / tag} at another layout with its weights only: the optimizer "
+                f"state restarts, because {reason}")
+        return None
+    result = [None, None]
+    if rank0:
+        try:
+            result = [str(ensure_cache(load_dir, tag, log=log)), None]
+        except Exception as e:  # every rank must learn of it, or the others wait forever
+            result = [None, f"{type(e).__name__}: {e}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(result, src=0)
+    if result[1] is not None:
+        raise UniversalError(f"converting {Path(load_dir) / tag} to a universal checkpoint failed: {result[1]}")
+    return Path(result[0])
+
+
+# -- conversion: a saved tag -> its universal cache ------------------------------------------------------------
+
+def cache_path(run_dir, tag: str) -> Path:
+    return Path(run_dir) / CACHE_DIR / tag
+
+
+def _manifest_problem(cache: Path) -> str | None:
+    """Why ``cache`` cannot be used (None: complete, every file as the manifest lists it)."""
+    marker = cache / MANIFEST
+    if not marker.is_file():
+        return f"no {MANIFEST}"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable"
+    for name, size in files.items():
+        path = cache / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, expected {size}"
+    return None
+
+
+def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
+    """The universal checkpoint of ``run_dir/tag``: the cache (in ``cache_root``, default ``run_dir``) if it
+    is complete, else converted now.
+
+    Not collective: the caller runs it on one rank and waits for it on the others.
+    """
+    cache = cache_path(cache_root or run_dir, tag)
+    if cache.exists():
+        problem = _manifest_problem(cache)
+        if problem is None:
+            return cache
+        log(f"universal checkpoint cache {cache} is damaged ({problem}): rebuilding it")
+    if not any((Path(run_dir) / tag).glob("*optim_states.pt")):
+        raise UniversalError(f"{Path(run_dir) / tag} has no DeepSpeed optimizer files to convert (a run written by "
+                             f"pipeline.reshard whose universal cache {cache} is gone); reshard the original run again")
+    # built under a temporary name and swapped in by one rename (a damaged cache is replaced the same way)
+    with atomic_dir(cache, force=True) as out:
+        convert(Path(run_dir) / tag, out)
+        files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
+        (out / MANIFEST).write_text(json.dumps({"source": tag, "files": files}, indent=2) + "\n")
+    return cache
+
+
+def convert(tag_dir: Path, out: Path) -> None:
+    """DeepSpeed's ds_to_universal of one tag directory into ``out``, parameters under the GPT's names."""
+    from deepspeed.checkpoint import ds_to_universal
+    args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    with contextlib.redirect_stdout(io.StringIO()), _zero3_merged_as_tp1(ds_to_universal, tag_dir):
+        ds_to_universal.main(args)  # (its progress report is for a terminal)
+    (out.parent / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside ``out``;
+    # the tags are passed explicitly
+    _rename_pipeline_params(tag_dir, out / "zero")
+    _model_files_for_every_stage(out)
+    _optimizer_state_for_every_stage(out / "zero")
+
+
+def _model_files_for_every_stage(out: Path) -> None:
+    """An engine loading a universal checkpoint reads its step, LR schedule and client state from the model
+    files of the source, under the name its own ZeRO stage saves them: ``mp_rank_XX_model_states.pt`` below
+    ZeRO-3, ``zero_pp_rank_0_mp_rank_XX_model_states.pt`` at ZeRO-3. Link each to the other name, so that
+    the cache loads at any stage."""
+    for path in sorted(out.glob("*model_states.pt")):
+        match = re.fullmatch(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt", path.name)
+        if match is None or match.group(1) not in (None, "0"):
+            continue
+        other = out / (f"mp_rank_{match.group(2)}_model_states.pt" if match.group(1) else
+                       f"zero_pp_rank_0_mp_rank_{match.group(2)}_model_states.pt")
+        if not other.exists():
+            os.link(path, other)
+
+
+def _optimizer_state_for_every_stage(zero: Path) -> None:
+    """ds_to_universal writes ``zero/optimizer_state.pt`` as the source's ZeRO stage has it, and each loader
+    reads only its own form: ZeRO-3 the Adam step and parameter groups under ``optimizer_state_dict``,
+    ZeRO-1/2 the groups at the top and the step beside every parameter (``step.pt``). Write both."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_GROUPS
+    path = zero / "optimizer_state.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    params = sorted(p for p in zero.iterdir() if p.is_dir())
+    if OPTIMIZER_STATE_DICT not in state:  # from ZeRO-1/2
+        step = torch.load(params[0] / "step.pt", weights_only=True)
+        state[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, "param_groups": state[PARAM_GROUPS]}
+        torch.save(state, path)
+        return
+    step = state[OPTIMIZER_STATE_DICT]["state"][0]["step"]  # from ZeRO-3
+    for folder in params:
+        if not (folder / "step.pt").exists():
+            torch.save(step, folder / "step.pt")
+
+
+def _rename_pipeline_params(tag_dir: Path, zero: Path) -> None:
+    """A pipeline's parameter folders ("3.attention.qkv.weight") under the GPT's names ("layers.2....")."""
+    config_file = tag_dir.parent / "config.json"
+    layout_file = tag_dir / "layout.json"
+    if not layout_file.is_file() or json.loads(layout_file.read_text()).get("pipeline_parallel", 1) == 1:
+        return
+    from models import GPTConfig
+
+    from .pipe_model import pipe_to_gpt_name
+    config = GPTConfig.from_file(config_file)
+    for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
+        folder.rename(zero / pipe_to_gpt_name(folder.name, config))
+
+
+@contextlib.contextmanager
+def _zero3_merged_as_tp1(ds_to_universal, tag_dir: Path):
+    """ds_to_universal merges a TP=1 ZeRO-3 checkpoint into flat tensors, vocabulary padding kept and without
+    the checkpoint's universal_checkpoint_info, which no layout but the same ZeRO-3 one can load. Route it
+    through the TP-aware merge DeepSpeed uses for ZeRO-3 at TP>1 (at TP=1), so that every cache holds the same
+    thing: full unpadded tensors that say how they split."""
+    original = ds_to_universal._merge_zero3_slice_files
+
+    def merge(args, param_keys, dp_degree, temp_dir):
+        model_files = ds_to_universal._get_zero3_model_state_files(str(tag_dir))
+        info = ds_to_universal._load_universal_checkpoint_info_stage3(model_files)
+        shapes = {k: v for group in ds_to_universal._parse_model_states_stage3(model_files) for k, v in group.items()}
+        ds_to_universal._merge_tp_slice_files(args, info, 1, {k: [shapes[k]] for k in param_keys}, temp_dir)
+
+    ds_to_universal._merge_zero3_slice_files = merge
+    try:
+        yield
+    finally:
+        ds_to_universal._merge_zero3_slice_files = original
+
+
+# -- loading into an engine at any layout --------------------------------------------------------------------------
+
+def load(engine, cache: Path, model_config) -> None:
+    """Restore weights, Adam moments and step, loss scale and LR schedule of a universal checkpoint into
+    ``engine`` (built with ``"checkpoint": {"load_universal": true}``). Collective."""
+    with _gpt_names(engine, model_config), _zero3_hp_loader(engine):
+        path, _ = engine.load_checkpoint(str(cache.parent), tag=cache.name, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+    if path is None:
+        raise UniversalError(f"DeepSpeed could not load the universal checkpoint {cache}")
+    _zero3_after_load(engine, cache)
+
+
+def _zero3_after_load(engine, cache: Path) -> None:
+    """ZeRO-3's universal loader gives every parameter group the hyperparameters of the first saved one (the
+    project's groups differ: no weight decay on biases and norms), and all of them one shared Adam step
+    tensor, which torch's Adam increments in place once per group and step. Give each group its own."""
+    from deepspeed.checkpoint.constants import PARAM_GROUPS
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    if not isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+        return
+    saved = torch.load(cache / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=True)[PARAM_GROUPS]
+    groups = engine.optimizer.optimizer.param_groups
+    if len(saved) != len(groups):
+        raise UniversalError(f"{cache}: {len(saved)} optimizer parameter groups saved, {len(groups)} in this run")
+    for group, values in zip(groups, saved):
+        group.update({k: v for k, v in values.items() if k != "params"})
+    for state in engine.optimizer.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+@contextlib.contextmanager
+def _gpt_names(engine, model_config):
+    """DeepSpeed finds a parameter's folder by the engine's name for it; the cache uses the GPT's names."""
+    names = getattr(engine.optimizer, "param_names", None)
+    if not getattr(engine, "is_pipe", False) or names is None:
+        yield
+        return
+    from .pipe_model import pipe_to_gpt_name
+    original = dict(names)
+    names.update({p: pipe_to_gpt_name(n, model_config) for p, n in original.items()})
+    try:
+        yield
+    finally:
+        names.clear()
+        names.update(original)
+
+
+@contextlib.contextmanager
+def _zero3_hp_loader(engine):
+    """ZeRO-3's universal loader (``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state``) takes the stored
+    full tensor as the parameter: right at TP=1 only when the vocabulary needs no other padding. Here each rank
+    first cuts its TP shard of the full unpadded tensor with the parameter's ShardSpec (which pads it as the
+    model does), then its ZeRO-3 partition exactly as DeepSpeed does."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        yield
+        return
+    import torch.distributed as dist
+    from deepspeed.checkpoint.constants import PARAM
+
+    from models.parallel import get_shard_spec, tp_rank, tp_world_size
+
+    def load_hp_checkpoint_state(folder, key, param=None):
+        state = _load_state(os.path.join(folder, f"{key}.pt"))
+        full = state[PARAM] if isinstance(state, dict) else state
+        spec = get_shard_spec(param) if param is not None else None
+        shard = spec.shard(full, tp_rank(), tp_world_size()) if spec is not None else full
+        flat = shard.reshape(-1)
+        group = optimizer._get_param_partition_group(param) if param is not None else optimizer.dp_process_group
+        rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
+        per_rank = math.ceil(flat.numel() / world)
+        flat = torch.cat([flat, flat.new_zeros(per_rank * world - flat.numel())])
+        return flat.narrow(0, rank * per_rank, per_rank)
+
+    optimizer.load_hp_checkpoint_state = load_hp_checkpoint_state
+    try:
+        yield
+    finally:
+        del optimizer.load_hp_checkpoint_state
+
+
+def _load_state(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
