@@ -111,8 +111,7 @@ def save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, 
                                   "skipped_steps": int(engine.skipped_steps)}, indent=2) + "\n"
         atomic_write_text(tag_dir / "layout.json", layout_text)
         digests[str((tag_dir / "layout.json").resolve())] = hashlib.sha256(layout_text.encode()).hexdigest()
-        atomic_write_text(tag_dir / COMPLETE, json.dumps({"step": step, "files": _manifest(tag_dir, digests)},
-                                                         indent=2) + "\n")
+        write_complete(tag_dir, step, digests)
         safe_load.make_recovery_script_safe(save_dir)
         atomic_write_text(save_dir / "latest", tag + "\n")
     _barrier()
@@ -128,14 +127,15 @@ def _gather_digests(digests: dict) -> dict:
     return {k: v for d in everyone for k, v in d.items()}
 
 
-def _manifest(tag_dir: Path, digests: dict) -> dict:
-    """{name: {size, sha256}} of every file of the tag; a file no writer hashed (none expected) is read back."""
+def write_complete(tag_dir: Path, step: int, digests: dict | None = None) -> None:
+    """COMPLETE.json, written last: {name: {size, sha256}} of every file of the tag. ``digests`` are the
+    sha256 the writers computed as the bytes went out ({absolute path: sha256}); a file none hashed is read back."""
     files = {}
     for p in sorted(tag_dir.rglob("*")):
-        if p.is_file():
-            sha = digests.get(str(p.resolve())) or safe_load.sha256_file(p)
+        if p.is_file() and p != tag_dir / COMPLETE:
+            sha = (digests or {}).get(str(p.resolve())) or safe_load.sha256_file(p)
             files[str(p.relative_to(tag_dir))] = {"size": p.stat().st_size, "sha256": sha}
-    return files
+    atomic_write_text(tag_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=2) + "\n")
 
 
 def _crash_point(where: str, step: int) -> None:

@@ -11,7 +11,8 @@ carries. Three mechanisms close that:
   every ``torch.load`` of this process (and of the processes it starts) into a weights-only load,
   so the library paths without a hook (``zero_to_fp32``, universal checkpoints) are safe too;
 * ``scan`` lists the pickled globals of a file without unpickling it, so a refusal names the
-  file and the type before any library reads it.
+  file and the type before any library reads it (``checkpoint.verify`` scans every file of a tag,
+  ``universal`` every file it converts and every file of a cache before DeepSpeed reads them).
 
 The only non-tensor types allowed are the few DeepSpeed writes itself (``DEEPSPEED_TYPES``).
 """
@@ -24,6 +25,7 @@ import re
 from pathlib import Path
 
 import torch
+from deepspeed.checkpoint.universal_checkpoint import SubparamShape
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -33,8 +35,9 @@ from .errors import UserError
 from .files import atomic_write_text
 
 # What DeepSpeed 0.19.8 pickles besides tensors and containers (found with
-# torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 0-3, fp32/bf16/fp16, pipeline runs).
-DEEPSPEED_TYPES = (ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address)
+# torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 0-3, fp32/bf16/fp16, pipeline runs, and the
+# universal checkpoints ds_to_universal writes: SubparamShape, with every fused parameter).
+DEEPSPEED_TYPES = (ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address, SubparamShape)
 ALLOWED = {f"{t.__module__}.{t.__qualname__}" for t in DEEPSPEED_TYPES}
 
 

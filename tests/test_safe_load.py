@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from pipeline import checkpoint, safe_load
+from pipeline import checkpoint, safe_load, universal
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
@@ -107,6 +107,9 @@ COMMANDS = {
     "pretrain --load": lambda d, run, out: ["-m", "pipeline.pretrain", *pretrain_args(d, out, 1, 3, "--load",
                                                                                      str(run))],
     "export_hf": lambda d, run, out: ["-m", "pipeline.export_hf", "--checkpoint", str(run), "--out", str(out)],
+    "pretrain --load at another ZeRO stage": lambda d, run, out: ["-m", "pipeline.pretrain",
+                                                                  *pretrain_args(d, out, 3, 3, "--load", str(run))],
+    "reshard": lambda d, run, out: ["-m", "pipeline.reshard", "--checkpoint", str(run), "--out", str(out)],
     "evaluate --checkpoint": lambda d, run, out: ["-m", "pipeline.evaluate", "--task", "bpc", "--data",
                                                   str(d / "corpus.txt"), "--checkpoint", str(run), "--out",
                                                   str(out), "--max-examples", "2", "--no-progress"],
@@ -116,6 +119,8 @@ COMMANDS = {
 }
 CASES = [("pretrain --load", 1, "mp_rank_00_model_states.pt"),
          ("pretrain --load", 1, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+         ("pretrain --load at another ZeRO stage", 1, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+         ("reshard", 1, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
          ("export_hf", 1, "mp_rank_00_model_states.pt"),
          ("export_hf", 3, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
          ("evaluate --checkpoint", 3, "zero_pp_rank_0_mp_rank_00_model_states.pt"),
@@ -195,3 +200,61 @@ def test_tag_outside_the_run_is_refused(runs, tmp_path, tag):
         checkpoint.resolve_tag(tmp_path / "run")
     with pytest.raises(checkpoint.CheckpointError, match="--load-tag tag"):
         checkpoint.resolve_tag(tmp_path / "run", tag)
+
+
+def test_universal_conversion_scans_its_source(runs, tmp_path):
+    """ds_to_universal unpickles every file of a tag with weights_only=False: the conversion itself scans them
+    first (even when called without checkpoint.resolve_tag before it) and refuses, naming the file."""
+    marker = tmp_path / "marker"
+    path = doctored_copy(runs / "z1", tmp_path / "run", "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
+    with pytest.raises(safe_load.UnsafeCheckpointError, match=rf"{path}: contains a pickled object of type "
+                                                              r"builtins.exec, not allowed"):
+        universal.ensure_cache(tmp_path / "run", "global_step2", log=lambda *_: None)
+    assert not marker.exists()
+
+
+def _doctor_cache_file(cache: Path, name: str, marker: Path) -> Path:
+    """A cache file replaced by a pickle with a payload; the cache's manifest fixed up to match it."""
+    path = cache / name
+    torch.save({"tensor": torch.load(path, weights_only=True), "payload": Payload(marker)}, path)
+    manifest = json.loads((cache / universal.MANIFEST).read_text())
+    manifest["files"][name] = {"size": path.stat().st_size, "sha256": safe_load.sha256_file(path)}
+    (cache / universal.MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+def test_universal_cache_is_verified_and_scanned(runs, tmp_path):
+    """The cache records a sha256 of each file: a same-size change is rebuilt; a doctored file whose manifest
+    was fixed up too is refused, naming it, before DeepSpeed loads anything."""
+    import shutil
+    shutil.copytree(runs / "z1", tmp_path / "run")
+    messages = []
+    cache = universal.ensure_cache(tmp_path / "run", "global_step2", log=messages.append)
+    manifest = json.loads((cache / universal.MANIFEST).read_text())
+    assert all(len(e["sha256"]) == 64 for e in manifest["files"].values())
+    victim = next(cache.glob("zero/*/exp_avg.pt"))
+    data = bytearray(victim.read_bytes())
+    data[-200:-136] = bytes(64)
+    victim.write_bytes(bytes(data))
+    assert universal.ensure_cache(tmp_path / "run", "global_step2", log=messages.append) == cache
+    assert "does not match its sha256" in messages[-1] and "rebuilding" in messages[-1]
+    marker = tmp_path / "marker"
+    path = _doctor_cache_file(cache, str(victim.relative_to(cache)), marker)
+    with pytest.raises(safe_load.UnsafeCheckpointError, match=rf"{path}: contains a pickled object of type "
+                                                              r"builtins.exec, not allowed"):
+        universal.ensure_cache(tmp_path / "run", "global_step2", log=messages.append)
+    assert not marker.exists()
+
+
+def test_resharded_run_records_sha256(runs, tmp_path):
+    """pipeline.reshard's output is verified like any run: its tag's COMPLETE.json holds every file's sha256."""
+    from pipeline.reshard import reshard
+    out = reshard(runs / "z1", tmp_path / "resharded")
+    manifest = json.loads((out / "global_step2" / checkpoint.COMPLETE).read_text())
+    assert sorted(manifest["files"]) == ["layout.json", "rank0_state.pt"]
+    assert all(len(e["sha256"]) == 64 for e in manifest["files"].values())
+    assert checkpoint.resolve_tag(out) == "global_step2"
+    state = out / "global_step2" / "rank0_state.pt"
+    state.write_bytes(state.read_bytes()[:-64] + bytes(64))
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{state} does not match the sha256"):
+        checkpoint.resolve_tag(out)
