@@ -130,11 +130,7 @@ def _gather_digests(digests: dict) -> dict:
 def write_complete(tag_dir: Path, step: int, digests: dict | None = None) -> None:
     """COMPLETE.json, written last: {name: {size, sha256}} of every file of the tag. ``digests`` are the
     sha256 the writers computed as the bytes went out ({absolute path: sha256}); a file none hashed is read back."""
-    files = {}
-    for p in sorted(tag_dir.rglob("*")):
-        if p.is_file() and p != tag_dir / COMPLETE:
-            sha = (digests or {}).get(str(p.resolve())) or safe_load.sha256_file(p)
-            files[str(p.relative_to(tag_dir))] = {"size": p.stat().st_size, "sha256": sha}
+    files = safe_load.file_manifest(tag_dir, digests, skip=(COMPLETE,))
     atomic_write_text(tag_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=2) + "\n")
 
 

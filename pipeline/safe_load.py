@@ -126,6 +126,18 @@ def sha256_file(path: str | Path) -> str:
     return sha.hexdigest()
 
 
+def file_manifest(folder: Path, digests: dict | None = None, skip: tuple[str, ...] = ()) -> dict:
+    """{relative name: {size, sha256}} of every file under ``folder`` but ``skip``; ``digests`` ({absolute path:
+    sha256}) are those computed as the bytes were written, any other file is read back."""
+    files = {}
+    for p in sorted(Path(folder).rglob("*")):
+        name = str(p.relative_to(folder))
+        if p.is_file() and name not in skip:
+            sha = (digests or {}).get(str(p.resolve())) or sha256_file(p)
+            files[name] = {"size": p.stat().st_size, "sha256": sha}
+    return files
+
+
 class SafeCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's torch checkpoint engine, loading weights only and hashing what it saves.
 

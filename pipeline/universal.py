@@ -207,11 +207,6 @@ def _scan_all(folder: Path) -> None:
         safe_load.scan(path)
 
 
-def _manifest_files(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": safe_load.sha256_file(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
     """The universal checkpoint of ``run_dir/tag``: the cache (in ``cache_root``, default ``run_dir``) if it
     is complete, else converted now.
@@ -231,7 +226,8 @@ def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
     # built under a temporary name and swapped in by one rename (a damaged cache is replaced the same way)
     with atomic_dir(cache, force=True) as out:
         convert(Path(run_dir) / tag, out)
-        (out / MANIFEST).write_text(json.dumps({"source": tag, "files": _manifest_files(out)}, indent=2) + "\n")
+        manifest = {"source": tag, "files": safe_load.file_manifest(out)}
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return cache
 
 
