@@ -1,4 +1,4 @@
-"""Export a finetuned classifier as Hugging Face ``GPT2ForSequenceClassification`` / ``LlamaForSequenceClassification``.
+"""Export a finetuned classifier as Hugging Face ``*ForSequenceClassification`` (GPT-2, Llama, Qwen2, Qwen3, Mistral).
 
     python -m finetune.export_hf --model runs/ec --out runs/ec/hf [--dtype float32] [--force] [--verify]
 
@@ -33,7 +33,6 @@ from .heads import MULTILABEL
 from .saved import read_classifier_dir
 
 HF_PROBLEM_TYPE = {MULTILABEL: "multi_label_classification", "single_label": "single_label_classification"}
-HF_CLASS = {"gpt2": "GPT2ForSequenceClassification", "llama": "LlamaForSequenceClassification"}
 # post-processors that add tokens around a text (training encoded texts without any)
 _ADDING_POST_PROCESSORS = {"TemplateProcessing", "BertProcessing", "RobertaProcessing"}
 
@@ -59,7 +58,7 @@ def check_exportable(info: dict) -> None:
 
 def classifier_to_hf(info: dict, full: dict[str, torch.Tensor], dtype: torch.dtype | None = None):
     """(transformers config, state dict) of the saved classifier ``(info, full)``."""
-    from pipeline.hf_convert import to_hf
+    from pipeline.hf_convert import hf_family, to_hf
     check_exportable(info)
     head, config = info["head_config"], info["encoder_config"]
     encoder = {k.removeprefix("encoder."): v.float() for k, v in full.items() if k.startswith("encoder.")}
@@ -69,8 +68,8 @@ def classifier_to_hf(info: dict, full: dict[str, torch.Tensor], dtype: torch.dty
     bias = full.get("head.output.bias")
     if bias is not None and bool(bias.abs().max() > 0):
         if config.variant != "gpt2":
-            raise ExportError("cannot export to Hugging Face: LlamaForSequenceClassification's score layer has no "
-                              "bias and RMSNorm none to take it into; train the llama classifier with --head-bias no")
+            raise ExportError(f"cannot export to Hugging Face: {hf_family(config).classifier}'s score layer has no "
+                              f"bias and RMSNorm none to take it into; train the llama classifier with --head-bias no")
         ln_bias = sd["transformer.ln_f.bias"].double()
         shift = torch.linalg.lstsq(weight, bias.double().unsqueeze(1)).solution.squeeze(1)  # W shift = bias
         error = (weight @ shift - bias.double()).abs().max().item()
@@ -80,7 +79,7 @@ def classifier_to_hf(info: dict, full: dict[str, torch.Tensor], dtype: torch.dty
         sd["transformer.ln_f.bias"] = (ln_bias + shift).float()
     sd["score.weight"] = weight.float()
     names = info["label_names"]
-    cfg.architectures = [HF_CLASS[config.variant]]
+    cfg.architectures = [hf_family(config).classifier]
     cfg.num_labels = len(names)
     cfg.id2label = {i: name for i, name in enumerate(names)}
     cfg.label2id = {name: i for i, name in enumerate(names)}

@@ -100,9 +100,10 @@ def parse_args(argv=None):
     g.add_argument("--holdout", type=float, default=0.0,
                    help="fraction of train held out to tune thresholds on (0: tune on dev, which makes the dev "
                         "scores at tuned thresholds optimistic)")
-    g.add_argument("--threshold-objective", choices=["macro", "micro", "balanced"], default="micro",
+    g.add_argument("--threshold-objective", choices=["macro", "micro", "balanced", "mean"], default="micro",
                    help="macro: each class's threshold maximises that class's F1 (what maximises macro-F1); micro: "
-                        "then coordinate ascent for micro-F1; balanced: for the mean of micro- and macro-F1")
+                        "then coordinate ascent for micro-F1; balanced: for the mean of micro- and macro-F1; "
+                        "mean: for the mean of micro-F1, macro-F1 and Jaccard accuracy")
     add_engine_args(p, pipeline_parallel=False)
     g.add_argument("--eval-batch-size", type=int, default=64)
     g = p.add_argument_group("optimization")
@@ -354,7 +355,7 @@ def provide_base(args) -> Base:
     if args.encoder_layers is not None:
         config, base_state = first_layers(config, base_state, args.encoder_layers, args.base)
     family.check_layout(config, args.tensor_parallel, 1)
-    max_length = min(args.max_length, getattr(config, "max_position_embeddings", args.max_length))
+    max_length = min(args.max_length, getattr(config, "max_sequence_length", args.max_length))
     pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
     pad_id = tokenizer.eod_id if pad_id is None or pad_id >= config.vocab_size else pad_id
     return Base(family, config, base_state, tokenizer, max_length, pad_id)
@@ -592,7 +593,7 @@ def finish(r: FinetuneRun) -> dict:
     dev_probs = predict("dev", progress=True)
     tune_probs = dev_probs if tune_on is dev else predict("tune", progress=True)
     test_probs = predict("test", progress=True) if test is not None else None
-    refine = {"micro": "micro", "macro": None, "balanced": "balanced"}[args.threshold_objective]
+    refine = None if args.threshold_objective == "macro" else args.threshold_objective
     thresholds = tune_thresholds(tune_on.labels, tune_probs, refine=refine) if multilabel else None
     results = {}
 

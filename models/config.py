@@ -32,7 +32,8 @@ def read_config_json(path: str | Path) -> dict:
 @dataclass
 class GPTConfig:
     """``gpt2``: learned positions, LayerNorm, GELU MLP, biases, tied embeddings (Megatron-LM's model).
-    ``llama``: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, tied or untied.
+    ``llama``: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, tied or untied; with the options
+    ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3) and ``sliding_window`` (Mistral).
     """
     variant: str = "gpt2"
     vocab_size: int = 50257
@@ -52,6 +53,10 @@ class GPTConfig:
     init_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     bias: bool | None = None               # None: True for gpt2, False for llama
+    qkv_bias: bool = False                 # llama: biases on Q, K, V only (Qwen2); ``bias`` puts them everywhere
+    qk_norm: bool = False                  # llama: RMSNorm over head_dim on each Q and K head before RoPE (Qwen3)
+    sliding_window: int | None = None      # llama: Mistral's window; only as long as seq_length or longer (see below)
+    hf_model_type: str | None = None       # the Hugging Face family exports write (None: by variant and options)
     sequence_parallel: bool = False        # split norms/dropout/residuals along the sequence across TP ranks
     extra: dict = field(default_factory=dict)  # free-form metadata (e.g. where an import came from)
 
@@ -98,12 +103,38 @@ class GPTConfig:
             return "the gpt2 variant ties its input and output embeddings (tie_embeddings must be true)"
         if self.bias is None:
             self.bias = self.variant == "gpt2"
+        llama_only = self._llama_option_problem()
+        if llama_only:
+            return llama_only
         if not isinstance(self.sequence_parallel, bool):
             return f"sequence_parallel must be true or false, got {self.sequence_parallel!r}"
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 return f"{name} must be in [0, 1), got {getattr(self, name)}"
         return None
+
+    def _llama_option_problem(self) -> str | None:
+        for name in ("qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                return f"{name} must be true or false, got {getattr(self, name)!r}"
+            if getattr(self, name) and self.variant != "llama":
+                return f"{name} is an option of the llama variant, not of {self.variant}"
+        w = self.sliding_window
+        if w is None:
+            return None
+        if self.variant != "llama" or not isinstance(w, int) or w < 1:
+            return f"sliding_window must be a positive integer of a llama model, got {w!r} ({self.variant})"
+        if w < self.seq_length:
+            # The model computes full causal attention: equal to sliding-window attention only within the window.
+            return (f"sliding_window {w} is shorter than seq_length {self.seq_length} (by default "
+                    f"max_position_embeddings): sliding-window attention is not implemented, and full causal "
+                    f"attention equals it only for sequences no longer than the window")
+        return None
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest sequence the model computes: its positions, and a sliding window if it has one."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     def check_parallel(self, tensor_parallel: int, pipeline_parallel: int = 1) -> None:
         """Raise ConfigError if the model cannot be split this way."""
@@ -154,7 +185,9 @@ class GPTConfig:
         h, L, V = self.hidden_size, self.num_layers, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         b = 1 if self.bias else 0
-        attn = h * (q + 2 * kv) + b * (q + 2 * kv) + q * h + b * h
+        qkv_b = 1 if self.bias or self.qkv_bias else 0
+        qk_norms = 2 * self.head_dim if self.qk_norm else 0
+        attn = h * (q + 2 * kv) + qkv_b * (q + 2 * kv) + q * h + b * h + qk_norms
         if self.variant == "gpt2":
             mlp = 2 * h * self.ffn_hidden_size + b * (self.ffn_hidden_size + h)
             norms = 2 * 2 * h

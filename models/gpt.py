@@ -2,7 +2,8 @@
 
 Two variants (``GPTConfig.variant``):
   gpt2  - learned positions, LayerNorm, GELU (tanh) MLP, biases, tied embeddings;
-  llama - RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases.
+  llama - RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases; options: biases on Q, K, V only
+          (``qkv_bias``, Qwen2), RMSNorm on each Q and K head before RoPE (``qk_norm``, Qwen3).
 
 Layout is [batch, seq, hidden]. Attention heads, MLP columns and the
 vocabulary are split across tensor-parallel ranks; everything else is
@@ -27,11 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm, SequenceParallelRMSNorm,
-                       VocabParallelEmbedding, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                       gather_from_tensor_parallel_region, mark_sequence_parallel, normal_init,
-                       sequence_gather_linear, sequence_parallel_parameter, tensor_parallel_rng, tp_rank,
-                       tp_world_size, vocab_parallel_cross_entropy, vocab_parallel_parameter)
+from .parallel import (ColumnParallelLinear, HeadRMSNorm, RowParallelLinear, SequenceParallelLayerNorm,
+                       SequenceParallelRMSNorm, VocabParallelEmbedding, copy_to_tensor_parallel_region,
+                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
+                       mark_sequence_parallel, normal_init, sequence_gather_linear, sequence_parallel_parameter,
+                       tensor_parallel_rng, tp_rank, tp_world_size, vocab_parallel_cross_entropy,
+                       vocab_parallel_parameter)
 
 
 @contextlib.contextmanager
@@ -125,18 +127,26 @@ class Attention(nn.Module):
         sp = config.sequence_parallel
         self.qkv = ColumnParallelLinear(
             config.hidden_size, output_sizes=(config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d),
-            bias=config.bias, init_method=normal_init(config.init_std), sequence_parallel=sp)
+            bias=config.bias or config.qkv_bias, init_method=normal_init(config.init_std), sequence_parallel=sp)
         self.dense = RowParallelLinear(config.num_heads * d, config.hidden_size, bias=config.bias,
                                        input_is_parallel=True, init_method=_output_init(config), sequence_parallel=sp)
         self.rotary = (RotaryEmbedding(d, config.rope_theta)
                        if config.variant == "llama" else None)
+        if config.qk_norm:
+            self.q_norm = HeadRMSNorm(d, eps=config.norm_eps)
+            self.k_norm = HeadRMSNorm(d, eps=config.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # the whole sequence (gathered under sequence parallelism)
         b, s, _ = qkv.shape
         q, k, v = qkv.split(self.qkv.local_output_sizes, dim=-1)
-        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(b, s, self.local_heads, self.head_dim)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, k)
@@ -219,9 +229,11 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
-        if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence of {s} tokens is longer than max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
+        if s > self.config.max_sequence_length:
+            limit = self.config.max_sequence_length
+            raise ValueError(f"sequence of {s} tokens is longer than " + (
+                f"max_position_embeddings {limit}" if limit == self.config.max_position_embeddings else
+                f"sliding_window {limit} (full causal attention equals it only within the window)"))
         h = self.word_embeddings(input_ids)  # [b, s / tp, h] under sequence parallelism
         if self.position_embeddings is not None:
             start = tp_rank() * h.shape[1] if self.config.sequence_parallel else 0
@@ -325,7 +337,7 @@ class GPT(nn.Module):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy continuation (no KV cache: for evaluation and tests, not serving)."""
         for _ in range(max_new_tokens):
-            context = input_ids[:, -self.config.max_position_embeddings:]
+            context = input_ids[:, -self.config.max_sequence_length:]
             nxt = self(context)[:, -1].argmax(-1, keepdim=True)
             input_ids = torch.cat([input_ids, nxt], dim=1)
         return input_ids

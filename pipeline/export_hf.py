@@ -29,7 +29,7 @@ from models.hf_mlstm import MLSTMHFConfig  # importing it registers the mLSTM wi
 from models.config import GPTConfig
 from models.mlstm import MLSTMConfig
 from pipeline.errors import ArgumentParser, add_debug_arg, command
-from pipeline.hf_convert import (HF_ARCHITECTURE, ConversionError, add_dtype_arg, dtype_name, num_parameters_message,
+from pipeline.hf_convert import (ConversionError, add_dtype_arg, dtype_name, hf_family, num_parameters_message,
                                  parse_dtype, to_hf)
 from pipeline.families import family_of
 from pipeline.checkpoint import read_full_checkpoint
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     config, full_sd, tokenizer_dir = read_full_checkpoint(args.checkpoint)
     tokenizer_dir = args.tokenizer or tokenizer_dir
     out = export_hf(config, full_sd, args.out, dtype=args.dtype, tokenizer_dir=tokenizer_dir, force=args.force)
-    arch = HF_ARCHITECTURE.get(getattr(config, "variant", None), type(config).__name__)
+    arch = hf_family(config).architecture if isinstance(config, GPTConfig) else type(config).__name__
     print(f"exported {arch} ({num_parameters_message(config)}, {dtype_name(parse_dtype(args.dtype))}) to {out}"
           + ("" if tokenizer_dir else " (no tokenizer: pass --tokenizer DIR to include one)"))
     if args.verify:

@@ -1,4 +1,4 @@
-"""Weight and config mapping between the project's GPT and Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM``.
+"""Weight and config mapping between the project's GPT and Hugging Face's GPT-2, Llama, Qwen2, Qwen3 and Mistral.
 
 Pure functions on *full* (TP=1) state dicts: ``to_hf`` and ``from_hf`` never see a
 process group. Sharding to a tensor-parallel size happens afterwards, with
@@ -14,6 +14,11 @@ export and an import cannot disagree. The two conventions differ in only three w
 * GPT-2's ``Conv1D`` stores a linear weight as [in, out], the transpose of ``nn.Linear``;
 * a tied output layer has no tensor of its own in the project's state dict.
 
+The Hugging Face families are one table, ``HF_FAMILIES`` (at the end of the config readers): each entry
+names its classes, reads its config into the project's (Qwen2, Qwen3 and Mistral are options of the llama
+variant: ``qkv_bias``, ``qk_norm``, ``sliding_window``) and writes it back; ``GPTConfig.hf_model_type``
+records the family an import came from, so that it exports as that family again.
+
 What a Hugging Face config can express and the project's model cannot (RoPE scaling,
 other activations, partial rotary, ...) is refused with the field named, never
 silently approximated: a conversion that "works" but changes the function is the bug
@@ -25,7 +30,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -34,9 +39,6 @@ from pipeline.errors import UserError
 
 GPT2_ARCH = "GPT2LMHeadModel"
 LLAMA_ARCH = "LlamaForCausalLM"
-HF_ARCHITECTURE = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH}
-# Architectures whose weights hold everything a causal LM needs (a base model plus a tied head).
-_ACCEPTED_ARCHITECTURES = {"gpt2": {GPT2_ARCH, "GPT2Model"}, "llama": {LLAMA_ARCH, "LlamaModel"}}
 # Activations computing exactly the project's GELU (tanh approximation): the formula and torch's kernel.
 _GPT2_TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh"}
 _SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -148,9 +150,12 @@ def _llama_map(c: GPTConfig) -> list[WeightRule]:
                   R(p + "post_attention_norm.weight", (h,), (t + "post_attention_layernorm.weight",)),
                   R(p + "mlp.fc_in.weight", (2 * f, h), tuple(n + ".weight" for n in gate_up), (f, f)),
                   R(p + "mlp.fc_out.weight", (h, f), (t + "mlp.down_proj.weight",))]
+        if c.qk_norm:
+            rules += [R(p + f"attention.{n}_norm.weight", (d,), (t + f"self_attn.{n}_norm.weight",)) for n in "qk"]
+        if c.bias or c.qkv_bias:
+            rules.append(R(p + "attention.qkv.bias", (q + 2 * kv,), tuple(n + ".bias" for n in qkv), (q, kv, kv)))
         if c.bias:
-            rules += [R(p + "attention.qkv.bias", (q + 2 * kv,), tuple(n + ".bias" for n in qkv), (q, kv, kv)),
-                      R(p + "attention.dense.bias", (h,), (t + "self_attn.o_proj.bias",)),
+            rules += [R(p + "attention.dense.bias", (h,), (t + "self_attn.o_proj.bias",)),
                       R(p + "mlp.fc_in.bias", (2 * f,), tuple(n + ".bias" for n in gate_up), (f, f)),
                       R(p + "mlp.fc_out.bias", (h,), (t + "mlp.down_proj.bias",))]
     rules.append(R("final_norm.norm.weight", (h,), ("model.norm.weight",)))
@@ -162,31 +167,18 @@ def _llama_map(c: GPTConfig) -> list[WeightRule]:
 # -- project -> Hugging Face ----------------------------------------------------------------------------------------
 
 def hf_config(config: GPTConfig, dtype: torch.dtype | None = None, special_tokens: Mapping | None = None):
-    """The ``transformers`` config of the Hugging Face model computing the same function as ``config``.
+    """The ``transformers`` config of the Hugging Face model computing the same function as ``config``, in the
+    family ``hf_family(config)`` (a config that family cannot hold is refused).
 
     ``special_tokens`` (bos/eos/pad ids) override those an import recorded in ``config.extra["hf"]``.
     """
-    from transformers import GPT2Config, LlamaConfig
     recorded = dict(config.extra.get("hf", {})) if isinstance(config.extra, dict) else {}
     tokens = {k: recorded.get(k) for k in _SPECIAL_TOKENS}
     tokens.update({k: v for k, v in (special_tokens or {}).items() if k in _SPECIAL_TOKENS})
-    if config.variant == "gpt2":
-        cfg = GPT2Config(
-            vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
-            n_layer=config.num_layers, n_head=config.num_heads, n_inner=config.ffn_hidden_size,
-            activation_function="gelu_new", resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
-            attn_pdrop=config.attention_dropout, layer_norm_epsilon=config.norm_eps,
-            initializer_range=config.init_std, tie_word_embeddings=True, **tokens)
-    else:
-        cfg = LlamaConfig(
-            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
-            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-            num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, hidden_act="silu",
-            max_position_embeddings=config.max_position_embeddings, initializer_range=config.init_std,
-            rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
-            attention_bias=config.bias, mlp_bias=config.bias, attention_dropout=config.attention_dropout, **tokens)
-    cfg.architectures = [HF_ARCHITECTURE[config.variant]]
+    import transformers  # here, not at the top: the dtype helpers of this module serve commands without it
+    family = hf_family(config)
+    cfg = getattr(transformers, family.config_class)(**family.write(config), **tokens)
+    cfg.architectures = [family.architecture]
     record = {k: getattr(config, k) for k in _TRAINING_FIELDS}
     if config.variant == "gpt2" and not config.bias:
         record["bias"] = False  # GPT-2 in transformers always has biases: these are exported as zeros
@@ -194,6 +186,46 @@ def hf_config(config: GPTConfig, dtype: torch.dtype | None = None, special_token
     if dtype is not None:
         cfg.dtype = dtype
     return cfg
+
+
+def _gpt2_config_to_hf(config: GPTConfig) -> dict:
+    return dict(
+        vocab_size=config.vocab_size, n_positions=config.max_position_embeddings, n_embd=config.hidden_size,
+        n_layer=config.num_layers, n_head=config.num_heads, n_inner=config.ffn_hidden_size,
+        activation_function="gelu_new", resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
+        attn_pdrop=config.attention_dropout, layer_norm_epsilon=config.norm_eps,
+        initializer_range=config.init_std, tie_word_embeddings=True)
+
+
+def _decoder_config_to_hf(config: GPTConfig) -> dict:
+    """The config fields Llama, Qwen2, Qwen3 and Mistral share."""
+    return dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, hidden_act="silu",
+        max_position_embeddings=config.max_position_embeddings, initializer_range=config.init_std,
+        rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+        attention_dropout=config.attention_dropout)
+
+
+def _llama_config_to_hf(config: GPTConfig) -> dict:
+    return dict(_decoder_config_to_hf(config), attention_bias=config.bias, mlp_bias=config.bias)
+
+
+def _qwen2_config_to_hf(config: GPTConfig) -> dict:
+    out = dict(_decoder_config_to_hf(config), use_sliding_window=False)
+    if config.head_dim == config.hidden_size // config.num_heads:
+        del out["head_dim"]  # Qwen2Config has no such field (its attention reads one when it is there)
+    return out
+
+
+def _qwen3_config_to_hf(config: GPTConfig) -> dict:
+    return dict(_decoder_config_to_hf(config), use_sliding_window=False, attention_bias=False)
+
+
+def _mistral_config_to_hf(config: GPTConfig) -> dict:
+    return dict(_decoder_config_to_hf(config), sliding_window=config.sliding_window)
 
 
 def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | str | None = None,
@@ -260,29 +292,30 @@ def _natural(name: str):
 # -- Hugging Face -> project ----------------------------------------------------------------------------------------
 
 def config_from_hf(cfg, source: str = "Hugging Face config") -> GPTConfig:
-    """The project config computing the same function as a ``GPT2Config`` / ``LlamaConfig``, or a clear refusal."""
+    """The project config computing the same function as a Hugging Face config of one of ``HF_FAMILIES``,
+    or a clear refusal."""
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in _ACCEPTED_ARCHITECTURES:
+    family = HF_FAMILIES.get(model_type)
+    if family is None:
+        supported = ", ".join(f"{f.architecture} (model_type {f.model_type!r})" for f in HF_FAMILIES.values())
         raise ConversionError(
             f"{source}: model_type {model_type!r} "
             f"({', '.join(getattr(cfg, 'architectures', None) or []) or 'no architecture'}) "
-            f"is not supported; supported: {GPT2_ARCH} (model_type 'gpt2') and {LLAMA_ARCH} (model_type 'llama')")
+            f"is not supported; supported: {supported}")
     archs = getattr(cfg, "architectures", None) or []
-    unknown = [a for a in archs if a not in _ACCEPTED_ARCHITECTURES[model_type]]
+    unknown = [a for a in archs if a not in family.accepted]
     if unknown:
         raise ConversionError(f"{source}: architecture {', '.join(unknown)} is not supported; "
-                              f"supported for model_type {model_type!r}: {HF_ARCHITECTURE[model_type]}")
-    hf_meta = {"architecture": HF_ARCHITECTURE[model_type], "source": source}
+                              f"supported for model_type {model_type!r}: {family.architecture}")
+    hf_meta = {"architecture": family.architecture, "source": source}
     hf_meta.update({k: getattr(cfg, k, None) for k in _SPECIAL_TOKENS})
     try:
         training = getattr(cfg, TRAINING_KEY, None) or {}
+        out = family.read(cfg, source)
         if model_type == "gpt2":
-            out = _gpt2_config_from_hf(cfg, source)
             out["bias"] = training.get("bias", True) is not False  # from_hf checks the biases are still zero
-        else:
-            out = _llama_config_from_hf(cfg, source)
         out.update({k: training[k] for k in _TRAINING_FIELDS if k in training})
-        return GPTConfig(**out, extra={"hf": hf_meta})
+        return GPTConfig(**out, hf_model_type=model_type, extra={"hf": hf_meta})
     except ConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
 
@@ -326,13 +359,10 @@ def _rope_theta(cfg, source: str) -> float:
     return float(theta)
 
 
-def _llama_config_from_hf(cfg, source: str) -> dict:
+def _decoder_config_from_hf(cfg, source: str) -> dict:
+    """The fields Llama, Qwen2, Qwen3 and Mistral configs share, as the project's llama variant."""
     if cfg.hidden_act != "silu":
         _refuse(source, "hidden_act", cfg.hidden_act, "SwiGLU with silu")
-    attention_bias, mlp_bias = bool(cfg.attention_bias), bool(getattr(cfg, "mlp_bias", False))
-    if attention_bias != mlp_bias:
-        _refuse(source, "attention_bias/mlp_bias", (attention_bias, mlp_bias),
-                "one bias setting for attention and MLP alike")
     return dict(variant="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                 num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
                 num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
@@ -340,7 +370,115 @@ def _llama_config_from_hf(cfg, source: str) -> dict:
                 ffn_hidden_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
                 norm_eps=float(cfg.rms_norm_eps), rope_theta=_rope_theta(cfg, source), hidden_dropout=0.0,
                 attention_dropout=float(cfg.attention_dropout or 0.0), init_std=float(cfg.initializer_range),
-                bias=attention_bias, tie_embeddings=bool(cfg.tie_word_embeddings))
+                tie_embeddings=bool(cfg.tie_word_embeddings))
+
+
+def _llama_config_from_hf(cfg, source: str) -> dict:
+    attention_bias, mlp_bias = bool(cfg.attention_bias), bool(getattr(cfg, "mlp_bias", False))
+    if attention_bias != mlp_bias:
+        _refuse(source, "attention_bias/mlp_bias", (attention_bias, mlp_bias),
+                "one bias setting for attention and MLP alike")
+    return dict(_decoder_config_from_hf(cfg, source), bias=attention_bias)
+
+
+def _full_attention_only(cfg, source: str) -> None:
+    """Qwen's sliding window applies to some layers only: refused (Mistral's one window is ``sliding_window``)."""
+    if getattr(cfg, "use_sliding_window", False):
+        _refuse(source, "use_sliding_window", True, "full causal attention in every layer")
+    partial = [t for t in getattr(cfg, "layer_types", None) or [] if t != "full_attention"]
+    if partial:
+        _refuse(source, "layer_types", partial[0], "full causal attention in every layer")
+
+
+def _qwen2_config_from_hf(cfg, source: str) -> dict:
+    _full_attention_only(cfg, source)
+    return dict(_decoder_config_from_hf(cfg, source), bias=False, qkv_bias=True)
+
+
+def _qwen3_config_from_hf(cfg, source: str) -> dict:
+    _full_attention_only(cfg, source)
+    if getattr(cfg, "attention_bias", False):
+        _refuse(source, "attention_bias", True, "a Qwen3 model without attention biases")
+    return dict(_decoder_config_from_hf(cfg, source), bias=False, qk_norm=True)
+
+
+def _mistral_config_from_hf(cfg, source: str) -> dict:
+    # GPTConfig refuses a window shorter than the sequence length (full attention would not equal it there).
+    return dict(_decoder_config_from_hf(cfg, source), bias=False, sliding_window=cfg.sliding_window)
+
+
+# -- the Hugging Face families -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HFFamily:
+    """One Hugging Face model family: its classes, its config's reader and writer, what of the project's
+    config it cannot hold."""
+    model_type: str
+    variant: str                          # the project's GPT variant it maps to
+    config_class: str                     # its transformers config class
+    architecture: str                     # the causal-LM class an export names
+    classifier: str                       # its *ForSequenceClassification (finetune.export_hf)
+    base: str                             # the bare decoder class, whose weights import as well
+    read: Callable[[Any, str], dict]      # (HF config, source) -> GPTConfig fields, refusing what it cannot hold
+    write: Callable[[GPTConfig], dict]    # config -> the transformers config's fields (special tokens aside)
+    holds: Callable[[GPTConfig], str | None]  # None, or what of the config the family cannot express
+
+    @property
+    def accepted(self) -> set[str]:
+        return {self.architecture, self.base}
+
+
+def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: bool = False, bias: bool = True):
+    """A family's ``holds``: the settings of the config it cannot express, named as ``field=value``."""
+    def problem(c: GPTConfig) -> str | None:
+        lacks = []
+        if (c.qkv_bias and not c.bias) != qkv_bias:  # Qwen2 always has Q, K, V biases, the others never alone
+            lacks.append(f"qkv_bias={c.qkv_bias}")
+        if c.qk_norm != qk_norm:
+            lacks.append(f"qk_norm={c.qk_norm}")
+        if c.sliding_window is not None and not sliding_window:
+            lacks.append(f"sliding_window={c.sliding_window}")
+        if c.bias and not bias:
+            lacks.append("bias=True")
+        return ", ".join(lacks) or None
+    return problem
+
+
+HF_FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
+    HFFamily("gpt2", "gpt2", "GPT2Config", GPT2_ARCH, "GPT2ForSequenceClassification", "GPT2Model",
+             _gpt2_config_from_hf, _gpt2_config_to_hf, lambda c: None),
+    HFFamily("llama", "llama", "LlamaConfig", LLAMA_ARCH, "LlamaForSequenceClassification", "LlamaModel",
+             _llama_config_from_hf, _llama_config_to_hf, _holds()),
+    HFFamily("qwen2", "llama", "Qwen2Config", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2Model",
+             _qwen2_config_from_hf, _qwen2_config_to_hf, _holds(qkv_bias=True, bias=False)),
+    HFFamily("qwen3", "llama", "Qwen3Config", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Model",
+             _qwen3_config_from_hf, _qwen3_config_to_hf, _holds(qk_norm=True, bias=False)),
+    HFFamily("mistral", "llama", "MistralConfig", "MistralForCausalLM", "MistralForSequenceClassification",
+             "MistralModel", _mistral_config_from_hf, _mistral_config_to_hf, _holds(sliding_window=True, bias=False)),
+)}
+HF_ARCHITECTURE = {name: f.architecture for name, f in HF_FAMILIES.items()}
+
+
+def hf_family(config: GPTConfig) -> HFFamily:
+    """The family ``config`` exports as: the one it was imported from (``hf_model_type``), else the first of
+    its variant's families that holds it (so a model trained here with ``qk_norm`` exports as Qwen3)."""
+    if config.hf_model_type is not None:
+        family = HF_FAMILIES.get(config.hf_model_type)
+        if family is None or family.variant != config.variant:
+            known = ", ".join(n for n, f in HF_FAMILIES.items() if f.variant == config.variant)
+            raise ConversionError(f"hf_model_type {config.hf_model_type!r} is not a Hugging Face family of the "
+                                  f"{config.variant} variant; choose one of {known}")
+        problem = family.holds(config)
+        if problem:
+            raise ConversionError(f"the model cannot be exported as {family.architecture} (hf_model_type "
+                                  f"{family.model_type!r}), which cannot hold {problem}")
+        return family
+    for family in HF_FAMILIES.values():
+        if family.variant == config.variant and family.holds(config) is None:
+            return family
+    raise ConversionError(f"no Hugging Face family holds this {config.variant} model "
+                          f"(qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, bias={config.bias}, "
+                          f"sliding_window={config.sliding_window})")
 
 
 def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | None = None,
@@ -444,7 +582,7 @@ def load_hf_model(source: HFSource, dtype: torch.dtype = torch.float32):
 
 def from_hf(hf_model_or_dir, *, gguf_file: str | None = None, dtype: torch.dtype | str | None = torch.float32,
             source: str | None = None):
-    """(GPTConfig, full state dict) of a Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM``.
+    """(GPTConfig, full state dict) of a Hugging Face causal LM of one of ``HF_FAMILIES``.
 
     ``hf_model_or_dir`` is a loaded model, a model directory, or a ``.gguf`` file. ``dtype`` is the
     dtype of the returned tensors (None keeps the model's). ``source`` names the model in messages

@@ -1,4 +1,4 @@
-"""Import a Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (a directory or a GGUF file) for training here.
+"""Import a Hugging Face GPT-2, Llama, Qwen2, Qwen3 or Mistral causal LM (a directory or a GGUF file) for training here.
 
     python -m pipeline.import_hf --model DIR_OR_GGUF --out DIR --tensor-parallel T --pipeline-parallel P
                                  [--dtype float32|bfloat16|float16] [--force]
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     config, out = import_hf(args.model, args.out, tensor_parallel=args.tensor_parallel,
                             pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
                             gguf_file=args.gguf_file, force=args.force)
-    print(f"imported {config.variant} model ({num_parameters_message(config)}, {config.num_layers} layers, "
+    print(f"imported {config.hf_model_type} model ({num_parameters_message(config)}, {config.num_layers} layers, "
           f"{config.num_heads} heads / {config.num_kv_heads} KV heads) to {out}; "
           f"fits --tensor-parallel {args.tensor_parallel} --pipeline-parallel {args.pipeline_parallel}")
     return 0

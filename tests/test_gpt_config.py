@@ -66,3 +66,17 @@ def test_sequence_longer_than_positions_at_forward():
     model = GPT(GPTConfig(**BASE))
     with pytest.raises(ValueError, match="sequence of 17 tokens is longer than max_position_embeddings 16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_llama_options_count_validate_and_limit_the_sequence():
+    for options in (dict(qkv_bias=True), dict(qk_norm=True, head_dim=12), dict(sliding_window=16)):
+        cfg = GPTConfig(**BASE, variant="llama", num_kv_heads=2, make_vocab_size_divisible_by=1, **options)
+        assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.num_parameters(), options
+    with pytest.raises(ConfigError, match="qk_norm is an option of the llama variant, not of gpt2"):
+        GPTConfig(**BASE, qk_norm=True)
+    with pytest.raises(ConfigError, match="sliding_window 8 is shorter than seq_length 16"):
+        GPTConfig(**BASE, variant="llama", sliding_window=8)
+    model = GPT(GPTConfig(**BASE, variant="llama", seq_length=8, sliding_window=12))
+    assert model.config.max_sequence_length == 12
+    with pytest.raises(ValueError, match=r"sequence of 13 tokens is longer than sliding_window 12 \(full causal"):
+        model(torch.zeros(1, 13, dtype=torch.long))

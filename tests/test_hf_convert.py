@@ -2,11 +2,12 @@
 what it cannot represent. (Export and import through files and at TP=2: test_hf_export.py, test_hf_import.py.)"""
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig, MistralConfig
+from transformers import GPT2Config, GemmaConfig, LlamaConfig
 
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict
-from pipeline.hf_convert import (ConversionError, config_from_hf, from_hf, state_dict_from_hf, to_hf, weight_map)
+from pipeline.hf_convert import (HF_FAMILIES, ConversionError, config_from_hf, from_hf, state_dict_from_hf, to_hf,
+                                 weight_map)
 from pipeline.state_dicts import StateDictError, load_full_state_dict
 
 TINY = dict(vocab_size=101, hidden_size=32, num_layers=2, max_position_embeddings=16, make_vocab_size_divisible_by=8)
@@ -17,6 +18,11 @@ CONFIGS = {
                              rope_theta=5000.0, **TINY),
     "llama-tied-bias-headdim": dict(variant="llama", num_heads=4, num_kv_heads=2, head_dim=12, ffn_hidden_size=40,
                                     bias=True, **TINY),
+    "qwen2": dict(variant="llama", num_heads=4, num_kv_heads=2, ffn_hidden_size=40, qkv_bias=True, **TINY),
+    "qwen3": dict(variant="llama", num_heads=4, num_kv_heads=2, head_dim=12, ffn_hidden_size=40, qk_norm=True,
+                  tie_embeddings=False, **TINY),
+    "mistral": dict(variant="llama", num_heads=4, num_kv_heads=2, ffn_hidden_size=40, sliding_window=16,
+                    tie_embeddings=False, **TINY),
 }
 
 
@@ -64,9 +70,11 @@ def test_in_memory_round_trip_and_hf_logits(name):
     assert sd2.keys() == sd.keys()
     for k in sd:
         assert torch.equal(sd2[k], sd[k]), k
-    strip = lambda c: {k: v for k, v in c.to_dict().items() if k != "extra"}  # noqa: E731
+    # the import records where it came from: extra, and the Hugging Face family it exports as again
+    strip = lambda c: {k: v for k, v in c.to_dict().items() if k not in ("extra", "hf_model_type")}  # noqa: E731
     assert strip(config2) == strip(model.config)
     assert config2.extra["hf"]["architecture"] == type(hf).__name__
+    assert HF_FAMILIES[config2.hf_model_type].architecture == type(hf).__name__
 
 
 def test_mapping_error_would_be_caught():
@@ -121,8 +129,8 @@ def test_bad_hf_state_dict_names_the_tensor():
 
 
 @pytest.mark.parametrize("hf_cfg, message", [
-    (MistralConfig(hidden_size=32, num_attention_heads=4, architectures=["MistralForCausalLM"]),
-     r"model_type 'mistral' \(MistralForCausalLM\) is not supported; supported: GPT2LMHeadModel"),
+    (GemmaConfig(hidden_size=32, num_attention_heads=4, architectures=["GemmaForCausalLM"]),
+     r"model_type 'gemma' \(GemmaForCausalLM\) is not supported; supported: GPT2LMHeadModel .*MistralForCausalLM"),
     (GPT2Config(n_embd=32, n_head=4, architectures=["GPT2ForSequenceClassification"]),
      r"architecture GPT2ForSequenceClassification is not supported"),
     (GPT2Config(n_embd=32, n_head=4, activation_function="gelu"),

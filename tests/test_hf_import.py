@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig
+from transformers import GemmaConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from conftest import shared_data
 from dist import run_distributed
@@ -57,7 +57,11 @@ def hf_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def imported(hf_models, tmp_path_factory):
-    """name -> project model directory written by the import command (checked for TP=2)."""
+    return import_each(hf_models, tmp_path_factory)
+
+
+def import_each(hf_models, tmp_path_factory):
+    """name -> project model directory written by the import command (checked for TP=2, PP=2)."""
     out = {}
     for name, (path, _, _) in hf_models.items():
         dst = tmp_path_factory.mktemp("imported") / name
@@ -72,12 +76,17 @@ def _logits_at_tp(rank, tp, model_dirs, tokens):
     initialize_model_parallel(tensor_parallel=tp)
     out = {}
     for name, path in model_dirs.items():
-        model = GPT(GPTConfig.from_file(Path(path) / "config.json")).eval()
-        # Lazy: each rank reads the tensors one by one and keeps only its shards.
-        load_full_state_dict(model, read_state_dict(Path(path) / "model.safetensors", lazy=True))
         with torch.no_grad():
-            out[name] = model(tokens[name])
+            out[name] = load_imported(path)(tokens[name])
     return out
+
+
+def load_imported(path) -> GPT:
+    """The model of an imported directory at the current TP size (eval mode)."""
+    model = GPT(GPTConfig.from_file(Path(path) / "config.json")).eval()
+    # Lazy: each rank reads the tensors one by one and keeps only its shards.
+    load_full_state_dict(model, read_state_dict(Path(path) / "model.safetensors", lazy=True))
+    return model
 
 
 def test_imported_directories_at_tp2_equal_hf_logits(hf_models, imported):
@@ -99,14 +108,7 @@ def test_imported_directories_at_tp2_equal_hf_logits(hf_models, imported):
 def test_hf_to_project_to_hf_is_exact(hf_models, imported, tmp_path):
     from transformers import AutoTokenizer
     for name, (path, _, hf_sd) in hf_models.items():
-        config = GPTConfig.from_file(imported[name] / "config.json")
-        full = dict(read_state_dict(imported[name] / "model.safetensors"))
-        tokenizer = imported[name] if name == "gpt2" else None
-        export_hf(config, full, tmp_path / name, tokenizer_dir=tokenizer)
-        back = read_state_dict(tmp_path / name / "model.safetensors")
-        assert back.keys() == hf_sd.keys() - {"lm_head.weight" if config.tie_embeddings else ""}
-        for k in back:
-            assert torch.equal(back[k], hf_sd[k]), (name, k)
+        export_imported(imported[name], tmp_path / name, hf_sd, imported[name] if name == "gpt2" else None)
         theirs = json.loads((Path(path) / "config.json").read_text())
         ours = json.loads((tmp_path / name / "config.json").read_text())
         same = ["vocab_size", "bos_token_id", "eos_token_id", "tie_word_embeddings"] + (
@@ -115,6 +117,16 @@ def test_hf_to_project_to_hf_is_exact(hf_models, imported, tmp_path):
         assert {k: ours[k] for k in same} == {k: theirs[k] for k in same}
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "gpt2"))
     assert tok("Hello world").input_ids == [15496, 995]
+
+
+def export_imported(model_dir: Path, out: Path, hf_sd: dict, tokenizer_dir=None) -> None:
+    """Export an imported directory to ``out`` and check its tensors are those of ``hf_sd``, bit for bit."""
+    config = GPTConfig.from_file(model_dir / "config.json")
+    export_hf(config, dict(read_state_dict(model_dir / "model.safetensors")), out, tokenizer_dir=tokenizer_dir)
+    back = read_state_dict(out / "model.safetensors")
+    assert back.keys() == hf_sd.keys() - {"lm_head.weight" if config.tie_embeddings else ""}
+    for k in back:
+        assert torch.equal(back[k], hf_sd[k]), (out, k)
 
 
 def test_project_to_hf_to_project_is_exact(tmp_path):
@@ -127,7 +139,8 @@ def test_project_to_hf_to_project_is_exact(tmp_path):
     back_config, _ = import_hf(tmp_path / "hf", tmp_path / "back")
     back = read_state_dict(tmp_path / "back" / "model.safetensors")
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
-    strip = lambda d: {k: v for k, v in d.items() if k != "extra"}  # noqa: E731 (extra records the source)
+    # extra and hf_model_type record the source
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("extra", "hf_model_type")}  # noqa: E731
     assert strip(back_config.to_dict()) == strip(config.to_dict())
     assert GPTConfig.from_file(tmp_path / "back" / "config.json") == back_config
 
@@ -146,10 +159,10 @@ def test_refusals_name_the_reason(hf_models, tmp_path, capsys):
         import_hf(llama_dir, tmp_path / "a", pipeline_parallel=3)
     assert not (tmp_path / "a").exists()
 
-    mistral = tmp_path / "mistral"
-    MistralConfig(hidden_size=32, num_attention_heads=4, architectures=["MistralForCausalLM"]).save_pretrained(mistral)
-    with pytest.raises(ConversionError, match=r"model_type 'mistral' \(MistralForCausalLM\) is not supported"):
-        import_hf(mistral, tmp_path / "b")
+    gemma = tmp_path / "gemma"
+    GemmaConfig(hidden_size=32, num_attention_heads=4, architectures=["GemmaForCausalLM"]).save_pretrained(gemma)
+    with pytest.raises(ConversionError, match=r"model_type 'gemma' \(GemmaForCausalLM\) is not supported"):
+        import_hf(gemma, tmp_path / "b")
 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("precious")

@@ -54,3 +54,25 @@ def test_finetune_then_classify_with_transformers(tmp_path, kernel, monkeypatch)
     print(f"notebook 02: max |transformers - project| = {diff:.1e}")
     assert diff < 1e-4  # both in float32, from the fp32 master weights of the bf16 run
     assert "Nervous about the exam tomorrow" in text  # the table of scores
+
+
+def test_accelerate_notebook_finetunes_the_export(tmp_path, kernel, monkeypatch):
+    """03: the base exported to transformers, AutoModelForSequenceClassification trained by accelerate's DeepSpeed
+    plugin from ds_configs/cpu.json as it is, the project's thresholds and chart, a classifier transformers loads."""
+    import numpy as np
+    import transformers
+    out = tmp_path / "run"
+    text = execute("03_finetune_with_accelerate.ipynb", kernel, monkeypatch,
+                   EC_DATA_DIR=shared_data("semeval2018-ec"), BASE_MODEL=write_base(tmp_path / "base"),
+                   OUT_DIR=out, TRAIN_LIMIT=480, DEV_LIMIT=120, EPOCHS=1, LR=3e-3, MAX_LENGTH=32,
+                   DS_CONFIG=ROOT / "ds_configs" / "cpu.json")
+    assert "432 training, 48 threshold-tuning and 120 dev tweets; 11 emotions" in text
+    assert "GPT2ForSequenceClassification" in text and "ZeRO stage 1" in text
+    assert "tuned on held-out train" in text and "image/png" in text
+    first, last = (float(x) for x in text.split("; loss ")[1].split()[0:3:2])
+    assert last < first  # the schedule's learning rate reached DeepSpeed's optimizer: the loss moved
+    clf = transformers.pipeline("text-classification", model=str(out / "hf_classifier"), top_k=None)
+    thresholds = clf.model.config.thresholds
+    assert len(thresholds) == 11 and all(0 < t < 1 for t in thresholds)
+    scores = clf(["Can't wait for the weekend!"])[0]
+    assert len(scores) == 11 and np.isclose(sum(s["score"] for s in scores) > 0, True)

@@ -6,7 +6,7 @@ from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_para
                        gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region, sequence_parallel_parameter)
-from .norms import SequenceParallelLayerNorm, SequenceParallelRMSNorm
+from .norms import HeadRMSNorm, SequenceParallelLayerNorm, SequenceParallelRMSNorm
 from .random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed, tensor_parallel_rng
 from .sharding import (ShardSpec, divide, full_state_dict, gather_full, get_shard_spec, is_sequence_parallel,
                        mark_sequence_parallel, padded_size)
@@ -21,7 +21,8 @@ __all__ = [
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "sequence_parallel_parameter",
-    "SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "mark_sequence_parallel", "is_sequence_parallel",
+    "HeadRMSNorm", "SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "mark_sequence_parallel",
+    "is_sequence_parallel",
     "MODEL_PARALLEL_RNG", "get_rng_tracker", "model_parallel_seed", "tensor_parallel_rng",
     "ShardSpec", "divide", "full_state_dict", "gather_full", "get_shard_spec", "padded_size",
     "ParallelConfigError", "ParallelState", "initialize_model_parallel", "get_parallel_state",

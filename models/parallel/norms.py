@@ -28,11 +28,17 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, _sp(self.weight), _sp(self.bias), self.eps)
 
 
-class SequenceParallelRMSNorm(nn.RMSNorm):
+class HeadRMSNorm(nn.RMSNorm):
+    """RMSNorm over ``head_dim`` on each of this rank's attention heads (Qwen3's Q/K norm). The weight is
+    replicated (no ShardSpec: checkpoints and resharding keep one copy), but each TP rank's gradient comes
+    from its own heads only, so it is summed over the TP group like a sequence-parallel norm's."""
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, _sp(self.weight), self.eps)
+
+
+class SequenceParallelRMSNorm(HeadRMSNorm):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         for p in self.parameters():
             mark_sequence_parallel(p)
-
-    def forward(self, x):
-        return F.rms_norm(x, self.normalized_shape, _sp(self.weight), self.eps)

@@ -82,7 +82,7 @@ class GPTScorer(ProjectScorer):
     """The project's ``models.GPT`` at any tensor-parallel size (call it on every rank of the TP group)."""
 
     def __init__(self, model):
-        super().__init__(model, model.config.max_position_embeddings)
+        super().__init__(model, model.config.max_sequence_length)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, *, greedy: bool = False) -> TokenScores:
