@@ -157,6 +157,7 @@ def load_semeval_ec(path: str | os.PathLike, labels: Sequence[str] | None = SEME
     if not lines:
         raise DataFormatError(path, "empty file (expected a header 'ID<TAB>Tweet<TAB><labels>')", line=1)
     header = lines[0].split("\t")
+    _check_ec_layout(path, header)
     _check_header_names(path, header)
     for required in (EC_ID_COLUMN, EC_TEXT_COLUMN):
         if required not in header:
@@ -236,6 +237,19 @@ def _read_lines(path: Path) -> list[str]:
     if lines and lines[0].startswith("\ufeff"):
         lines[0] = lines[0][1:]
     return lines
+
+
+def _check_ec_layout(path: Path, header: Sequence[str]) -> None:
+    """The two mistakes that otherwise read as a strange header: another separator, and no header at all."""
+    if len(header) == 1 and (EC_ID_COLUMN in header[0] or EC_TEXT_COLUMN in header[0]):
+        sep = next((s for s in (",", ";", "|", " ") if s in header[0]), None)
+        raise DataFormatError(path, f"the header has no tab{f' (it is separated by {sep!r})' if sep else ''}: E-c "
+                                    f"files are tab-separated ('ID<TAB>Tweet<TAB><labels>'); save it with tabs",
+                              line=1)
+    if EC_ID_COLUMN not in header and EC_TEXT_COLUMN not in header and len(header) >= 3 and \
+            all(c.strip() in ("0", "1", "NONE") for c in header[2:]):
+        raise DataFormatError(path, "the first line is a data row, not a header: E-c files start with the header "
+                                    "'ID<TAB>Tweet<TAB><labels>'; add it", line=1)
 
 
 def _check_header_names(path: Path, header: Sequence[str]):

@@ -20,7 +20,6 @@ texts first, as training did). The tokenizer adds no special tokens and pads on 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.errors import UserError, add_debug_arg, command
+from pipeline.errors import ArgumentParser, UserError, add_debug_arg, command
 
 from .heads import MULTILABEL
 from .saved import read_classifier_dir
@@ -103,10 +102,11 @@ def export_classifier(model_dir: str | Path, out: str | Path, *, dtype: torch.dt
 
     from pipeline.model_dir import copy_tokenizer_files
     from pipeline.hf_convert import parse_dtype
-    from pipeline.files import atomic_dir
+    from pipeline.files import atomic_dir, refuse_overlap
 
     from .thresholds import load_thresholds
     model_dir = Path(model_dir)
+    refuse_overlap(out, [("--model", model_dir)])
     info, full = read_classifier_dir(model_dir)
     cfg, sd = classifier_to_hf(info, full, parse_dtype(dtype))
     if info.get("thresholds_file"):
@@ -170,7 +170,7 @@ def compare_with_project(model_dir: str | Path, hf_dir: str | Path, texts: list[
 
 @command
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m finetune.export_hf", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m finetune.export_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="classifier directory (what finetune/train.py --save wrote)")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

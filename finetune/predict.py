@@ -21,11 +21,11 @@ if __package__ in (None, ""):
 
 import numpy as np
 
-from pipeline.errors import add_debug_arg, command
+from pipeline.errors import ArgumentParser, add_debug_arg, command
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m finetune.predict", description=__doc__,
+    p = ArgumentParser(prog="python -m finetune.predict", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="classifier directory (finetune/train.py --save)")
     p.add_argument("--data", required=True, help="texts to classify (E-c file, or CSV/TSV/JSON(L))")
@@ -38,13 +38,28 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--probabilities", default=None, help="also write the probabilities to this TSV file")
     p.add_argument("--eval-json", default=None, help="write the scores to this JSON file (labelled data)")
+    p.add_argument("--force", action="store_true", help="replace existing output files")
     add_debug_arg(p)
     args = p.parse_args(argv)
+    check_outputs(args)
     if args.threshold is not None and not 0.0 < args.threshold < 1.0:
         p.error(f"--threshold must be in (0, 1), got {args.threshold}")
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     return p, args
+
+
+def check_outputs(args) -> None:
+    """Before any work: no output replaces an input (ever) or an existing file (unless --force), and the
+    outputs are distinct files."""
+    from pipeline.files import check_output_file, refuse_overlap
+    outputs = [(flag, getattr(args, attr)) for flag, attr in (("--out", "out"), ("--probabilities", "probabilities"),
+                                                              ("--eval-json", "eval_json"))
+               if getattr(args, attr) is not None]
+    inputs = [("--data", args.data), ("--model", args.model)]
+    for i, (flag, path) in enumerate(outputs):
+        refuse_overlap(path, inputs + outputs[:i], flag)
+        check_output_file(path, args.force, flag)
 
 
 def read_texts(path: str, label_names, text_column: str | None, id_column: str | None):
@@ -59,12 +74,25 @@ def read_texts(path: str, label_names, text_column: str | None, id_column: str |
         data = load_semeval_ec(p, labels=None, require_labels=False)
         if data.labels is not None and all(name in data.label_names for name in label_names):
             return data.select_labels(label_names)
+        _note_partial_labels(p, data.label_names if data.labels is not None else [], label_names)
         return _unlabelled(data)  # labelled with other columns than the model's: predictions only
     columns = _columns(p)
     kwargs = {"text_column": text_column or "text", "id_column": id_column}
     if all(name in columns for name in label_names):
         kwargs["label_columns"] = list(label_names)
+    else:
+        _note_partial_labels(p, columns, label_names)
     return load_labeled_file(p, **kwargs)
+
+
+def _note_partial_labels(path: Path, columns, label_names) -> None:
+    """A file with some but not all of the model's label columns is read as unlabelled: say so."""
+    present = [n for n in label_names if n in columns]
+    if present:
+        missing = [n for n in label_names if n not in columns]
+        print(f"note: {path}: has the label column(s) {', '.join(present)} but not {', '.join(missing)} of the "
+              f"model's labels; it is read as unlabelled (predictions only, no scores); add the missing columns "
+              f"to have it scored", file=sys.stderr)
 
 
 def _unlabelled(data):

@@ -38,11 +38,12 @@ from finetune.heads import MULTILABEL, HeadConfig
 from finetune.metrics import evaluate_probabilities, single_label_scores
 from finetune.model import build_classifier
 from finetune.normalize import TweetNormalizer
-from finetune.saved import load_base_state
+from finetune.saved import CLASSIFIER_FILE, load_base_state
 from pipeline.data import load_tokenizer
 from pipeline.engine import build_engine, optimizer_step, precision
-from pipeline.errors import UserError, command
+from pipeline.errors import ArgumentParser, UserError, command
 from pipeline.families import ModelFamily, family_of
+from pipeline.files import OutputError, refuse_overlap
 from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, apply_sequence_parallel,
                           every, is_rank0, quiet_deepspeed, setup, train_loop)
 from pipeline.metrics import MetricsWriter
@@ -56,7 +57,7 @@ class FinetuneError(UserError, ValueError):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--base", required=True, help="base model directory (pretraining checkpoint, config.json + "
                                                   "model.safetensors, or a classifier)")
@@ -121,7 +122,10 @@ def parse_args(argv=None):
                         "comma-separated numbers, one per label")
     g.add_argument("--pos-weight-max", type=float, default=10.0, help="cap of balanced/sqrt positive weights")
     g = p.add_argument_group("output")
-    g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...)")
+    g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...); "
+                                                "new or empty unless --force")
+    g.add_argument("--force", action="store_true", help="write into an existing --save that holds an earlier "
+                                                        "classifier of this job")
     g.add_argument("--hf-export", choices=["auto", "no"], default="auto",
                    help="auto: write the Hugging Face classifier to SAVE/hf when the head allows it")
     g.add_argument("--eval-interval", type=int, default=None, help="steps between dev evaluations "
@@ -297,6 +301,26 @@ def main(argv=None) -> dict:
     return run(parse_args(argv))
 
 
+def check_save(args) -> None:
+    """--save never is, or holds, an input (the base run would be written into); an existing non-empty one
+    is used only with --force, and only when it holds a classifier this job wrote."""
+    if args.save is None:
+        return
+    refuse_overlap(args.save, [("--base", args.base), ("--train", args.train), ("--dev", args.dev),
+                               ("--test", args.test), ("--tokenizer", args.tokenizer)], "--save")
+    save = Path(args.save)
+    if save.is_dir() and any(save.iterdir()):
+        if not args.force:
+            raise OutputError(f"--save {save} is not empty; choose a new directory or pass --force to replace "
+                              f"the classifier in it")
+        if not (save / CLASSIFIER_FILE).is_file():
+            raise OutputError(f"--save {save} holds no {CLASSIFIER_FILE}: it is not a classifier directory of this "
+                              f"job, and --force replaces only those; choose a new or empty directory")
+        (save / "metrics.jsonl").unlink(missing_ok=True)  # this job's own log of the run it replaces
+    elif save.exists() and not save.is_dir():
+        raise OutputError(f"--save {save} is a file; give a directory")
+
+
 # ------------------------------------------------------------------------------------------ providers
 
 @dataclass
@@ -465,6 +489,7 @@ class FinetuneRun:
 # ------------------------------------------------------------------------------------------------ the job
 
 def run(args) -> dict:
+    check_save(args)
     if not args.verbose:
         quiet_deepspeed(False)
     base = provide_base(args)

@@ -7,16 +7,21 @@ Layout of a save directory::
     global_step<N>/          DeepSpeed save_checkpoint files (model, optimizer, scheduler, loss scale)
         rank<R>_state.pt     each rank's data position and RNG streams
         layout.json          TP / PP / DP sizes and the step
-        COMPLETE.json        written last: every file of the tag with its size
+        COMPLETE.json        written last: every file of the tag with its size and sha256
     latest                   the newest complete tag, replaced atomically
+    zero_to_fp32.py          (ZeRO runs) DeepSpeed's recovery script, made weights-only
     universal/<tag>/         a tag converted for another layout (``pipeline.universal``), on demand
 
 A save killed at any point leaves at most a tag directory without COMPLETE.json,
 which ``latest`` never names. On load every file listed in COMPLETE.json must be
-there with its size, or the load is refused naming the file.
+there with its size and sha256 (hashed as it was written), and every torch file may
+pickle only tensors and DeepSpeed's own types (``pipeline.safe_load``), or the load is
+refused naming the file. A tag (``latest`` or ``--load-tag``) names a directory of the
+run directory itself, never a path outside it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -27,16 +32,14 @@ import torch
 import torch.distributed as dist
 
 from models.parallel import get_rng_tracker
-from pipeline.errors import UserError
 from pipeline.families import family_of_dict
 from pipeline.files import atomic_dir, atomic_write_text
 from pipeline.model_dir import read_model_dir
 
+from . import safe_load
+from .safe_load import CheckpointError
+
 COMPLETE = "COMPLETE.json"
-
-
-class CheckpointError(UserError, RuntimeError):
-    pass
 
 
 def tag_for_step(step: int) -> str:
@@ -93,21 +96,42 @@ def save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, 
         import shutil
         shutil.rmtree(tag_dir)
     _barrier()
+    writer = engine.checkpoint_engine  # a safe_load.SafeCheckpointEngine (build_engine installs it)
+    writer.written.clear()
     engine.save_checkpoint(str(save_dir), tag=tag, client_state={"step": step, **(extra_client_state or {})},
                            save_latest=False)
     _crash_point("after-deepspeed-files", step)
-    torch.save({"data": data_state, "rng": rng_state()}, tag_dir / f"rank{rank}_state.pt")
-    _barrier()
+    state_file = tag_dir / f"rank{rank}_state.pt"
+    digests = {**writer.written, str(state_file.resolve()): safe_load.save_hashed(
+        {"data": data_state, "rng": rng_state()}, state_file)}
+    digests = _gather_digests(digests)
     if rank == 0:
         scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        atomic_write_text(tag_dir / "layout.json", json.dumps({**layout, "step": step, "scheduler": scheduler,
-                                                               "skipped_steps": int(engine.skipped_steps)},
-                                                              indent=2) + "\n")
-        files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*")) if p.is_file()}
-        atomic_write_text(tag_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=2) + "\n")
+        layout_text = json.dumps({**layout, "step": step, "scheduler": scheduler,
+                                  "skipped_steps": int(engine.skipped_steps)}, indent=2) + "\n"
+        atomic_write_text(tag_dir / "layout.json", layout_text)
+        digests[str((tag_dir / "layout.json").resolve())] = hashlib.sha256(layout_text.encode()).hexdigest()
+        write_complete(tag_dir, step, digests)
+        safe_load.make_recovery_script_safe(save_dir)
         atomic_write_text(save_dir / "latest", tag + "\n")
     _barrier()
     return tag_dir
+
+
+def _gather_digests(digests: dict) -> dict:
+    """Every rank's {absolute path: sha256} of the files it wrote, on every rank."""
+    if not dist.is_initialized():
+        return dict(digests)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digests)
+    return {k: v for d in everyone for k, v in d.items()}
+
+
+def write_complete(tag_dir: Path, step: int, digests: dict | None = None) -> None:
+    """COMPLETE.json, written last: {name: {size, sha256}} of every file of the tag. ``digests`` are the
+    sha256 the writers computed as the bytes went out ({absolute path: sha256}); a file none hashed is read back."""
+    files = safe_load.file_manifest(tag_dir, digests, skip=(COMPLETE,))
+    atomic_write_text(tag_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=2) + "\n")
 
 
 def _crash_point(where: str, step: int) -> None:
@@ -128,8 +152,21 @@ def resolve_tag(load_dir, tag: str | None = None) -> str:
             raise CheckpointError(f"{latest} does not exist: no complete checkpoint in {load_dir}"
                                   + (f" (complete tags: {', '.join(tags)})" if tags else ""))
         tag = latest.read_text().strip()
+        source = f"{latest} names"
+    else:
+        source = "--load-tag"
+    _check_inside(load_dir, tag, source)
     verify(load_dir / tag)
     return tag
+
+
+def _check_inside(load_dir: Path, tag: str, source: str) -> None:
+    """A tag is the name of a directory of the run directory: no path, no way out of it."""
+    target = (load_dir / tag).resolve()
+    if not tag or Path(tag).name != tag or tag in (".", "..") or target.parent != load_dir.resolve():
+        raise CheckpointError(f"{source} tag {tag!r}, which is not a checkpoint directory inside {load_dir}; a tag "
+                              f"is the name of a global_step<N> directory of the run (complete tags: "
+                              f"{', '.join(complete_tags(load_dir)) or 'none'})")
 
 
 def complete_tags(load_dir) -> list[str]:
@@ -138,7 +175,8 @@ def complete_tags(load_dir) -> list[str]:
 
 
 def verify(tag_dir: Path) -> dict:
-    """Every file COMPLETE.json lists is there with its size; else refuse, naming the file."""
+    """Every file COMPLETE.json lists is there with its size and sha256, and pickles nothing but tensors and
+    DeepSpeed's own types; else refuse, naming the file."""
     marker = tag_dir / COMPLETE
     others = ", ".join(complete_tags(tag_dir.parent)) or "none"
     if not tag_dir.is_dir():
@@ -146,16 +184,28 @@ def verify(tag_dir: Path) -> dict:
     if not marker.is_file():
         raise CheckpointError(f"checkpoint {tag_dir} is incomplete (no {COMPLETE}: its save was interrupted); "
                               f"choose another with --load-tag (complete checkpoints: {others})")
-    manifest = json.loads(marker.read_text())
-    for name, size in manifest["files"].items():
+    try:
+        manifest = json.loads(marker.read_text())
+        entries = {name: entry if isinstance(entry, dict) else {"size": entry}  # size-only: saved before sha256
+                   for name, entry in manifest["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{marker}: not a valid {COMPLETE} ({e}); choose another checkpoint with --load-tag "
+                              f"(complete checkpoints: {others})") from None
+    damaged = f"; choose another with --load-tag (complete checkpoints: {others})"
+    for name, entry in entries.items():
         path = tag_dir / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{marker}: lists {name!r}, a path outside the checkpoint{damaged}")
         if not path.is_file():
-            raise CheckpointError(f"checkpoint {tag_dir} is damaged: {path} is missing; choose another with "
-                                  f"--load-tag (complete checkpoints: {others})")
-        if path.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {tag_dir} is damaged: {path} is missing{damaged}")
+        if path.stat().st_size != entry.get("size"):
             raise CheckpointError(f"checkpoint {tag_dir} is damaged: {path} has {path.stat().st_size} bytes, "
-                                  f"expected {size} (truncated?); choose another with --load-tag "
-                                  f"(complete checkpoints: {others})")
+                                  f"expected {entry.get('size')} (truncated?){damaged}")
+        if "sha256" in entry and safe_load.sha256_file(path) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint {tag_dir} is damaged: {path} does not match the sha256 recorded "
+                                  f"when it was written (its bytes changed){damaged}")
+        if path.suffix == ".pt":
+            safe_load.scan(path)
     return manifest
 
 
@@ -171,7 +221,7 @@ def load(engine, load_dir, tag: str | None = None, *, load_optimizer: bool = Tru
     step = int(client.get("step", int(tag.removeprefix("global_step"))))
     if not state_file.is_file():
         return step, None  # a different world size: no per-rank state to restore
-    state = torch.load(state_file, weights_only=True)
+    state = safe_load.safe_torch_load(state_file)
     set_rng_state(state["rng"])
     return step, state["data"]
 
@@ -206,7 +256,7 @@ def read_full_model_state(load_dir, tag: str | None = None):
         per_rank = _zero3_weights(load_dir, tag, tp)  # ZeRO-3 writes zero_pp_rank_<dp>_mp_rank_<tp> files only
     elif pp == 1:
         for r in range(tp):
-            state = torch.load(tag_dir / f"mp_rank_{r:02d}_model_states.pt", weights_only=True, map_location="cpu")
+            state = safe_load.safe_torch_load(tag_dir / f"mp_rank_{r:02d}_model_states.pt", map_location="cpu")
             per_rank[r] = state["module"]
         if not per_rank[0] or any(v.numel() == 0 for v in per_rank[0].values()):
             per_rank = _zero3_weights(load_dir, tag, tp)
@@ -215,7 +265,7 @@ def read_full_model_state(load_dir, tag: str | None = None):
         for path in sorted(tag_dir.glob("layer_*-model_states.pt")):
             idx = int(path.name.split("-")[0].removeprefix("layer_"))
             r = int(path.name.split("-model_")[1][:2]) if "-model_" in path.name else 0
-            for name, value in torch.load(path, weights_only=True, map_location="cpu").items():
+            for name, value in safe_load.safe_torch_load(path, map_location="cpu").items():
                 full_name = pipe_to_gpt_name(f"{idx}.{name}", config)
                 if full_name.startswith("lm_head.") and config.tie_embeddings:
                     full_name = f"embedding.{name}"  # the tied copy on the last stage
@@ -226,17 +276,38 @@ def read_full_model_state(load_dir, tag: str | None = None):
     full = {}
     for name, spec in specs.items():
         shards = [per_rank[r][name] for r in range(tp)]
-        # a replicated tensor of a ZeRO-1/2 file can be a view into DeepSpeed's flat buffer: give it its own
-        # storage (safetensors refuses to write a tensor that covers only part of its storage)
-        full[name] = spec.gather(shards) if spec is not None else shards[0].clone()
-    return config, full, tokenizer_dir
+        full[name] = spec.gather(shards) if spec is not None else shards[0]
+    return config, own_storage(full), tokenizer_dir
+
+
+def own_storage(state_dict) -> dict:
+    """Each tensor in a storage of its own. DeepSpeed saves some weights as views into its flat buffers
+    (fp32 ZeRO-1/2: a 16 KiB embedding at an offset of a 496 KiB storage); safetensors, and any writer
+    that drops shared storage, refuse or bloat such views."""
+    def alone(t: torch.Tensor) -> bool:
+        return (t.storage_offset() == 0 and t.is_contiguous()
+                and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+    return {k: v if alone(v) else v.clone(memory_format=torch.contiguous_format) for k, v in state_dict.items()}
 
 
 def _zero3_weights(load_dir: Path, tag: str, tp: int) -> list[dict]:
-    if tp != 1:
-        raise CheckpointError(f"{load_dir / tag}: reading ZeRO-3 weights is supported at TP=1 only (saved at TP={tp})")
+    """Each TP rank's weights of a ZeRO-3 checkpoint, by DeepSpeed's zero_to_fp32 (weights-only loads).
+
+    zero_to_fp32 merges every ``*_optim_states.pt`` of a tag as one data-parallel group; at TP > 1 each
+    TP rank's files are therefore shown to it alone, in a directory of links."""
+    import tempfile
+
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    return [dict(get_fp32_state_dict_from_zero_checkpoint(str(load_dir), tag=tag))]
+    if tp == 1:
+        return [dict(get_fp32_state_dict_from_zero_checkpoint(str(load_dir), tag=tag))]
+    per_rank = []
+    for r in range(tp):
+        with tempfile.TemporaryDirectory(prefix="zero3-tp-rank") as view:
+            (Path(view) / tag).mkdir()
+            for path in (load_dir / tag).glob(f"*mp_rank_{r:02d}_*_states.pt"):
+                (Path(view) / tag / path.name).symlink_to(path.resolve())
+            per_rank.append(dict(get_fp32_state_dict_from_zero_checkpoint(view, tag=tag)))
+    return per_rank
 
 
 def same_layout(saved: dict, current: dict) -> bool:
@@ -254,7 +325,7 @@ def restore_after_reshard(engine, load_dir, tag: str) -> tuple[int, dict | None]
     layout = saved_layout(load_dir, tag)
     if engine.lr_scheduler is not None and layout.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(layout["scheduler"])
-    state = torch.load(Path(load_dir) / tag / "rank0_state.pt", weights_only=True)
+    state = safe_load.safe_torch_load(Path(load_dir) / tag / "rank0_state.pt")
     data = state["data"]
     if data is not None and data.get("kind") != "map":
         data = None  # a streamed corpus's position belongs to its DP rank: it restarts

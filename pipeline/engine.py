@@ -16,8 +16,9 @@ import torch.distributed as dist
 from models.config import read_json
 from models.parallel import ParallelState
 
+from . import safe_load
+from .ds_keys import unknown_key_errors
 from .errors import UserError
-
 from .schedules import LRSchedule, Scheduler
 
 
@@ -50,6 +51,10 @@ def resolve_ds_config(ds: dict, *, data_parallel: int, pipeline_parallel: int = 
     global batch = micro batch x gradient accumulation steps x data-parallel size.
     """
     ds = copy.deepcopy(ds)
+    unknown = unknown_key_errors(ds, source)
+    if unknown:
+        raise EngineConfigError(unknown[0] + (f" ({len(unknown) - 1} more unknown key(s) follow it)"
+                                              if len(unknown) > 1 else ""))
     if micro_batch_size is not None:
         ds["train_micro_batch_size_per_gpu"] = micro_batch_size
     if global_batch_size is not None:
@@ -210,6 +215,7 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=(param_groups_fn or param_groups)(model),
                                            config=ds_config,
                                            mpu=mpu, lr_scheduler=lr_scheduler)
+    safe_load.install(engine)  # loads weights only, hashes what it saves
     engine.is_pipe = state.pipeline_parallel > 1
     if not engine.is_pipe and zero_stage(ds_config) == 0 and state.data_parallel == 1:
         # Without ZeRO, DeepSpeed flattens every gradient into buckets, all-reduces them over the

@@ -40,8 +40,8 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 
-__all__ = ["UserError", "InputError", "user_error_types", "format_user_error", "reported_errors", "command",
-           "add_debug_arg",
+__all__ = ["UserError", "InputError", "ArgumentParser", "user_error_types", "format_user_error", "reported_errors",
+           "command", "add_debug_arg",
            "EXIT_USER_ERROR", "DEBUG_ENV"]
 
 EXIT_USER_ERROR = 2
@@ -108,6 +108,14 @@ def command(main: Callable) -> Callable:
         with reported_errors(argv):
             return main(argv, *args, **kwargs)
     return wrapper
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (a missing or malformed flag) are user errors like any other: one line
+    ``error: <prog>: <what>; see --help``, exit 2, through ``command``'s handler, without the usage block."""
+
+    def error(self, message: str):
+        raise InputError(f"{self.prog}: {message}; see {self.prog} --help")
 
 
 def add_debug_arg(parser: argparse.ArgumentParser) -> None:

@@ -26,8 +26,8 @@ import transformers
 
 from models.parallel import get_parallel_state
 from pipeline.distributed import init_distributed
-from pipeline.errors import InputError, add_debug_arg, command
-from pipeline.files import atomic_path, atomic_write_json
+from pipeline.errors import ArgumentParser, InputError, add_debug_arg, command
+from pipeline.files import atomic_path, atomic_write_json, check_output_file, refuse_overlap
 from pipeline.hf_convert import add_dtype_arg, short_dtype_name
 from pipeline.lm_scoring import (DataShard, evaluate_bpc, evaluate_lambada, evaluate_wikitext, load_hf_model,
                                  load_hf_tokenizer, load_lambada, load_project_model, load_text, load_wikitext,
@@ -38,7 +38,7 @@ MEGATRON_STRIDE = 32  # Megatron-LM's --overlapping-eval default
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0])
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--task", choices=TASKS, help="the project's own evaluations (with --data)")
     what.add_argument("--harness", metavar="TASKS",
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let transformers run the model directory's own Python code (off by default)")
     p.add_argument("--plot", type=Path, help="wikitext/bpc: also save a PNG of the loss against the left context")
+    p.add_argument("--force", action="store_true", help="replace an existing --out / --plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_debug_arg(p)
     return p
@@ -94,6 +95,16 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def check_outputs(args) -> None:
+    """--out and --plot: never an input (or a directory holding one); an existing file only with --force."""
+    inputs = [("--data", args.data), ("--hf", args.hf), ("--checkpoint", args.checkpoint),
+              ("--tokenizer", args.tokenizer), ("--include-path", args.include_path)]
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path is not None:
+            refuse_overlap(path, inputs, flag)
+            check_output_file(path, args.force, flag)
 
 
 def load_model(args):
@@ -150,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Score and write the result (a user error raises; ``python -m`` reports it in one line, exit 2)."""
     args = build_parser().parse_args(argv)
     args.dtype = short_dtype_name(args.dtype)
+    check_outputs(args)
     for name in ("context_length", "stride", "batch_size", "max_examples"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -14,7 +14,6 @@ the directory writing, tokenizer and verification are shared.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,14 +28,15 @@ from models import GPT, MLSTM
 from models.hf_mlstm import MLSTMHFConfig  # importing it registers the mLSTM with the Auto classes
 from models.config import GPTConfig
 from models.mlstm import MLSTMConfig
-from pipeline.errors import add_debug_arg, command
+from pipeline.errors import ArgumentParser, add_debug_arg, command
 from pipeline.hf_convert import (ConversionError, add_dtype_arg, dtype_name, hf_family, num_parameters_message,
                                  parse_dtype, to_hf)
 from pipeline.families import family_of
 from pipeline.checkpoint import read_full_checkpoint
-from pipeline.files import atomic_dir
+from pipeline.files import atomic_dir, check_output_dir, refuse_overlap
 from pipeline.model_dir import copy_tokenizer_files
 from pipeline.state_dicts import load_full_state_dict
+
 
 @dataclass
 class HFExport:
@@ -141,7 +141,7 @@ def compare_with_hf(config, full_sd: Mapping[str, torch.Tensor], hf_dir: str | P
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.export_hf", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m pipeline.export_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint directory to export")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
     add_dtype_arg(p, help="dtype of the exported weights")
@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="reload the export with transformers and compare its logits with the project model's")
     add_debug_arg(p)
     args = p.parse_args(argv)
+    refuse_overlap(args.out, [("--checkpoint", args.checkpoint), ("--tokenizer", args.tokenizer)])
+    check_output_dir(args.out, args.force)  # before reading the checkpoint
     config, full_sd, tokenizer_dir = read_full_checkpoint(args.checkpoint)
     tokenizer_dir = args.tokenizer or tokenizer_dir
     out = export_hf(config, full_sd, args.out, dtype=args.dtype, tokenizer_dir=tokenizer_dir, force=args.force)

@@ -22,10 +22,17 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.errors import InputError
+from pipeline.errors import InputError, UserError
 
 __all__ = ["read_utf8_text", "atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
-           "atomic_dir", "check_output_dir", "fsync_tree"]
+           "atomic_dir", "check_output_dir", "check_output_file", "refuse_overlap", "OutputError", "fsync_tree"]
+
+
+class OutputError(UserError, FileExistsError):
+    """An output that would replace or delete something the command did not write (an input, a user's file)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)  # one argument: the handler prints the message, not an OS error format
 
 
 def read_utf8_text(path: str | os.PathLike, what: str = "text file") -> str:
@@ -101,23 +108,60 @@ def check_output_dir(out: str | os.PathLike, force: bool = False) -> Path:
     """Refuse an output path that is a file, or a non-empty directory unless ``force``."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output path {out} exists and is not a directory")
+        raise OutputError(f"output path {out} exists and is not a directory; choose a directory path")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"output directory {out} is not empty; choose another one or pass --force to replace it")
+        raise OutputError(f"output directory {out} is not empty; choose another one or pass --force to replace it")
     return out
+
+
+def check_output_file(path: str | os.PathLike, force: bool = False, flag: str = "--out") -> Path:
+    """Refuse an existing output file unless ``force``, and a directory always."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{flag} {path} is a directory; give a file path")
+    if path.exists() and not force:
+        raise OutputError(f"{flag} {path} exists; pass --force to replace it or choose another path")
+    return path
+
+
+def refuse_overlap(out: str | os.PathLike, inputs, flag: str = "--out") -> None:
+    """An output equal to an input, or a directory holding one, is refused outright (even with --force):
+    writing it would replace or delete the input. ``inputs``: (flag, path or None) pairs."""
+    target = Path(out).resolve()
+    for input_flag, path in inputs:
+        if path is None:
+            continue
+        source = Path(path).resolve()
+        if source == target or target in source.parents:
+            what = "is" if source == target else "holds"
+            raise OutputError(f"{flag} {out} {what} the input {input_flag} {path}; writing there would replace "
+                              f"it; choose another {flag}")
+
+
+def _foreign_entries(out: Path, new: Path) -> list[str]:
+    """Entries of an existing ``out`` that the new output does not have: not written by this command."""
+    return sorted(set(os.listdir(out)) - set(os.listdir(new))) if out.is_dir() else []
 
 
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to ``out``; on success it becomes ``out`` in one rename.
 
-    A failure (or a kill) part-way leaves ``out`` as it was. A non-empty ``out`` is refused unless ``force``.
+    A failure (or a kill) part-way leaves ``out`` as it was. A non-empty ``out`` is refused unless ``force``;
+    ``force`` replaces only an earlier output of the same kind: an ``out`` holding files the new output
+    does not have (someone else's) is refused, and nothing is deleted.
     """
     out = check_output_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        foreign = _foreign_entries(out, tmp)
+        if foreign:
+            raise OutputError(f"output directory {out} holds {', '.join(foreign[:5])}"
+                              f"{' ...' if len(foreign) > 5 else ''}, which this command did not write; --force "
+                              f"replaces only an earlier output of the same command; choose a new or empty "
+                              f"directory")
         os.chmod(tmp, 0o777 & ~_umask())
         fsync_tree(tmp)
         old = None

@@ -11,19 +11,18 @@ before anything is written, with the sizes that would.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 from models.config import ConfigError, GPTConfig
-from pipeline.errors import add_debug_arg, command
+from pipeline.errors import ArgumentParser, add_debug_arg, command
 from pipeline.model_dir import has_tokenizer, write_model_dir
 from pipeline.hf_convert import (ConversionError, add_dtype_arg, config_from_hf, from_hf, load_hf_config,
                                  load_hf_model, num_parameters_message, parallel_sizes, parse_dtype,
                                  resolve_hf_source)
-from pipeline.files import check_output_dir
+from pipeline.files import check_output_dir, refuse_overlap
 
 
 def check_layout(config: GPTConfig, tensor_parallel: int, pipeline_parallel: int, source: str) -> None:
@@ -45,6 +44,7 @@ def import_hf(model: str | Path, out: str | Path, *, tensor_parallel: int = 1, p
               dtype: str | torch.dtype = torch.float32, gguf_file: str | None = None,
               force: bool = False) -> tuple[GPTConfig, Path]:
     """Convert a Hugging Face model directory or GGUF file into the project's model directory ``out``."""
+    refuse_overlap(out, [("--model", model)])
     source = resolve_hf_source(model, gguf_file)
     config = config_from_hf(load_hf_config(source), str(source))
     check_layout(config, tensor_parallel, pipeline_parallel, str(source))
@@ -60,7 +60,7 @@ def import_hf(model: str | Path, out: str | Path, *, tensor_parallel: int = 1, p
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.import_hf", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m pipeline.import_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory, or a .gguf file")
     p.add_argument("--gguf-file", help="name of the .gguf file inside --model (when it is a directory)")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")

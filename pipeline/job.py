@@ -106,7 +106,6 @@ class Job:
     state: ParallelState
     ds: dict
     ds_source: str
-    peak_tflops: float | None
 
     @property
     def micro_batch(self) -> int:
@@ -123,10 +122,8 @@ def quiet_deepspeed(verbose: bool) -> None:
 
 
 def setup(options: EngineOptions) -> Job:
-    """Join the process group, build the (TP, PP, DP) state, seed every rank, load and resolve the DeepSpeed config.
-
-    The config's ``peak_tflops`` (the project's key, for MFU) is taken out before DeepSpeed sees it.
-    """
+    """Join the process group, build the (TP, PP, DP) state, seed every rank, load and resolve the DeepSpeed config
+    (DeepSpeed's keys only: ``resolve_ds_config`` refuses others, e.g. ``peak_tflops``, now ``--peak-tflops``)."""
     if options.sequence_parallel and options.tensor_parallel == 1:
         raise EngineConfigError("--sequence-parallel splits the sequence across the tensor-parallel ranks and does "
                                 "nothing with --tensor-parallel 1; drop it or use --tensor-parallel 2 or more")
@@ -137,14 +134,13 @@ def setup(options: EngineOptions) -> Job:
     model_parallel_seed(options.seed)
     source = options.deepspeed_config or default_ds_config()
     ds = load_ds_config(source)
-    peak_tflops = ds.pop("peak_tflops", None)
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, pipeline_parallel=state.pipeline_parallel,
                            micro_batch_size=options.micro_batch_size, global_batch_size=options.global_batch_size,
                            source=source)
     if options.sequence_parallel:
         sequence_parallel_ds_config(ds, state, source)  # its refusals, before any work
     ds = place_monitor_outputs(ds, Path(options.save) if options.save else None)
-    return Job(options, state, ds, source, peak_tflops)
+    return Job(options, state, ds, source)
 
 
 def apply_sequence_parallel(config, job: Job) -> None:

@@ -7,13 +7,12 @@ rate, and tokens/s, plus MFU when a run logged it. A RUN is a run directory or i
 """
 from __future__ import annotations
 
-import argparse
 import io
 import json
 from pathlib import Path
 
-from pipeline.errors import UserError, add_debug_arg, command
-from pipeline.files import atomic_write_bytes
+from pipeline.errors import ArgumentParser, UserError, add_debug_arg, command
+from pipeline.files import atomic_write_bytes, check_output_file, refuse_overlap
 
 
 class PlotError(UserError):
@@ -91,13 +90,16 @@ def plot_runs(runs: list[str | Path], out: str | Path, labels: list[str] | None 
 
 @command
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m pipeline.plot", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or their metrics.jsonl)")
     parser.add_argument("--out", required=True, help="the picture to write (.png, .svg, .pdf)")
     parser.add_argument("--label", action="append", help="a legend name per run (default: the run's folder name)")
     parser.add_argument("--dpi", type=int, default=80)
+    parser.add_argument("--force", action="store_true", help="replace an existing --out")
     add_debug_arg(parser)
     args = parser.parse_args(argv)
+    refuse_overlap(args.out, [("RUN", run) for run in args.runs])
+    check_output_file(args.out, args.force)
     out = plot_runs(args.runs, args.out, args.label, args.dpi)
     print(f"wrote {out}")
     return out

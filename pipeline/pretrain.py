@@ -25,7 +25,7 @@ from pipeline.data import (DistributedBatchLoader, StreamBatchLoader, build_pret
                            load_saved_tokenizer, load_tokenizer, main_process_first)
 from pipeline.engine import (EngineConfigError, build_engine, eval_loss, lm_batches, loss_scale, precision,
                              train_step, zero_stage)
-from pipeline.errors import UserError, command
+from pipeline.errors import ArgumentParser, UserError, command
 from pipeline.families import ModelFamily, family_named, family_of_dict
 from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, apply_sequence_parallel,
                           default_ds_config, every, is_rank0, setup, train_loop, when)
@@ -37,7 +37,7 @@ __all__ = ["main", "parse_args", "default_ds_config"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--model-type", choices=["gpt", "mlstm"], default=None,
                    help="gpt (default) or mlstm (the character-level multiplicative LSTM, trained by truncated "
@@ -56,6 +56,9 @@ def parse_args(argv=None):
                    help="a corpus: files, folders, globs, save_to_disk dirs, hub names; repeat or comma-separate "
                         "to concatenate (default: the Python standard library's source, real text on every machine)")
     g.add_argument("--data-weights", help="comma-separated mixture weights, one per --data source")
+    g.add_argument("--data-encoding-errors", choices=["strict", "replace", "ignore"], default="strict",
+                   help="bytes that are not UTF-8: refuse the file (strict, default), or read them as U+FFFD "
+                        "(replace) or drop them (ignore)")
     g.add_argument("--text-field", default="text")
     g.add_argument("--streaming", action="store_true")
     g.add_argument("--tokenizer", default=None,
@@ -84,7 +87,7 @@ def parse_args(argv=None):
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=2)
     g.add_argument("--peak-tflops", type=float, default=None,
-                   help="per-device peak TFLOP/s for MFU (default: the DS config's peak_tflops)")
+                   help="per-device peak TFLOP/s for MFU (no MFU without it; 989 for H100/H200 dense bf16)")
     add_run_args(p, g)
     return p.parse_args(argv)
 
@@ -161,7 +164,8 @@ def provide_data(args, m: Model, job: Job):
         train, valid = build_pretraining_data(args.data, m.tokenizer, m.config.seq_length, text_field=args.text_field,
                                               valid_fraction=args.valid_fraction, seed=args.seed,
                                               streaming=args.streaming, num_proc=args.num_proc,
-                                              cache_dir=args.cache_dir, weights=args.data_weights)
+                                              cache_dir=args.cache_dir, weights=args.data_weights,
+                                              encoding_errors=args.data_encoding_errors)
     dp_rank, dp, micro = job.state.get_data_parallel_rank(), job.state.data_parallel, job.micro_batch
     if m.family.stream_data:  # contiguous streams: each row continues where the previous batch stopped
         def loader(data, shuffle=True):
@@ -242,7 +246,7 @@ def main(argv=None) -> dict:
     metrics = MetricsWriter(save_dir / "metrics.jsonl" if save_dir and is_rank0() else None,
                             monitor=engine.monitor, prefix="pretrain")
     batches = lm_batches(train)
-    peak_tflops = args.peak_tflops or job.peak_tflops
+    peak_tflops = args.peak_tflops
     tokens_per_step = job.global_batch * m.config.seq_length
     flops_per_step = m.config.flops_per_token(m.config.seq_length) * tokens_per_step
     last = {}

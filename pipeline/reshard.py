@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 
 from . import checkpoint, universal
-from .errors import add_debug_arg, command
-from .files import atomic_dir
+from .errors import ArgumentParser, add_debug_arg, command
+from .files import atomic_dir, refuse_overlap
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m pipeline.reshard", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="a pretraining run directory")
     p.add_argument("--out", required=True, help="the new run directory (must not exist or be empty)")
     p.add_argument("--tag", default=None, help="the tag to convert (default: the run's latest)")
@@ -34,7 +35,8 @@ def parse_args(argv=None):
 
 def reshard(run_dir, out, tag: str | None = None, *, force: bool = False) -> Path:
     run_dir = Path(run_dir)
-    tag = checkpoint.resolve_tag(run_dir, tag)
+    refuse_overlap(out, [("--checkpoint", run_dir)])
+    tag = checkpoint.resolve_tag(run_dir, tag)  # sizes, sha256 and a scan of every file, before any is read
     saved = checkpoint.saved_layout(run_dir, tag)
     reason = universal.unsupported_reason(saved, {"zero_stage": 1})
     if reason is not None:
@@ -49,9 +51,7 @@ def reshard(run_dir, out, tag: str | None = None, *, force: bool = False) -> Pat
         for state in sorted((run_dir / tag).glob("rank*_state.pt")):
             shutil.copy2(state, tag_dir / state.name)
         (tag_dir / "layout.json").write_text(json.dumps({**saved, "universal_only": True}, indent=2) + "\n")
-        files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())}
-        (tag_dir / checkpoint.COMPLETE).write_text(json.dumps({"step": saved["step"], "files": files}, indent=2)
-                                                   + "\n")
+        checkpoint.write_complete(tag_dir, saved["step"])
         (tmp / "latest").write_text(tag + "\n")
     return Path(out)
 

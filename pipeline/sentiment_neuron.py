@@ -15,7 +15,6 @@ and 0/1 labels (binary SST-2 as distributed with sentiment-discovery).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.errors import add_debug_arg, command
+from pipeline.errors import ArgumentParser, add_debug_arg, command
 from pipeline.files import atomic_path, atomic_write_json
 
 SPLITS = ("train", "val", "test")
@@ -212,7 +211,7 @@ def run_sentiment_neuron(model, data_dir: str | Path, out_dir: str | Path, batch
 
 @command
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="directory with config.json + model.safetensors (save_mlstm)")
     ap.add_argument("--data-dir", required=True, help="directory with train.tsv, val.tsv, test.tsv")
     ap.add_argument("--out", required=True, help="output directory (results.json, unit_<i>.png)")

@@ -115,9 +115,12 @@ def read_state_dict(path: str | Path, *, lazy: bool = False) -> Mapping[str, tor
             return load_file(str(path))
         except SafetensorError as e:
             raise StateDictError(f"weights file {path} is not a readable safetensors file: {e}") from None
+    from .safe_load import UnsafeCheckpointError, safe_torch_load
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle errors, truncated zip, forbidden globals: all mean "not a weights file"
+        sd = safe_torch_load(path, map_location="cpu")
+    except UnsafeCheckpointError as e:
+        raise StateDictError(str(e)) from None
+    except Exception as e:  # truncated zip, not a torch file: all mean "not a weights file"
         raise StateDictError(f"weights file {path} could not be read as a torch weights file "
                              f"(loaded with weights_only=True): {e}") from None
     if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):

@@ -21,10 +21,14 @@ each beside the code it fixes:
 Layout of the cache, beside the tags it converts::
 
     <run>/universal/<tag>/           what ds_to_universal writes (zero/<param>/..., mp_rank_* files)
-    <run>/universal/<tag>/UNIVERSAL.json   written last: source tag and every file with its size
+    <run>/universal/<tag>/UNIVERSAL.json   written last: source tag and every file with its size and sha256
 
 It is built under a temporary name and renamed into place, so it is complete or absent;
-one whose manifest is missing or does not match its files is removed and rebuilt.
+one whose manifest is missing or does not match its files (size or sha256) is removed and rebuilt.
+No file is unpickled unsafely on the way (``pipeline.safe_load``): every file of the source tag is
+scanned before ds_to_universal reads it, every file of a cache before DeepSpeed loads it (a file that
+pickles anything but tensors and DeepSpeed's own types is refused, naming it), and the process loads
+torch files weights-only throughout (DeepSpeed's own ``weights_only=False`` calls included).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import safe_load
 from pipeline.errors import UserError
 from pipeline.files import atomic_dir
 
@@ -48,18 +53,6 @@ CACHE_DIR = "universal"
 
 class UniversalError(UserError):
     """A checkpoint that cannot move to another layout with its optimizer state; the message says why."""
-
-
-def _allow_subparam_shape() -> None:
-    # The cache pickles DeepSpeed's SubparamShape with every fused parameter, and its optimizer state the
-    # loss scaler and ZeRO stage: the types weights-only loads of it allow.
-    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    torch.serialization.add_safe_globals([SubparamShape, ZeroStageEnum, LossScaler, DynamicLossScaler])
-
-
-_allow_subparam_shape()
 
 
 # -- metadata: ShardSpec -> DeepSpeed's universal_checkpoint_info ------------------------------------------------
@@ -167,12 +160,15 @@ def prepare(load_dir, tag: str, saved: dict, current: dict, *, log=print) -> Pat
     if rank0:
         try:
             result = [str(ensure_cache(load_dir, tag, log=log)), None]
-        except Exception as e:  # every rank must learn of it, or the others wait forever
-            result = [None, f"{type(e).__name__}: {e}"]
+        except UserError as e:  # its message names the file already; every rank must learn of it
+            result = [None, str(e)]
+        except Exception as e:  # or the others wait forever
+            result = [None, f"converting {Path(load_dir) / tag} to a universal checkpoint failed: "
+                            f"{type(e).__name__}: {e}"]
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)
     if result[1] is not None:
-        raise UniversalError(f"converting {Path(load_dir) / tag} to a universal checkpoint failed: {result[1]}")
+        raise UniversalError(result[1])
     return Path(result[0])
 
 
@@ -191,13 +187,24 @@ def _manifest_problem(cache: Path) -> str | None:
         files = json.loads(marker.read_text())["files"]
     except (ValueError, KeyError, TypeError):
         return f"{MANIFEST} is unreadable"
-    for name, size in files.items():
+    for name, entry in files.items():
+        entry = entry if isinstance(entry, dict) else {"size": entry}  # size-only: written before sha256
         path = cache / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"{MANIFEST} lists {name!r}, a path outside the cache"
         if not path.is_file():
             return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, expected {size}"
+        if path.stat().st_size != entry.get("size"):
+            return f"{name} has {path.stat().st_size} bytes, expected {entry.get('size')}"
+        if "sha256" in entry and safe_load.sha256_file(path) != entry["sha256"]:
+            return f"{name} does not match its sha256 (its bytes changed)"
     return None
+
+
+def _scan_all(folder: Path) -> None:
+    """Refuse (naming it) any torch file under ``folder`` that pickles more than tensors and DeepSpeed's types."""
+    for path in sorted(folder.rglob("*.pt")):
+        safe_load.scan(path)
 
 
 def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
@@ -210,6 +217,7 @@ def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
     if cache.exists():
         problem = _manifest_problem(cache)
         if problem is None:
+            _scan_all(cache)  # the manifest matches: a doctored file came with a doctored manifest
             return cache
         log(f"universal checkpoint cache {cache} is damaged ({problem}): rebuilding it")
     if not any((Path(run_dir) / tag).glob("*optim_states.pt")):
@@ -218,14 +226,15 @@ def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
     # built under a temporary name and swapped in by one rename (a damaged cache is replaced the same way)
     with atomic_dir(cache, force=True) as out:
         convert(Path(run_dir) / tag, out)
-        files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
-        (out / MANIFEST).write_text(json.dumps({"source": tag, "files": files}, indent=2) + "\n")
+        manifest = {"source": tag, "files": safe_load.file_manifest(out)}
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return cache
 
 
 def convert(tag_dir: Path, out: Path) -> None:
     """DeepSpeed's ds_to_universal of one tag directory into ``out``, parameters under the GPT's names."""
     from deepspeed.checkpoint import ds_to_universal
+    _scan_all(tag_dir)  # ds_to_universal unpickles every file with weights_only=False (forced weights-only here)
     args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
     with contextlib.redirect_stdout(io.StringIO()), _zero3_merged_as_tp1(ds_to_universal, tag_dir):

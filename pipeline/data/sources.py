@@ -258,12 +258,26 @@ def _text_only(ds, text_field: str, where: str):
         dtype = getattr(feature, "dtype", None)
         if dtype not in ("string", "large_string"):
             raise DataSourceError(f"{where}: field {text_field!r} holds {feature}, not text")
+    _refuse_null_text(ds, text_field, where)
     ds = ds.select_columns([text_field])
     if text_field != "text":
         ds = ds.rename_column(text_field, "text")
     if features is not None and features[text_field].dtype == "large_string":
         ds = ds.cast_column("text", datasets.Value("string"))
     return ds
+
+
+def _refuse_null_text(ds, text_field: str, where: str) -> None:
+    """A record whose text is null (JSON ``null``, an empty parquet cell) is refused, not read as no text.
+    Loaded datasets are Arrow tables: the null count is free; a stream's records are checked as they come."""
+    if not isinstance(ds, datasets.Dataset):
+        return
+    column = ds.data.column(text_field)
+    if column.null_count:
+        import pyarrow.compute as pc
+        row = pc.index(pc.is_null(column), True).as_py()
+        raise DataSourceError(f"{where}: record {row + 1} has a null {text_field!r} field ({column.null_count} "
+                              f"record(s) in all); give each record a text or drop those records")
 
 
 def _open(path: str, mode: str = "rb"):

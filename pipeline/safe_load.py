@@ -1,0 +1,223 @@
+"""No code runs from a checkpoint: every file of a checkpoint is unpickled with ``weights_only=True``.
+
+DeepSpeed's own ``TorchCheckpointEngine`` (and ``zero_to_fp32``, and its universal-checkpoint
+readers) call ``torch.load(..., weights_only=False)``, which runs whatever a doctored pickle
+carries. Three mechanisms close that:
+
+* ``SafeCheckpointEngine`` replaces the engine's checkpoint engine (``install``): loads are
+  ``weights_only=True``, saves hash each file's bytes as they are written (``COMPLETE.json``
+  records them);
+* importing this module sets ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1``, torch's own switch that turns
+  every ``torch.load`` of this process (and of the processes it starts) into a weights-only load,
+  so the library paths without a hook (``zero_to_fp32``, universal checkpoints) are safe too;
+* ``scan`` lists the pickled globals of a file without unpickling it, so a refusal names the
+  file and the type before any library reads it (``checkpoint.verify`` scans every file of a tag,
+  ``universal`` every file it converts and every file of a cache before DeepSpeed reads them).
+
+The only non-tensor types allowed are the few DeepSpeed writes itself (``DEEPSPEED_TYPES``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import re
+from pathlib import Path
+
+import torch
+from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
+
+from .errors import UserError
+from .files import atomic_write_text
+
+# What DeepSpeed 0.19.8 pickles besides tensors and containers (found with
+# torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 0-3, fp32/bf16/fp16, pipeline runs, and the
+# universal checkpoints ds_to_universal writes: SubparamShape, with every fused parameter).
+DEEPSPEED_TYPES = (ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address, SubparamShape)
+ALLOWED = {f"{t.__module__}.{t.__qualname__}" for t in DEEPSPEED_TYPES}
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be loaded (missing, incomplete, damaged or unsafe); the message names the file."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that holds something other than tensors and DeepSpeed's own types."""
+
+
+def enforce_weights_only() -> None:
+    """Every torch.load in this process (and its children) loads weights only; DeepSpeed's types are allowed."""
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    torch.serialization.add_safe_globals(list(DEEPSPEED_TYPES))
+
+
+enforce_weights_only()
+
+
+def _refusal(path, types) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{path}: contains a pickled object of type {', '.join(sorted(types))}, not allowed (a checkpoint file may "
+        f"hold only tensors and DeepSpeed's own types; this file was not written by this project's training): "
+        f"do not load it; use a checkpoint from a source you trust")
+
+
+def scan(path: str | Path) -> None:
+    """Refuse a torch file whose pickle names any global beyond torch's safe set and ``DEEPSPEED_TYPES``.
+
+    Reads the pickle's opcodes only (nothing is unpickled, no tensor data is read)."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:
+        return  # not a zip-format torch file (legacy format, damage): the weights-only load decides
+    bad = set(found) - ALLOWED
+    if bad:
+        raise _refusal(path, bad)
+
+
+def safe_torch_load(path: str | Path, map_location=None, **kwargs):
+    """``torch.load(weights_only=True)`` whose refusal names the file and the type, not torch's advice to
+    retry with ``weights_only=False``."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        raise _refusal(path, refused_globals(str(e))) from None
+
+
+def refused_globals(message: str) -> set[str]:
+    """The globals torch's weights-only unpickler names in its refusal ("GLOBAL exec was not an allowed global")."""
+    found = re.findall(r"GLOBAL ([\w.]+)", message)
+    return {name if "." in name else f"builtins.{name}" for name in found} or {"(unknown: " + message[-200:] + ")"}
+
+
+# -- writing, with the sha256 of every byte as it goes out -----------------------------------------------------
+
+class _HashingWriter:
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_hashed(obj, path: str | Path, *, zipfile_serialization: bool = True) -> str:
+    """``torch.save`` to ``path`` (fsynced); returns the sha256 of the bytes written."""
+    with open(path, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer, _use_new_zipfile_serialization=zipfile_serialization)
+        f.flush()
+        os.fsync(f.fileno())
+    return writer.sha.hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def file_manifest(folder: Path, digests: dict | None = None, skip: tuple[str, ...] = ()) -> dict:
+    """{relative name: {size, sha256}} of every file under ``folder`` but ``skip``; ``digests`` ({absolute path:
+    sha256}) are those computed as the bytes were written, any other file is read back."""
+    files = {}
+    for p in sorted(Path(folder).rglob("*")):
+        name = str(p.relative_to(folder))
+        if p.is_file() and name not in skip:
+            sha = (digests or {}).get(str(p.resolve())) or sha256_file(p)
+            files[name] = {"size": p.stat().st_size, "sha256": sha}
+    return files
+
+
+class SafeCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, loading weights only and hashing what it saves.
+
+    ``written`` maps each saved file's absolute path to its sha256 (``checkpoint.save`` collects them)."""
+
+    def __init__(self, config_params=None, zipfile_serialization: bool = True):
+        super().__init__(None)
+        self.name = "SafeCheckpointEngine"
+        self.zipfile_serialization = zipfile_serialization
+        self.written: dict[str, str] = {}
+
+    def save(self, state_dict, path: str):
+        self.written[str(Path(path).resolve())] = save_hashed(state_dict, path,
+                                                              zipfile_serialization=self.zipfile_serialization)
+
+    def load(self, path: str, map_location=None):
+        scan(path)
+        return safe_torch_load(path, map_location=map_location)
+
+
+def install(engine) -> None:
+    """Give a DeepSpeed engine the safe checkpoint engine (only in place of DeepSpeed's plain torch engine,
+    whose file format it keeps; the other engines are not configured by this project)."""
+    current = engine.checkpoint_engine
+    if type(current) is not TorchCheckpointEngine:
+        raise CheckpointError(f"DeepSpeed config: its \"checkpoint\" section selects the {type(current).__name__}; "
+                              f"this project saves and loads checkpoints only through its weights-only engine "
+                              f"(DeepSpeed's torch format); remove the checkpoint writer / engine setting")
+    engine.checkpoint_engine = SafeCheckpointEngine(zipfile_serialization=current.zipfile_serialization)
+
+
+# -- the recovery script DeepSpeed copies into every ZeRO run directory -----------------------------------------
+
+RECOVERY_SCRIPT = "zero_to_fp32.py"
+_PREAMBLE = r'''# Made safe by this project: every checkpoint file is loaded with weights_only=True (no code runs from a
+# pickle); the only non-tensor types allowed are those DeepSpeed itself writes.
+import os as _os
+_os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+_os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+import torch as _torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler as _DLS, LossScaler as _LS
+from deepspeed.runtime.zero.config import ZeroStageEnum as _ZSE
+from deepspeed.utils.tensor_fragment import fragment_address as _FA
+_torch.serialization.add_safe_globals([_ZSE, _LS, _DLS, _FA])
+_torch_load = _torch.load
+
+
+def _weights_only_load(f, *args, **kwargs):
+    import pickle as _pickle
+    import re as _re
+    try:
+        return _torch_load(f, *args, **kwargs)
+    except _pickle.UnpicklingError as e:
+        found = sorted(set(_re.findall(r"GLOBAL ([\w.]+)", str(e))))
+        found = [n if "." in n else "builtins." + n for n in found] or ["unknown"]
+        raise SystemExit(f"error: {f}: contains a pickled object of type {', '.join(found)}, not allowed; "
+                         f"do not load this checkpoint") from None
+
+
+_torch.load = _weights_only_load
+
+'''
+
+
+def safe_recovery_script() -> str:
+    """DeepSpeed's zero_to_fp32.py with the preamble above before its first import."""
+    import deepspeed.utils.zero_to_fp32 as original
+    lines = Path(original.__file__).read_text().splitlines(keepends=True)
+    first_import = next(i for i, line in enumerate(lines) if line.startswith(("import ", "from ")))
+    return "".join(lines[:first_import]) + _PREAMBLE + "".join(lines[first_import:])
+
+
+def make_recovery_script_safe(save_dir: str | Path) -> None:
+    """Replace the zero_to_fp32.py DeepSpeed copied into ``save_dir`` (if any) by the safe one, atomically."""
+    script = Path(save_dir) / RECOVERY_SCRIPT
+    if not script.is_file():
+        return
+    text = safe_recovery_script()
+    if script.read_text() == text:
+        return
+    mode = script.stat().st_mode
+    atomic_write_text(script, text)
+    os.chmod(script, mode)  # DeepSpeed made it executable
