@@ -26,11 +26,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from huggingface_hub import save_torch_state_dict
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from pipeline.errors import ArgumentParser, UserError, add_debug_arg, command
 
 from .heads import MULTILABEL
-from .saved import read_classifier_dir
+from .saved import load_classifier, read_classifier_dir
+from pipeline.files import atomic_dir, refuse_overlap
+from pipeline.hf_convert import hf_family, parse_dtype, to_hf
+from pipeline.model_dir import copy_tokenizer_files
+from .thresholds import load_thresholds
 
 HF_PROBLEM_TYPE = {MULTILABEL: "multi_label_classification", "single_label": "single_label_classification"}
 # post-processors that add tokens around a text (training encoded texts without any)
@@ -58,7 +64,6 @@ def check_exportable(info: dict) -> None:
 
 def classifier_to_hf(info: dict, full: dict[str, torch.Tensor], dtype: torch.dtype | None = None):
     """(transformers config, state dict) of the saved classifier ``(info, full)``."""
-    from pipeline.hf_convert import hf_family, to_hf
     check_exportable(info)
     head, config = info["head_config"], info["encoder_config"]
     encoder = {k.removeprefix("encoder."): v.float() for k, v in full.items() if k.startswith("encoder.")}
@@ -98,13 +103,8 @@ def classifier_to_hf(info: dict, full: dict[str, torch.Tensor], dtype: torch.dty
 def export_classifier(model_dir: str | Path, out: str | Path, *, dtype: torch.dtype | str | None = None,
                       force: bool = False) -> Path:
     """Write the Hugging Face classifier of a classifier directory to ``out`` (atomically)."""
-    from huggingface_hub import save_torch_state_dict
 
-    from pipeline.model_dir import copy_tokenizer_files
-    from pipeline.hf_convert import parse_dtype
-    from pipeline.files import atomic_dir, refuse_overlap
 
-    from .thresholds import load_thresholds
     model_dir = Path(model_dir)
     refuse_overlap(out, [("--model", model_dir)])
     info, full = read_classifier_dir(model_dir)
@@ -151,9 +151,7 @@ def _token_of(tokenizer_json: dict, token_id: int) -> str:
 def compare_with_project(model_dir: str | Path, hf_dir: str | Path, texts: list[str]) -> dict:
     """Probabilities of the exported model (transformers, fp32, one padded batch) against the project
     classifier's on ``texts``: ``{"max_abs_diff", "tokens_equal"}``."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from .saved import load_classifier
     ours = load_classifier(model_dir)
     normalizer = ours.info["normalizer"]
     normalized = [normalizer(t) for t in texts] if normalizer else list(texts)

@@ -32,6 +32,8 @@ from pipeline.errors import UserError
 from pipeline.families import family_named, family_of
 
 from .heads import MULTILABEL, ClassificationHead, HeadConfig
+from models.gpt import seeded_init
+from pipeline.state_dicts import load_full_state_dict
 
 ENCODER_PREFIX = "encoder."
 
@@ -99,7 +101,6 @@ class MLSTMEncoder(LayerDepths, MLSTM):
     default_pooling = "none"  # it summarises each text itself
 
     def __init__(self, config: MLSTMConfig, init_seed: int | None = None):
-        from models.gpt import seeded_init
         with seeded_init(init_seed):
             super().__init__(config)
 
@@ -294,8 +295,6 @@ def build_classifier(encoder_config, head_config: HeadConfig, *, encoder_type: s
     """A classifier for this rank's TP shard: the encoder from ``encoder_state`` (a full state dict; None =
     random init from ``init_seed``), the head from its own seed (same on every rank) and, given label
     priors and an output bias, with its bias at the priors' logits. ``encoder_type``: from the config's type."""
-    from models.gpt import seeded_init
-    from pipeline.state_dicts import load_full_state_dict
     encoder_type = encoder_type or encoder_type_of(encoder_config)
     encoder = build_encoder(encoder_type, encoder_config, init_seed=init_seed)
     if encoder_state is not None:

@@ -15,13 +15,22 @@ import argparse
 import sys
 import time
 from pathlib import Path
+import csv
+from dataclasses import replace
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+import torch
 
 from pipeline.errors import ArgumentParser, add_debug_arg, command
+from finetune.data import DataFormatError, load_labeled_file, load_semeval_ec
+from finetune.metrics import evaluate_probabilities, format_comparison, single_label_scores, write_eval_json
+from finetune.predictions import write_predictions
+from finetune.saved import load_classifier
+from finetune.thresholds import apply_thresholds
+from pipeline.files import check_output_file, refuse_overlap
 
 
 def parse_args(argv=None):
@@ -52,7 +61,6 @@ def parse_args(argv=None):
 def check_outputs(args) -> None:
     """Before any work: no output replaces an input (ever) or an existing file (unless --force), and the
     outputs are distinct files."""
-    from pipeline.files import check_output_file, refuse_overlap
     outputs = [(flag, getattr(args, attr)) for flag, attr in (("--out", "out"), ("--probabilities", "probabilities"),
                                                               ("--eval-json", "eval_json"))
                if getattr(args, attr) is not None]
@@ -64,7 +72,6 @@ def check_outputs(args) -> None:
 
 def read_texts(path: str, label_names, text_column: str | None, id_column: str | None):
     """The file's texts, with the model's label columns when it has them all (else unlabelled)."""
-    from finetune.data import DataFormatError, load_labeled_file, load_semeval_ec
     p = Path(path)
     if not p.is_file():
         raise DataFormatError(p, "no such file")
@@ -96,7 +103,6 @@ def _note_partial_labels(path: Path, columns, label_names) -> None:
 
 
 def _unlabelled(data):
-    from dataclasses import replace
     return replace(data, labels=None)
 
 
@@ -112,7 +118,6 @@ def _columns(path: Path) -> list[str]:
         except ValueError:
             return []
     sep = "," if suffix == ".csv" else "\t"
-    import csv
     with open(path, encoding="utf-8-sig", newline="") as f:
         return next(csv.reader(f, delimiter=sep), [])
 
@@ -120,12 +125,7 @@ def _columns(path: Path) -> list[str]:
 @command
 def main(argv=None) -> dict:
     parser, args = parse_args(argv)
-    import torch
 
-    from finetune.metrics import evaluate_probabilities, format_comparison, single_label_scores, write_eval_json
-    from finetune.predictions import write_predictions
-    from finetune.saved import load_classifier
-    from finetune.thresholds import apply_thresholds
 
     clf = load_classifier(args.model, dtype=getattr(torch, args.dtype))
     data = read_texts(args.data, clf.label_names, args.text_column, args.id_column)

@@ -25,20 +25,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+import dataclasses
 
 if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torchrun
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param
 
 from finetune.batching import TrainBatches, encode_texts, pooled_features, predict_encoded, predict_pooled
 from finetune.export_hf import ExportError, export_classifier
-from finetune.heads import MULTILABEL, HeadConfig
-from finetune.metrics import evaluate_probabilities, single_label_scores
-from finetune.model import build_classifier
+from finetune.heads import MULTILABEL, HeadConfig, pos_weight_from_labels
+from finetune.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison, plot_per_class_f1,
+                              single_label_scores, write_eval_json)
+from finetune.model import build_classifier, encoder_type_of
 from finetune.normalize import TweetNormalizer
-from finetune.saved import CLASSIFIER_FILE, load_base_state
+from finetune.saved import CLASSIFIER_FILE, load_base_state, save_classifier_dir
 from pipeline.data import load_tokenizer
 from pipeline.engine import build_engine, optimizer_step, precision
 from pipeline.errors import ArgumentParser, UserError, command
@@ -48,6 +52,10 @@ from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_r
                           every, is_rank0, quiet_deepspeed, setup, train_loop)
 from pipeline.metrics import MetricsWriter
 from pipeline.schedules import LRSchedule
+from finetune.data import SEMEVAL_EC_LABELS, load_data, load_semeval_ec
+from finetune.predictions import write_predictions
+from finetune.thresholds import apply_thresholds, tune_thresholds
+from models.parallel import gather_full, get_shard_spec
 
 LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
 
@@ -166,7 +174,6 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
 
 def load_split(path: str, args, require_labels: bool = True):
     """A data file as ``LabeledTexts`` with the job's label options."""
-    from finetune.data import load_data, load_semeval_ec
     kwargs = {}
     for name in ("label_list_column", "label_column"):
         if getattr(args, name):
@@ -208,7 +215,6 @@ def label_subset(spec: str | None):
 
 
 def parse_pos_weight(spec: str, labels: np.ndarray, cap: float):
-    from finetune.heads import pos_weight_from_labels
     if spec == "none":
         return None
     if spec in ("balanced", "sqrt"):
@@ -247,7 +253,6 @@ def check_encoder_options(args, family) -> None:
 
 def first_layers(config, state: dict, n: int, source: str):
     """The base model cut to its first ``n`` transformer layers (config and full state dict)."""
-    import dataclasses
     if n > config.num_layers:
         raise FinetuneError(f"--encoder-layers {n}: {source} has only {config.num_layers} layers")
     kept = {k: v for k, v in state.items() if not k.startswith("layers.") or int(k.split(".")[1]) < n}
@@ -284,9 +289,7 @@ def finetune_step(engine, batches) -> dict:
 
 def full_fp32_state(engine) -> dict[str, torch.Tensor]:
     """The classifier's full TP=1 state dict from the fp32 master weights (collective over all ranks)."""
-    from deepspeed.utils import safe_get_full_fp32_param
 
-    from models.parallel import gather_full, get_shard_spec
     out = {}
     for name, p in engine.module.named_parameters():
         master = safe_get_full_fp32_param(p) if p.requires_grad else None
@@ -583,13 +586,6 @@ def finish(r: FinetuneRun) -> dict:
     train, dev, tune_on, test, multilabel = r.data.train, r.data.dev, r.data.tune_on, r.data.test, r.data.multilabel
     config, head_config, tokenizer, max_length = r.base.config, r.head.config, r.base.tokenizer, r.base.max_length
     normalizer = r.data.normalizer
-    from finetune.data import SEMEVAL_EC_LABELS
-    from finetune.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison,
-                                  plot_per_class_f1, single_label_scores, write_eval_json)
-    from finetune.model import encoder_type_of
-    from finetune.predictions import write_predictions
-    from finetune.saved import save_classifier_dir
-    from finetune.thresholds import apply_thresholds, tune_thresholds
 
     dev_probs = predict("dev", progress=True)
     tune_probs = dev_probs if tune_on is dev else predict("tune", progress=True)
@@ -666,7 +662,6 @@ def _export(save: Path):
 
 
 def _barrier():
-    import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()
 

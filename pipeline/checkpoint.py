@@ -26,10 +26,12 @@ import json
 import os
 import random
 from pathlib import Path
+import tempfile
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from models.parallel import get_rng_tracker
 from pipeline.families import family_of_dict
@@ -295,9 +297,7 @@ def _zero3_weights(load_dir: Path, tag: str, tp: int) -> list[dict]:
 
     zero_to_fp32 merges every ``*_optim_states.pt`` of a tag as one data-parallel group; at TP > 1 each
     TP rank's files are therefore shown to it alone, in a directory of links."""
-    import tempfile
 
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     if tp == 1:
         return [dict(get_fp32_state_dict_from_zero_checkpoint(str(load_dir), tag=tag))]
     per_rank = []

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
+import deepspeed
+import torch.distributed as dist
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
 
 
 def default_backend() -> str:
@@ -16,8 +21,6 @@ def init_distributed(backend: str | None = None) -> None:
     A plain ``python -m ...`` run has none of these: it becomes a one-rank group on
     loopback, so the same code path (DeepSpeed engine, groups) runs everywhere.
     """
-    import deepspeed
-    import torch.distributed as dist
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -34,15 +37,12 @@ def _skip_shared_memory_all_reduce() -> None:
     """DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce (for its inference engine) at
     every start, and leaves a /dev/shm buffer of each run behind, until the host's memory is full.
     Training never calls it: mark the op unavailable so it is neither built nor allocated."""
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def free_port() -> int:
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

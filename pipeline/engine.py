@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import deepspeed
 
 from models.config import read_json
 from models.parallel import ParallelState
@@ -20,6 +21,7 @@ from . import safe_load
 from .ds_keys import unknown_key_errors
 from .errors import UserError
 from .schedules import LRSchedule, Scheduler
+from .universal import attach_info
 
 
 class EngineConfigError(UserError, ValueError):
@@ -168,7 +170,6 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     learning rate (e.g. layer-wise decay when finetuning). Returns the engine; ``engine.is_pipe``
     tells which training step to use.
     """
-    import deepspeed
 
     check_supported(ds_config, state.pipeline_parallel)
     if getattr(model_config, "sequence_parallel", False):
@@ -205,7 +206,6 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
             # the tied output layer reads the embedding weight outside the embedding's forward
             deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
 
-    from .universal import attach_info
     attach_info(model, model_config, pipeline=state.pipeline_parallel > 1)  # saved with every checkpoint
 
     if schedule is not None and "scheduler" in ds_config:

@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
+import lm_eval
+import matplotlib
+import matplotlib.pyplot as plt
 
 from models.parallel import get_parallel_state
 from pipeline.distributed import init_distributed
@@ -32,6 +35,7 @@ from pipeline.hf_convert import add_dtype_arg, short_dtype_name
 from pipeline.lm_scoring import (DataShard, evaluate_bpc, evaluate_lambada, evaluate_wikitext, load_hf_model,
                                  load_hf_tokenizer, load_lambada, load_project_model, load_text, load_wikitext,
                                  project_scorer)
+from pipeline.harness import ProjectLM, run_harness
 
 TASKS = ("wikitext", "lambada", "bpc")
 MEGATRON_STRIDE = 32  # Megatron-LM's --overlapping-eval default
@@ -131,7 +135,6 @@ def load_model(args):
 
 def harness_main(args) -> dict:
     """lm-evaluation-harness tasks through the project's adapter (pipeline.harness)."""
-    from pipeline.harness import ProjectLM, run_harness
     tasks = [t.strip() for t in args.harness.split(",") if t.strip()]
     if args.include_path is not None and not args.include_path.is_dir():
         raise InputError(f"--include-path {args.include_path}: not a folder; give the folder of task YAML files")
@@ -142,7 +145,6 @@ def harness_main(args) -> dict:
     start = time.perf_counter()
     out = run_harness(lm, tasks, include_path=args.include_path, limit=args.max_examples,
                       num_fewshot=args.num_fewshot, log_samples=args.log_samples)
-    import lm_eval
     record = {"harness": tasks, **out, "model": model_info,
               "settings": {"context_length": max_length, "batch_size": args.batch_size, "dtype": args.dtype,
                            "max_examples": args.max_examples, **parallel},
@@ -215,9 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def plot_loss_by_context(record: dict, path: Path) -> None:
     """Mean token loss against the left context it was scored with (how much the window length matters)."""
-    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     rows = record["results"]["loss_by_context"]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([math.sqrt(r["context_from"] * r["context_to"]) for r in rows], [r["mean_nll"] for r in rows], "o-")

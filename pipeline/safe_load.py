@@ -30,6 +30,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
+import deepspeed.utils.zero_to_fp32 as original
 
 from .errors import UserError
 from .files import atomic_write_text
@@ -204,7 +205,6 @@ _torch.load = _weights_only_load
 
 def safe_recovery_script() -> str:
     """DeepSpeed's zero_to_fp32.py with the preamble above before its first import."""
-    import deepspeed.utils.zero_to_fp32 as original
     lines = Path(original.__file__).read_text().splitlines(keepends=True)
     first_import = next(i for i, line in enumerate(lines) if line.startswith(("import ", "from ")))
     return "".join(lines[:first_import]) + _PREAMBLE + "".join(lines[first_import:])

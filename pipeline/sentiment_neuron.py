@@ -22,9 +22,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import matplotlib
+import matplotlib.pyplot as plt
+from sklearn.linear_model import LogisticRegression
+from sklearn.preprocessing import StandardScaler
 
 from pipeline.errors import ArgumentParser, add_debug_arg, command
 from pipeline.files import atomic_path, atomic_write_json
+from models.mlstm import MLSTM, load_mlstm
+from pipeline.checkpoint import is_deepspeed_run_dir, read_full_checkpoint
 
 SPLITS = ("train", "val", "test")
 DEFAULT_CS = tuple(2.0 ** k for k in range(-6, 4))
@@ -136,8 +142,6 @@ def unit_accuracy(values: np.ndarray, y: np.ndarray, threshold: float, polarity:
 
 def fit_l1_probe(features: dict, labels: dict, Cs=DEFAULT_CS, seed: int = 0):
     """L1 logistic regression on train-standardised features, C chosen on val. -> (model, scaler, info)."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.preprocessing import StandardScaler
     scaler = StandardScaler().fit(features["train"])
     X = {k: scaler.transform(v) for k, v in features.items()}
     best = None
@@ -155,9 +159,7 @@ def fit_l1_probe(features: dict, labels: dict, Cs=DEFAULT_CS, seed: int = 0):
 
 # -- the whole experiment ----------------------------------------------------------------
 def plot_unit(values: dict, labels: dict, unit: int, threshold: float, path: Path, split: str = "test") -> None:
-    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     v, y = values[split], labels[split]
     fig, ax = plt.subplots(figsize=(7, 4))
     bins = np.linspace(v.min(), v.max(), 50)
@@ -224,8 +226,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-progress", action="store_true")
     add_debug_arg(ap)
     args = ap.parse_args(argv)
-    from models.mlstm import MLSTM, load_mlstm
-    from pipeline.checkpoint import is_deepspeed_run_dir, read_full_checkpoint
     if is_deepspeed_run_dir(args.model):  # a pretraining run of the main job (--model-type mlstm)
         config, state, _ = read_full_checkpoint(args.model)
         model = MLSTM(config)

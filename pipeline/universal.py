@@ -42,10 +42,20 @@ import re
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from deepspeed.checkpoint import ds_to_universal
+from deepspeed.checkpoint.constants import (OPTIMIZER_STATE_DICT, ORIGINAL_VOCAB_SIZE, PARAM, PARAM_GROUPS,
+                                            PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, PARAMETER_WITH_SUB_PARAMS,
+                                            SUB_PARAM_SHARD_WIDTHS, TP_REPLICATED_PARAMETER_PATTERNS,
+                                            UNIVERSAL_CHECKPOINT_VERSION_KEY, VOCABULARY_PARAMETER_PATTERNS)
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from pipeline import safe_load
 from pipeline.errors import UserError
 from pipeline.files import atomic_dir
+from models import GPT, GPTConfig
+from models.parallel import get_shard_spec, tp_rank, tp_world_size
+from .pipe_model import pipe_to_gpt_name
 
 MANIFEST = "UNIVERSAL.json"
 CACHE_DIR = "universal"
@@ -65,17 +75,7 @@ def checkpoint_info(named_params, vocab_size: int | None, tp: int) -> dict:
     gate/up: DeepSpeed's ``SubparamShape``, with each part's width per rank), a padded
     vocabulary. A plain split along dim 0 is DeepSpeed's default.
     """
-    from deepspeed.checkpoint.constants import (
-        ORIGINAL_VOCAB_SIZE,
-        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
-        PARAMETER_WITH_SUB_PARAMS,
-        SUB_PARAM_SHARD_WIDTHS,
-        TP_REPLICATED_PARAMETER_PATTERNS,
-        UNIVERSAL_CHECKPOINT_VERSION_KEY,
-        VOCABULARY_PARAMETER_PATTERNS,
-    )
 
-    from models.parallel import get_shard_spec
     replicated, row, vocab, sub_params, widths = [], [], [], [], {}
     for name, param in named_params:
         spec, pattern = get_shard_spec(param), f"^{re.escape(name)}$"
@@ -102,7 +102,6 @@ def checkpoint_info(named_params, vocab_size: int | None, tp: int) -> dict:
 
 def attach_info(model: torch.nn.Module, model_config, pipeline: bool) -> None:
     """Give ``model`` (what DeepSpeed's engine wraps) the metadata its checkpoints are saved with."""
-    from models.parallel import tp_world_size
     if pipeline:  # a stage holds only its layers: describe the whole GPT, under the pipeline's names
         from .pipe_model import gpt_to_pipe_name
         named = [(gpt_to_pipe_name(n, model_config), p) for n, p in meta_gpt(model_config).named_parameters()]
@@ -121,7 +120,6 @@ def attach_info(model: torch.nn.Module, model_config, pipeline: bool) -> None:
 
 def meta_gpt(config):
     """The GPT built on the meta device (no memory): its names and ShardSpecs."""
-    from models import GPT
     with torch.device("meta"):
         return GPT(config, init_seed=0)
 
@@ -146,7 +144,6 @@ def enable(ds_config: dict) -> dict:
 def prepare(load_dir, tag: str, saved: dict, current: dict, *, log=print) -> Path | None:
     """Collective. The universal cache of ``load_dir/tag`` (converted on rank 0 if needed), or None
     (with the reason logged) where the optimizer state cannot move to this layout."""
-    import torch.distributed as dist
     reason = unsupported_reason(saved, current)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if reason is not None:
@@ -233,7 +230,6 @@ def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
 
 def convert(tag_dir: Path, out: Path) -> None:
     """DeepSpeed's ds_to_universal of one tag directory into ``out``, parameters under the GPT's names."""
-    from deepspeed.checkpoint import ds_to_universal
     _scan_all(tag_dir)  # ds_to_universal unpickles every file with weights_only=False (forced weights-only here)
     args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
@@ -265,7 +261,6 @@ def _optimizer_state_for_every_stage(zero: Path) -> None:
     """ds_to_universal writes ``zero/optimizer_state.pt`` as the source's ZeRO stage has it, and each loader
     reads only its own form: ZeRO-3 the Adam step and parameter groups under ``optimizer_state_dict``,
     ZeRO-1/2 the groups at the top and the step beside every parameter (``step.pt``). Write both."""
-    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_GROUPS
     path = zero / "optimizer_state.pt"
     state = torch.load(path, map_location="cpu", weights_only=True)
     params = sorted(p for p in zero.iterdir() if p.is_dir())
@@ -286,9 +281,7 @@ def _rename_pipeline_params(tag_dir: Path, zero: Path) -> None:
     layout_file = tag_dir / "layout.json"
     if not layout_file.is_file() or json.loads(layout_file.read_text()).get("pipeline_parallel", 1) == 1:
         return
-    from models import GPTConfig
 
-    from .pipe_model import pipe_to_gpt_name
     config = GPTConfig.from_file(config_file)
     for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
         folder.rename(zero / pipe_to_gpt_name(folder.name, config))
@@ -332,8 +325,6 @@ def _zero3_after_load(engine, cache: Path) -> None:
     """ZeRO-3's universal loader gives every parameter group the hyperparameters of the first saved one (the
     project's groups differ: no weight decay on biases and norms), and all of them one shared Adam step
     tensor, which torch's Adam increments in place once per group and step. Give each group its own."""
-    from deepspeed.checkpoint.constants import PARAM_GROUPS
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     if not isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
         return
     saved = torch.load(cache / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=True)[PARAM_GROUPS]
@@ -354,7 +345,6 @@ def _gpt_names(engine, model_config):
     if not getattr(engine, "is_pipe", False) or names is None:
         yield
         return
-    from .pipe_model import pipe_to_gpt_name
     original = dict(names)
     names.update({p: pipe_to_gpt_name(n, model_config) for p, n in original.items()})
     try:
@@ -370,15 +360,11 @@ def _zero3_hp_loader(engine):
     full tensor as the parameter: right at TP=1 only when the vocabulary needs no other padding. Here each rank
     first cuts its TP shard of the full unpadded tensor with the parameter's ShardSpec (which pads it as the
     model does), then its ZeRO-3 partition exactly as DeepSpeed does."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     optimizer = engine.optimizer
     if not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         yield
         return
-    import torch.distributed as dist
-    from deepspeed.checkpoint.constants import PARAM
 
-    from models.parallel import get_shard_spec, tp_rank, tp_world_size
 
     def load_hp_checkpoint_state(folder, key, param=None):
         state = _load_state(os.path.join(folder, f"{key}.pt"))
