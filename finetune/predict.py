@@ -11,7 +11,6 @@ each text's probabilities (TSV: ID then one column per label).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -34,8 +33,7 @@ from pipeline.files import check_output_file, refuse_overlap
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(prog="python -m finetune.predict", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m finetune.predict", description=__doc__)
     p.add_argument("--model", required=True, help="classifier directory (finetune/train.py --save)")
     p.add_argument("--data", required=True, help="texts to classify (E-c file, or CSV/TSV/JSON(L))")
     p.add_argument("--out", required=True, help="predictions file to write (E-c format)")

@@ -65,7 +65,7 @@ class FinetuneError(UserError, ValueError):
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     g = p.add_argument_group("model")
     g.add_argument("--base", required=True, help="base model directory (pretraining checkpoint, config.json + "
                                                   "model.safetensors, or a classifier)")

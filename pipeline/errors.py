@@ -112,7 +112,12 @@ def command(main: Callable) -> Callable:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (a missing or malformed flag) are user errors like any other: one line
-    ``error: <prog>: <what>; see --help``, exit 2, through ``command``'s handler, without the usage block."""
+    ``error: <prog>: <what>; see --help``, exit 2, through ``command``'s handler, without the usage block.
+    The description is shown as written (the commands' docstrings hold their usage lines)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise InputError(f"{self.prog}: {message}; see {self.prog} --help")

@@ -9,7 +9,6 @@ The data-parallel size is what is left of the world size after TP x PP.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -37,7 +36,7 @@ __all__ = ["main", "parse_args", "default_ds_config"]
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     g = p.add_argument_group("model")
     g.add_argument("--model-type", choices=["gpt", "mlstm"], default=None,
                    help="gpt (default) or mlstm (the character-level multiplicative LSTM, trained by truncated "

@@ -11,7 +11,6 @@ and RNG streams, marked as universal only; the source is not written to.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -23,8 +22,7 @@ from .files import atomic_dir, refuse_overlap
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(prog="python -m pipeline.reshard", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m pipeline.reshard", description=__doc__)
     p.add_argument("--checkpoint", required=True, help="a pretraining run directory")
     p.add_argument("--out", required=True, help="the new run directory (must not exist or be empty)")
     p.add_argument("--tag", default=None, help="the tag to convert (default: the run's latest)")
