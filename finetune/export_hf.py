@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from huggingface_hub import save_torch_state_dict
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from pipeline.errors import ArgumentParser, UserError, add_debug_arg, command
@@ -34,8 +33,10 @@ from pipeline.errors import ArgumentParser, UserError, add_debug_arg, command
 from .heads import MULTILABEL
 from .saved import load_classifier, read_classifier_dir
 from pipeline.files import atomic_dir, refuse_overlap
-from pipeline.hf_convert import hf_family, parse_dtype, to_hf
+from pipeline.families import family_named
+from pipeline.hf_convert import add_dtype_arg, hf_family, parse_dtype, to_hf
 from pipeline.model_dir import copy_tokenizer_files
+from pipeline.safetensors_io import write_hf_weights
 from .thresholds import load_thresholds
 
 HF_PROBLEM_TYPE = {MULTILABEL: "multi_label_classification", "single_label": "single_label_classification"}
@@ -50,8 +51,10 @@ class ExportError(UserError, ValueError):
 def check_exportable(info: dict) -> None:
     head = info["head_config"]
     problems = []
-    if info["encoder_type"] != "gpt":
-        problems.append(f"the encoder is {info['encoder_type']!r}; only GPT encoders have a transformers class")
+    family = family_named(info["encoder_type"], "classifier.json")
+    if "hf_classifier" not in family.refs:
+        problems.append(f"the encoder is {family.name!r}, a model family without a transformers "
+                        f"sequence-classification class")
     if head.pooling != "last":
         problems.append(f"pooling is {head.pooling!r}, but transformers' *ForSequenceClassification pools the last "
                         f"token (train with --pooling last)")
@@ -103,8 +106,6 @@ def classifier_to_hf(info: dict, full: dict[str, torch.Tensor], dtype: torch.dty
 def export_classifier(model_dir: str | Path, out: str | Path, *, dtype: torch.dtype | str | None = None,
                       force: bool = False) -> Path:
     """Write the Hugging Face classifier of a classifier directory to ``out`` (atomically)."""
-
-
     model_dir = Path(model_dir)
     refuse_overlap(out, [("--model", model_dir)])
     info, full = read_classifier_dir(model_dir)
@@ -115,7 +116,7 @@ def export_classifier(model_dir: str | Path, out: str | Path, *, dtype: torch.dt
         copy_tokenizer_files(model_dir / "tokenizer", tmp)
         _training_tokenization(tmp, info)
         cfg.save_pretrained(tmp)
-        save_torch_state_dict(sd, tmp)
+        write_hf_weights(tmp, sd)
     return Path(out)
 
 
@@ -171,8 +172,7 @@ def main(argv=None) -> int:
     p = ArgumentParser(prog="python -m finetune.export_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="classifier directory (what finetune/train.py --save wrote)")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the exported weights (default float32)")
+    add_dtype_arg(p, help="dtype of the exported weights")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--verify", action="store_true", help="reload with transformers and compare probabilities")
     add_debug_arg(p)

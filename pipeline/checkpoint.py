@@ -337,14 +337,15 @@ def is_deepspeed_run_dir(path) -> bool:
     return (path / "latest").is_file() or any(path.glob("global_step*"))
 
 
-def read_full_checkpoint(path, tag: str | None = None):
+def read_full_checkpoint(path, tag: str | None = None, *, lazy: bool = False):
     """(model config, full TP=1 state dict, tokenizer dir) of any model directory the project writes:
     a pretraining run directory (DeepSpeed checkpoints at any layout; ``tag`` or its latest), one of
     its ``global_step<N>`` directories, or a ``config.json`` + ``model.safetensors`` directory
-    (what ``pipeline.import_hf`` writes; ``pipeline.model_dir``)."""
+    (what ``pipeline.import_hf`` writes; ``pipeline.model_dir``; ``lazy``: its tensors are read when asked
+    for)."""
     path = Path(path)
     if path.name.startswith("global_step") and (path.parent / "config.json").is_file():
         return read_full_model_state(path.parent, path.name)
     if is_deepspeed_run_dir(path):
         return read_full_model_state(path, tag)
-    return read_model_dir(path)
+    return read_model_dir(path, lazy=lazy)

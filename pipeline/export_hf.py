@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from huggingface_hub import save_torch_state_dict
-
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from models import GPT, MLSTM
@@ -35,6 +33,7 @@ from pipeline.families import family_of
 from pipeline.checkpoint import read_full_checkpoint
 from pipeline.files import atomic_dir, check_output_dir, refuse_overlap
 from pipeline.model_dir import copy_tokenizer_files
+from pipeline.safetensors_io import write_hf_weights
 from pipeline.state_dicts import load_full_state_dict
 
 
@@ -56,7 +55,7 @@ def export_mlstm(config: MLSTMConfig, full_sd: Mapping[str, torch.Tensor], dtype
 
 
 def export_gpt(config: GPTConfig, full_sd: Mapping[str, torch.Tensor], dtype, special_tokens) -> HFExport:
-    cfg, sd = to_hf(full_sd, config, dtype, special_tokens)
+    cfg, sd = to_hf(full_sd, config, dtype, special_tokens, lazy=True)  # made one at a time as it is written
     gen = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
                            pad_token_id=cfg.pad_token_id)
     return HFExport(cfg, sd, gen)
@@ -93,7 +92,7 @@ def export_hf(config, full_sd: Mapping[str, torch.Tensor], out: str | Path, *, d
             special = {k: recorded.get(k) if recorded.get(k) is not None else v for k, v in found.items()}
         export = make(config, full_sd, parse_dtype(dtype), special)
         export.config.save_pretrained(tmp)
-        save_torch_state_dict(export.state_dict, tmp)
+        write_hf_weights(tmp, export.state_dict)
         if export.generation_config is not None:
             export.generation_config.save_pretrained(tmp)
     return out
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     refuse_overlap(args.out, [("--checkpoint", args.checkpoint), ("--tokenizer", args.tokenizer)])
     check_output_dir(args.out, args.force)  # before reading the checkpoint
-    config, full_sd, tokenizer_dir = read_full_checkpoint(args.checkpoint)
+    config, full_sd, tokenizer_dir = read_full_checkpoint(args.checkpoint, lazy=True)
     tokenizer_dir = args.tokenizer or tokenizer_dir
     out = export_hf(config, full_sd, args.out, dtype=args.dtype, tokenizer_dir=tokenizer_dir, force=args.force)
     arch = hf_family(config).architecture if isinstance(config, GPTConfig) else type(config).__name__

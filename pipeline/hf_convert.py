@@ -36,6 +36,7 @@ import torch
 
 from models.config import ConfigError, GPTConfig
 from pipeline.errors import UserError
+from pipeline.safetensors_io import PlannedTensor, SafetensorsFiles, hf_weight_files, shape_of
 
 GPT2_ARCH = "GPT2LMHeadModel"
 LLAMA_ARCH = "LlamaForCausalLM"
@@ -229,31 +230,55 @@ def _mistral_config_to_hf(config: GPTConfig) -> dict:
 
 
 def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | str | None = None,
-          special_tokens: Mapping | None = None):
+          special_tokens: Mapping | None = None, *, lazy: bool = False):
     """(Hugging Face config, Hugging Face state dict) of the project model ``(config, full_state_dict)``.
 
     ``dtype`` casts every tensor (None keeps them as they are); a cast that overflows (fp16) is refused.
-    A tied model's state dict has no ``lm_head.weight``: transformers ties it on load.
+    A tied model's state dict has no ``lm_head.weight``: transformers ties it on load. ``lazy``: the values
+    are ``PlannedTensor``s, each made (read, cut, cast) only when ``pipeline.safetensors_io`` writes it, so an
+    export holds the source and one tensor, not a second model.
     """
     dtype = parse_dtype(dtype)
     rules = weight_map(config)
     _check_keys(full_state_dict, rules, "project state dict")
-    out: dict[str, torch.Tensor] = {}
+    source_dtypes = set()
+    out: dict[str, PlannedTensor] = {}
     for rule in rules:
-        full = full_state_dict[rule.ours]
-        if tuple(full.shape) != rule.shape:
-            raise ConversionError(f"project state dict: {rule.ours} has shape {tuple(full.shape)}, "
-                                  f"the config expects {rule.shape}")
-        # Split pieces are copied: safetensors refuses tensors that share one storage.
-        pieces = [p.clone() for p in full.split(list(rule.split), dim=0)] if rule.split else [full]
-        for name, piece in zip(rule.theirs, pieces):
-            piece = piece.t() if rule.transpose else piece
-            out[name] = _cast(piece.contiguous(), dtype, rule.ours)
+        got = shape_of(full_state_dict, rule.ours)
+        if got != rule.shape:
+            raise ConversionError(f"project state dict: {rule.ours} has shape {got}, the config expects {rule.shape}")
+        src_dtype = _dtype_of(full_state_dict, rule.ours)
+        source_dtypes.add(src_dtype)
+        rows = list(rule.split) if rule.split else [rule.shape[0]]
+        start = 0
+        for name, n in zip(rule.theirs, rows):
+            shape = (n, *rule.shape[1:])
+            shape = tuple(reversed(shape)) if rule.transpose else shape
+            out[name] = PlannedTensor(shape, dtype or src_dtype,
+                                      _piece_maker(full_state_dict, rule, start, n, dtype))
+            start += n
     if config.variant == "gpt2" and not config.bias:
-        like = out["transformer.wte.weight"]
-        out.update({name: like.new_zeros(n) for name, n in _gpt2_bias_names(config).items()})
-    cfg = hf_config(config, dtype if dtype is not None else _common_dtype(out), special_tokens)
-    return cfg, out
+        like = dtype or _dtype_of(full_state_dict, "embedding.word_embeddings.weight")
+        out.update({name: PlannedTensor((n,), like, lambda n=n, like=like: torch.zeros(n, dtype=like))
+                    for name, n in _gpt2_bias_names(config).items()})
+    common = dtype if dtype is not None else (source_dtypes.pop() if len(source_dtypes) == 1 else torch.float32)
+    cfg = hf_config(config, common, special_tokens)
+    return cfg, (out if lazy else {name: planned.make() for name, planned in out.items()})
+
+
+def _piece_maker(full_state_dict: Mapping, rule: WeightRule, start: int, rows: int, dtype):
+    def make() -> torch.Tensor:
+        piece = full_state_dict[rule.ours].narrow(0, start, rows)
+        piece = piece.t() if rule.transpose else piece
+        # a block of a fused tensor gets its own storage: safetensors' own writer refuses tensors sharing one
+        piece = piece.clone(memory_format=torch.contiguous_format) if rule.split else piece.contiguous()
+        return _cast(piece, dtype, rule.ours)
+    return make
+
+
+def _dtype_of(sd: Mapping, name: str) -> torch.dtype:
+    get = getattr(sd, "dtype_of", None)
+    return get(name) if get is not None else sd[name].dtype
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None, name: str) -> torch.Tensor:
@@ -265,11 +290,6 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None, name: str) -> torch.Tensor
         raise ConversionError(f"{name} has values up to {worst:.3g}, out of range for {dtype_name(dtype)}; "
                               f"export in bfloat16 or float32 instead")
     return cast
-
-
-def _common_dtype(sd: Mapping[str, torch.Tensor]) -> torch.dtype:
-    dtypes = {t.dtype for t in sd.values()}
-    return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
 def _check_keys(sd: Mapping, rules: list[WeightRule], source: str) -> None:
@@ -482,21 +502,28 @@ def hf_family(config: GPTConfig) -> HFFamily:
 
 
 def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | None = None,
-                       source: str = "Hugging Face state dict") -> dict[str, torch.Tensor]:
-    """The project's full state dict from a Hugging Face one (strict: every tensor used, every shape checked)."""
+                       source: str = "Hugging Face state dict", *, lazy: bool = False) -> dict:
+    """The project's full state dict from a Hugging Face one (strict: every tensor used, every shape checked).
+
+    ``lazy``: the values are ``PlannedTensor``s, each made (read, joined, cast) only when it is written, so an
+    import from a ``SafetensorsFiles`` mapping holds one tensor at a time.
+    """
     rules = weight_map(config)
     out, used = {}, set()
     for rule in rules:
         missing = [n for n in rule.theirs if n not in hf_sd]
         if missing:
             raise ConversionError(f"{source}: missing tensor(s) {', '.join(missing)} (for the project's {rule.ours})")
-        pieces = [hf_sd[n].t() if rule.transpose else hf_sd[n] for n in rule.theirs]
-        full = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
-        if tuple(full.shape) != rule.shape or (rule.split and [p.shape[0] for p in pieces] != list(rule.split)):
-            shapes = ", ".join(f"{n} {tuple(hf_sd[n].shape)}" for n in rule.theirs)
-            raise ConversionError(f"{source}: {shapes} do(es) not fit the config (the project's {rule.ours} "
+        shapes = [shape_of(hf_sd, n) for n in rule.theirs]
+        shapes = [tuple(reversed(sh)) if rule.transpose else sh for sh in shapes]
+        full = (sum(sh[0] for sh in shapes), *shapes[0][1:]) if shapes[0] else ()
+        if (full != rule.shape or any(sh[1:] != shapes[0][1:] for sh in shapes)
+                or (rule.split and [sh[0] for sh in shapes] != list(rule.split))):
+            listed = ", ".join(f"{n} {shape_of(hf_sd, n)}" for n in rule.theirs)
+            raise ConversionError(f"{source}: {listed} do(es) not fit the config (the project's {rule.ours} "
                                   f"must be {rule.shape})")
-        out[rule.ours] = _cast(full.detach().contiguous(), dtype, rule.theirs[0])
+        out[rule.ours] = PlannedTensor(rule.shape, dtype or _dtype_of(hf_sd, rule.theirs[0]),
+                                       _joiner(hf_sd, rule, dtype))
         used.update(rule.theirs)
     if config.variant == "gpt2" and not config.bias:
         nonzero = [n for n in _gpt2_bias_names(config) if n in hf_sd and hf_sd[n].any()]
@@ -506,16 +533,26 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dty
     tied_head = "lm_head.weight"
     if config.tie_embeddings and tied_head in hf_sd:
         # A tied model's state_dict() lists the shared tensor twice; a different one would be a different model.
-        emb = hf_sd["transformer.wte.weight" if config.variant == "gpt2" else "model.embed_tokens.weight"]
-        if hf_sd[tied_head].data_ptr() != emb.data_ptr() and not torch.equal(hf_sd[tied_head], emb):
+        emb_name = "transformer.wte.weight" if config.variant == "gpt2" else "model.embed_tokens.weight"
+        head, emb = hf_sd[tied_head], hf_sd[emb_name]
+        if head.data_ptr() != emb.data_ptr() and not torch.equal(head, emb):
             raise ConversionError(f"{source}: tie_word_embeddings is true but lm_head.weight differs from the "
                                   f"input embedding")
+        del head, emb
         used.add(tied_head)
     unexpected = sorted((k for k in hf_sd if k not in used and not _ignorable(k)), key=_natural)
     if unexpected:
         raise ConversionError(f"{source}: tensor(s) the project's model has no place for: "
                               f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
-    return out
+    return out if lazy else {name: planned.make() for name, planned in out.items()}
+
+
+def _joiner(hf_sd: Mapping, rule: WeightRule, dtype):
+    def make() -> torch.Tensor:
+        pieces = [hf_sd[n].t() if rule.transpose else hf_sd[n] for n in rule.theirs]
+        full = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+        return _cast(full.detach().contiguous(), dtype, rule.theirs[0])
+    return make
 
 
 def _ignorable(name: str) -> bool:
@@ -581,26 +618,67 @@ def load_hf_model(source: HFSource, dtype: torch.dtype = torch.float32):
 
 
 def from_hf(hf_model_or_dir, *, gguf_file: str | None = None, dtype: torch.dtype | str | None = torch.float32,
-            source: str | None = None):
+            source: str | None = None, lazy: bool = False):
     """(GPTConfig, full state dict) of a Hugging Face causal LM of one of ``HF_FAMILIES``.
 
     ``hf_model_or_dir`` is a loaded model, a model directory, or a ``.gguf`` file. ``dtype`` is the
-    dtype of the returned tensors (None keeps the model's). ``source`` names the model in messages
-    and in ``config.extra["hf"]["source"]``.
+    dtype of the returned tensors (None keeps a loaded model's; a directory's are read as float32). ``source``
+    names the model in messages and in ``config.extra["hf"]["source"]``. A directory of safetensors files is
+    read tensor by tensor, without building the Hugging Face model (with ``lazy``, the values are
+    ``PlannedTensor``s made one at a time as they are written: an import never holds two copies of the model);
+    GGUF files and torch ``.bin`` weights go through transformers' loader.
     """
     dtype = parse_dtype(dtype)
     if isinstance(hf_model_or_dir, (str, Path)):
         resolved = resolve_hf_source(hf_model_or_dir, gguf_file)
-        model = load_hf_model(resolved, dtype or torch.float32)
         name = source or str(resolved)
+        files = None if resolved.gguf_file else hf_weight_files(resolved.directory)
+        if files is not None:
+            config = config_from_hf(load_hf_config(resolved), name)
+            hf_sd = _with_base_prefix(SafetensorsFiles(files), config)
+            dtype = dtype or torch.float32
+        else:
+            model = load_hf_model(resolved, dtype or torch.float32)
+            config, hf_sd = config_from_hf(model.config, name), model.state_dict()
     else:
         model = hf_model_or_dir
         name = source or getattr(model.config, "_name_or_path", None) or type(model).__name__
-    config = config_from_hf(model.config, name)
-    hf_sd = model.state_dict()
-    if config.variant == "gpt2" and not config.bias and any(hf_sd[n].any() for n in _gpt2_bias_names(config)):
+        config, hf_sd = config_from_hf(model.config, name), model.state_dict()
+    if config.variant == "gpt2" and not config.bias and any(hf_sd[n].any() for n in _gpt2_bias_names(config)
+                                                            if n in hf_sd):
         config = dataclasses.replace(config, bias=True)  # exported bias-free, then trained with biases
-    return config, state_dict_from_hf(hf_sd, config, dtype, source=name)
+    return config, state_dict_from_hf(hf_sd, config, dtype, source=name, lazy=lazy)
+
+
+class _Prefixed(Mapping):
+    """A base model's file (``wte.weight``, ``embed_tokens.weight``) seen with the causal LM's names
+    (``transformer.wte.weight``, ``model.embed_tokens.weight``), as transformers' loader sees it."""
+
+    def __init__(self, files: SafetensorsFiles, prefix: str):
+        self.files, self.prefix = files, prefix
+        self.names = {(k if k.startswith("lm_head.") else prefix + k): k for k in files}
+
+    def __getitem__(self, name):
+        return self.files[self.names[name]]
+
+    def shape_of(self, name):
+        return self.files.shape_of(self.names[name])
+
+    def dtype_of(self, name):
+        return self.files.dtype_of(self.names[name])
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+
+def _with_base_prefix(files: SafetensorsFiles, config: GPTConfig) -> Mapping:
+    prefix = "transformer." if config.variant == "gpt2" else "model."
+    if any(k.startswith(prefix) for k in files):
+        return files
+    return _Prefixed(files, prefix)
 
 
 def num_parameters_message(config: GPTConfig) -> str:

@@ -20,7 +20,7 @@ from models.config import ConfigError, GPTConfig
 from pipeline.errors import ArgumentParser, add_debug_arg, command
 from pipeline.model_dir import has_tokenizer, write_model_dir
 from pipeline.hf_convert import (ConversionError, add_dtype_arg, config_from_hf, from_hf, load_hf_config,
-                                 load_hf_model, num_parameters_message, parallel_sizes, parse_dtype,
+                                 num_parameters_message, parallel_sizes, parse_dtype,
                                  resolve_hf_source)
 from pipeline.files import check_output_dir, refuse_overlap
 
@@ -49,7 +49,9 @@ def import_hf(model: str | Path, out: str | Path, *, tensor_parallel: int = 1, p
     config = config_from_hf(load_hf_config(source), str(source))
     check_layout(config, tensor_parallel, pipeline_parallel, str(source))
     check_output_dir(out, force)  # before spending minutes on the weights
-    config, full_sd = from_hf(load_hf_model(source, parse_dtype(dtype)), source=str(source))
+    # read and written one tensor at a time: the model is never in memory twice
+    config, full_sd = from_hf(source.directory, gguf_file=source.gguf_file, dtype=parse_dtype(dtype),
+                              source=str(source), lazy=True)
     if source.gguf_file:  # the tokenizer is inside the GGUF file: transformers rebuilds it
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)

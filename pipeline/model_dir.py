@@ -49,8 +49,11 @@ def copy_tokenizer_files(src: str | Path, dst: Path) -> list[str]:
     return names
 
 
-def read_model_dir(path: str | Path):
-    """(config, full state dict, tokenizer directory or None) of a directory of config.json + model.safetensors."""
+def read_model_dir(path: str | Path, *, lazy: bool = False):
+    """(config, full state dict, tokenizer directory or None) of a directory of config.json + model.safetensors.
+
+    ``lazy``: the state dict reads each tensor when it is asked for (for conversions and loads that take one
+    tensor at a time and must not hold the model twice)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -59,7 +62,7 @@ def read_model_dir(path: str | Path):
         found = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
         raise FileNotFoundError(f"checkpoint directory {path} has no {WEIGHTS_FILE} (found: {found})")
     config = config_from_dict(read_config_json(path / CONFIG_FILE), str(path / CONFIG_FILE))
-    return config, dict(read_state_dict(weights)), tokenizer_dir_of(path)
+    return config, read_state_dict(weights, lazy=lazy), tokenizer_dir_of(path)
 
 
 def write_model_dir(config, full_sd, out: str | Path, *, tokenizer=None, force: bool = False) -> Path:

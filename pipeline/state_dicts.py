@@ -7,15 +7,15 @@ shard of each tensor with the parameter's ``ShardSpec``, without any collective.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline.errors import UserError
+from pipeline.safe_load import UnsafeCheckpointError, safe_torch_load
+from pipeline.safetensors_io import SafetensorsError, SafetensorsFiles, shape_of, write_safetensors
 
 
 class StateDictError(UserError, ValueError):
@@ -56,18 +56,16 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
         raise StateDictError("; ".join(msg))
     rank, tp = tp_rank(), tp_world_size()
     # Check every shape before copying anything, so a bad file leaves the model untouched.
-    tensors = {}
+    # (by shape only: a lazy mapping reads each tensor once, in the copy loop, and frees it after)
     for name, param in params.items():
-        value = full[name]
-        if not isinstance(value, torch.Tensor):
-            raise StateDictError(f"{source}: {name} is a {type(value).__name__}, not a tensor")
-        want = expected_full_shape(param)
-        if tuple(value.shape) != want:
-            raise StateDictError(f"{source}: {name} has shape {tuple(value.shape)}, the model expects {want}")
-        tensors[name] = value
+        if not isinstance(full, SafetensorsFiles) and not isinstance(full[name], torch.Tensor):
+            raise StateDictError(f"{source}: {name} is a {type(full[name]).__name__}, not a tensor")
+        want, got = expected_full_shape(param), shape_of(full, name)
+        if got != want:
+            raise StateDictError(f"{source}: {name} has shape {got}, the model expects {want}")
     for name, param in params.items():
         spec = get_shard_spec(param)
-        value = tensors[name]
+        value = full[name]
         if spec is not None:
             value = spec.shard(value, rank, tp)
         param.copy_(value.to(device=param.device, dtype=param.dtype))
@@ -80,42 +78,22 @@ def _names(keys: list[str], limit: int = 8) -> str:
 
 # -- files -------------------------------------------------------------------------------------------------------
 
-class LazySafetensors(Mapping):
-    """A read-only mapping over a safetensors file that reads a tensor only when it is asked for.
-
-    Lets every TP rank load its shards from one big file without holding the whole model.
-    """
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self._file = safe_open(str(self.path), framework="pt")
-        self._keys = list(self._file.keys())
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._keys:
-            raise KeyError(key)
-        return self._file.get_tensor(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
 def read_state_dict(path: str | Path, *, lazy: bool = False) -> Mapping[str, torch.Tensor]:
-    """Tensors from a ``.safetensors`` file, or from a torch file with ``weights_only=True`` (never pickled code)."""
+    """Tensors from a ``.safetensors`` file, or from a torch file with ``weights_only=True`` (never pickled code).
+
+    ``lazy``: a safetensors file is returned as a mapping that reads each tensor when it is asked for
+    (``pipeline.safetensors_io.SafetensorsFiles``), so that every TP rank takes its shards from one big file,
+    and a conversion holds one tensor at a time, without the whole model in memory.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"weights file {path} does not exist")
     if path.suffix == ".safetensors":
         try:
-            if lazy:
-                return LazySafetensors(path)
-            return load_file(str(path))
-        except SafetensorError as e:
-            raise StateDictError(f"weights file {path} is not a readable safetensors file: {e}") from None
-    from .safe_load import UnsafeCheckpointError, safe_torch_load
+            files = SafetensorsFiles([path])
+            return files if lazy else {name: files[name] for name in files}
+        except SafetensorsError as e:
+            raise StateDictError(str(e)) from None
     try:
         sd = safe_torch_load(path, map_location="cpu")
     except UnsafeCheckpointError as e:
@@ -128,10 +106,10 @@ def read_state_dict(path: str | Path, *, lazy: bool = False) -> Mapping[str, tor
     return sd
 
 
-def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
-    """Write tensors to one safetensors file (contiguous CPU copies; shared storage is written twice)."""
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
+def save_state_dict(state_dict: Mapping, path: str | Path, metadata: dict | None = None) -> None:
+    """Write tensors (or ``PlannedTensor``s, produced one at a time) to one safetensors file, without copying
+    the state dict first (tensors sharing storage are written as separate tensors)."""
+    write_safetensors(path, state_dict, metadata={"format": "pt", **(metadata or {})})
 
 
 # -- atomic output directories ---------------------------------------------------------------------------------------

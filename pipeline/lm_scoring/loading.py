@@ -79,14 +79,22 @@ def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1):
     # the parallel state first: reading a checkpoint builds a meta-device model for its ShardSpecs, which
     # needs one once several ranks are launched
     initialize_model_parallel(tensor_parallel, 1)
-    config, full, tokenizer_dir = read_full_checkpoint(checkpoint_dir)
+    config, full, tokenizer_dir = read_full_checkpoint(checkpoint_dir, lazy=True)
     family = family_of(config)
     family.check_layout(config, tensor_parallel, 1)
     if tokenizer_dir is None:
         raise FileNotFoundError(f"{checkpoint_dir} has no tokenizer; pass --tokenizer")
-    model = family.build(config, 0)
-    load_full_state_dict(model, full, source=str(checkpoint_dir))
-    return model.eval(), load_hf_tokenizer(tokenizer_dir)
+    return build_filled(family, config, full, str(checkpoint_dir)).eval(), load_hf_tokenizer(tokenizer_dir)
+
+
+def build_filled(family, config, full, source: str) -> torch.nn.Module:
+    """The model built on the meta device (no random initialisation, no memory), then given real storage and
+    filled from ``full`` tensor by tensor: with a lazy ``full`` the weights are in memory once."""
+    with torch.device("meta"):
+        model = family.build(config, 0)
+    model.to_empty(device="cpu")
+    load_full_state_dict(model, full, source=source)
+    return model
 
 
 def project_scorer(model):
