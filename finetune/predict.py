@@ -21,7 +21,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
-import torch
 
 from pipeline.errors import ArgumentParser, add_debug_arg, command
 from finetune.data import DataFormatError, load_labeled_file, load_semeval_ec
@@ -30,6 +29,7 @@ from finetune.predictions import write_predictions
 from finetune.saved import load_classifier
 from finetune.thresholds import apply_thresholds
 from pipeline.files import check_output_file, refuse_overlap
+from pipeline.hf_convert import add_dtype_arg, parse_dtype
 
 
 def parse_args(argv=None):
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--threshold", type=float, default=None, help="one threshold for every label instead of the "
                                                                  "tuned ones")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    add_dtype_arg(p, help="dtype the classifier computes in (bfloat16: about 3x faster on a CPU with bf16 units)")
     p.add_argument("--probabilities", default=None, help="also write the probabilities to this TSV file")
     p.add_argument("--eval-json", default=None, help="write the scores to this JSON file (labelled data)")
     p.add_argument("--force", action="store_true", help="replace existing output files")
@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
     parser, args = parse_args(argv)
 
 
-    clf = load_classifier(args.model, dtype=getattr(torch, args.dtype))
+    clf = load_classifier(args.model, dtype=parse_dtype(args.dtype))
     data = read_texts(args.data, clf.label_names, args.text_column, args.id_column)
     names = clf.label_names
     t0 = time.perf_counter()

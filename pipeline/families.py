@@ -37,7 +37,8 @@ class ModelFamily:
     stream_data: bool               # truncated BPTT over contiguous streams (else shuffled packed sequences)
     pipeline_capable: bool          # trains with pipeline parallelism (pipeline/pipe_model.py)
     tensor_parallel_capable: bool
-    refs: dict[str, str] = field(default_factory=dict)  # "hf_exporter", "hf_verifier", "scorer", "encoder"
+    # "hf_exporter", "hf_verifier", "scorer", "encoder", "hf_classifier" (a finetuned classifier -> transformers)
+    refs: dict[str, str] = field(default_factory=dict)
 
     def get(self, what: str) -> Any:
         """The function or class registered under ``what`` (imported on first use)."""
@@ -103,7 +104,8 @@ register(ModelFamily(
     layouts="tensor, pipeline and data parallelism", build_module=_build_gpt, stream_data=False,
     pipeline_capable=True, tensor_parallel_capable=True,
     refs={"hf_exporter": "pipeline.export_hf:export_gpt", "hf_verifier": "pipeline.export_hf:gpt_logits",
-          "scorer": "pipeline.lm_scoring.scoring:GPTScorer", "encoder": "finetune.model:GPTEncoder"}))
+          "scorer": "pipeline.lm_scoring.scoring:GPTScorer", "encoder": "finetune.model:GPTEncoder",
+          "hf_classifier": "finetune.export_hf:classifier_to_hf"}))
 
 register(ModelFamily(
     name="mlstm", config_class=MLSTMConfig, default_preset="mlstm-tiny", default_tokenizer="bytes",
