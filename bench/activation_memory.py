@@ -36,9 +36,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import deepspeed
+import torch  # noqa: E402
 from common import format_table  # noqa: E402
 
-import torch  # noqa: E402
+from models import GPT, GPTConfig
+from models.parallel import initialize_model_parallel, model_parallel_seed
 
 
 class SavedTensorCensus:
@@ -68,9 +71,7 @@ def _param_storages(model) -> set[int]:
 
 
 def _build(config_kw: dict, sequence_parallel: bool, checkpointing: bool):
-    import deepspeed
 
-    from models import GPT, GPTConfig
     model = GPT(GPTConfig(**config_kw, sequence_parallel=sequence_parallel), init_seed=0).to(torch.bfloat16).train()
     if checkpointing:
         model.checkpoint_fn = deepspeed.checkpointing.checkpoint
@@ -115,9 +116,7 @@ def _step_seconds(models: dict, ids, labels, rounds: int) -> dict:
 
 
 def _rank(rank, tp, config_kw, b, s, rounds):
-    import deepspeed
 
-    from models.parallel import initialize_model_parallel, model_parallel_seed
     state = initialize_model_parallel(tensor_parallel=tp)
     model_parallel_seed(1234)
     deepspeed.checkpointing.configure(state)

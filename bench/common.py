@@ -24,7 +24,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import logging
+import warnings
+
 import torch  # noqa: E402
+from deepspeed.utils import logger
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 
 from models import GPTConfig  # noqa: E402
 from pipeline import hf_convert  # noqa: E402
@@ -71,7 +79,6 @@ def hf_config(config: GPTConfig):
 
 def hf_model(config: GPTConfig, device="cpu", dtype=torch.float32):
     """GPT2LMHeadModel / LlamaForCausalLM of the same shapes, SDPA attention, training mode."""
-    from transformers import AutoModelForCausalLM
     with torch.device(device):  # initialised where it will run (fast for large models on a GPU)
         model = AutoModelForCausalLM.from_config(hf_config(config), attn_implementation="sdpa", dtype=dtype)
     return model.to(device).train()
@@ -82,8 +89,6 @@ def count_training_flops(model_step: Callable[[], None]) -> int:
     (matmuls, SDPA with no causal discount): the hand count that ``GPTConfig.flops_per_token`` must match.
     Attention runs through SDPA's math backend here so that its products are counted as matmuls on every
     device (the counter knows no CPU flash kernel)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
     counter = FlopCounterMode(display=False)
     with counter, sdpa_kernel(SDPBackend.MATH):
         model_step()
@@ -153,7 +158,6 @@ def interleaved(systems: list[System], rounds: int, warmup: int = 1, device="cpu
     ``clock="cpu"`` times with this process's CPU time: on a CPU shared with other jobs it leaves out the time
     the process waited for a core, which is what wall time mostly measures there (one torch thread: CPU time
     = the wall time the step would take on an idle core)."""
-    from tqdm import tqdm
     now = CLOCKS[clock]
     for s in systems:
         for _ in range(warmup):
@@ -199,10 +203,7 @@ def _fmt(c):
 
 
 def quiet_deepspeed():
-    import logging
-    import warnings
     warnings.filterwarnings("ignore")
-    from deepspeed.utils import logger
     logger.setLevel(logging.ERROR)
 
 

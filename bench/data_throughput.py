@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
 
 import numpy as np  # noqa: E402
+from tqdm import tqdm
 
 from pipeline.data import DistributedBatchLoader, build_pretraining_data, load_tokenizer  # noqa: E402
 
@@ -164,7 +165,6 @@ class RssWatch(threading.Thread):
 
 
 def memory(args):
-    from tqdm import tqdm
     tok = load_tokenizer("bytes")
     sources = sorted(Path(args.corpora).glob("*.txt"))
     target = int(args.stream_factor * args.rss_cap_mb * 2**20)

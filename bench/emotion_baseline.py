@@ -29,9 +29,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import LogisticRegression
+from sklearn.model_selection import KFold
+from sklearn.multiclass import OneVsRestClassifier
+from sklearn.pipeline import make_pipeline, make_union
+from threadpoolctl import threadpool_limits
+from tqdm import tqdm
+
 from finetune.data import LabeledTexts, load_semeval_ec  # noqa: E402
-from finetune.metrics import (evaluate_probabilities, format_comparison, plot_per_class_f1,  # noqa: E402
-                              write_eval_json)
+from finetune.metrics import evaluate_probabilities, format_comparison, plot_per_class_f1, write_eval_json  # noqa: E402
 from finetune.normalize import TweetNormalizer  # noqa: E402
 from finetune.thresholds import tune_thresholds  # noqa: E402
 
@@ -40,10 +47,6 @@ DATA = ROOT.parent / "shared" / "data" / "semeval2018-ec"
 
 def build_model(C: float = 1.0, class_weight: str | None = "balanced", n_jobs: int = 1):
     """TF-IDF word 1-2-grams + char 2-5-grams (sublinear tf, min_df 2) -> one logistic regression per label."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.multiclass import OneVsRestClassifier
-    from sklearn.pipeline import make_pipeline, make_union
 
     features = make_union(
         TfidfVectorizer(analyzer="word", ngram_range=(1, 2), min_df=2, sublinear_tf=True),
@@ -56,8 +59,6 @@ def build_model(C: float = 1.0, class_weight: str | None = "balanced", n_jobs: i
 def out_of_fold_probabilities(texts: list[str], labels: np.ndarray, folds: int = 5, seed: int = 0,
                               **model_kwargs) -> np.ndarray:  # model_kwargs: those of build_model
     """Probabilities [n, k] for every training text from a model that did not see it (K-fold)."""
-    from sklearn.model_selection import KFold
-    from tqdm import tqdm
 
     probs = np.zeros(labels.shape, dtype=np.float64)
     splits = KFold(folds, shuffle=True, random_state=seed).split(texts)
@@ -72,7 +73,6 @@ def run_baseline(train: LabeledTexts, dev: LabeledTexts, *, normalizer: TweetNor
                  n_jobs: int = 1) -> dict:
     """Fit on train, score dev. Returns {"systems": {name: multilabel_scores}, "thresholds": {name: [k]},
     "dev_probabilities": [n, k], "seconds": {...}, "settings": {...}}."""
-    from threadpoolctl import threadpool_limits
 
     # Sparse features and liblinear gain nothing from BLAS threads, and idle OpenMP/BLAS threads spinning on a
     # busy machine made this ~10x slower: one thread per process (parallelism is n_jobs).

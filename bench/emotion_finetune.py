@@ -34,12 +34,19 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from emotion_baseline import run_baseline  # noqa: E402
+
 from finetune.data import load_semeval_ec  # noqa: E402
-from finetune.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison,  # noqa: E402
-                              plot_per_class_f1, write_eval_json)
+from finetune.metrics import (  # noqa: E402
+    PUBLISHED_EC_TEST_F1,
+    evaluate_probabilities,
+    format_comparison,
+    plot_per_class_f1,
+    write_eval_json,
+)
 from finetune.recipes import EC_RECIPE, LINEAR_PROBE  # noqa: E402
 from finetune.thresholds import tune_thresholds  # noqa: E402
 from finetune.train import main as finetune  # noqa: E402
+from pipeline.import_hf import import_hf
 
 DATA = ROOT.parent / "shared" / "data" / "semeval2018-ec"
 
@@ -58,7 +65,6 @@ def ensure_base(base: Path) -> float:
     """Import SmolLM2-135M into ``base`` when it is not there yet; returns the seconds spent."""
     if (base / "config.json").is_file():
         return 0.0
-    from pipeline.import_hf import import_hf
     t0 = time.perf_counter()
     config, _ = import_hf(smollm2_gguf(), base)
     print(f"imported SmolLM2-135M ({config.num_layers} layers) to {base}")

@@ -48,10 +48,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import torch  # noqa: E402
 from common import GPU_SIZES, ROOT, TINY_SIZES, format_table  # noqa: E402
 from train_step import make_system  # noqa: E402
 
-import torch  # noqa: E402
+from models.parallel import initialize_model_parallel
+from pipeline.distributed import init_distributed
 
 DS_CONFIGS = {"bf16": ROOT / "ds_configs" / "bf16_zero1.json", "fp16": ROOT / "ds_configs" / "fp16_zero1.json"}
 DATASHEET_TFLOPS = {"bf16": 989.0, "fp16": 989.0}  # H100/H200 SXM dense
@@ -181,8 +183,6 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     common.quiet_deepspeed()
-    from models.parallel import initialize_model_parallel
-    from pipeline.distributed import init_distributed
     init_distributed()
     initialize_model_parallel(1, 1)
     common.quiet_deepspeed()

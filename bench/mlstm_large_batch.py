@@ -24,6 +24,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import matplotlib
+import matplotlib.pyplot as plt
+from tqdm import tqdm
+
 from models.mlstm import MLSTM, MLSTMConfig, save_mlstm  # noqa: E402
 from pipeline.metrics_lm import stream_bpc  # noqa: E402
 
@@ -67,7 +71,6 @@ def train_run(name, args, train_ids, eval_ids, batch, schedule) -> dict:
     eval_every = max(1, steps // args.points)
     curve = [(0, stream_bpc(model, eval_ids[:args.curve_bytes], args.eval_batch, args.bptt)["bpc"])]
     t0 = time.time()
-    from tqdm import tqdm
     for step in tqdm(range(steps), desc=name, unit="step", leave=False):
         k = step * args.bptt
         loss = model(streams[:, k:k + args.bptt], labels=streams[:, k + 1:k + args.bptt + 1])
@@ -91,9 +94,7 @@ def train_run(name, args, train_ids, eval_ids, batch, schedule) -> dict:
 
 
 def plot(runs, path: Path, args) -> None:
-    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in runs:
         xs, ys = zip(*r["curve"])

@@ -39,9 +39,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from common import CPU_SIZES, ROOT, System, format_table, interleaved, median, paired_ratio  # noqa: E402
-
 import torch  # noqa: E402
+from common import CPU_SIZES, ROOT, System, format_table, interleaved, median, paired_ratio  # noqa: E402
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as tprofile
+
+from models import GPT
+from models.parallel import get_parallel_state, initialize_model_parallel
+from pipeline.distributed import init_distributed
+from pipeline.engine import build_engine, load_ds_config, param_groups, resolve_ds_config, train_step
 
 SYSTEMS = ("deepspeed", "deepspeed-z0", "hf", "plain")
 
@@ -49,7 +55,6 @@ SYSTEMS = ("deepspeed", "deepspeed-z0", "hf", "plain")
 def bench_ds_config(base: dict, precision: str, micro: int, zero_stage: int | None = None) -> dict:
     """The project's DeepSpeed config at this precision and batch (one rank, no accumulation). A precision
     section the config enables itself (e.g. fp16_zero1.json's loss scaling) is kept as it is."""
-    from pipeline.engine import resolve_ds_config
     own = base.get(precision, {}) if precision != "fp32" and base.get(precision, {}).get("enabled") else None
     ds = {k: v for k, v in base.items() if k not in ("bf16", "fp16", "peak_tflops", "train_batch_size",
                                                       "gradient_accumulation_steps")}
@@ -64,7 +69,6 @@ def bench_ds_config(base: dict, precision: str, micro: int, zero_stage: int | No
 def plain_optimizer(model, ds: dict):
     """The optimizer DeepSpeed builds for ``torch_adam`` configs, for a plain loop: torch AdamW, same
     hyper-parameters, same foreach/fused choice, same parameter groups."""
-    from pipeline.engine import param_groups
     opt = ds["optimizer"]
     if opt["type"].lower() not in ("adamw", "adam") or not opt["params"].get("torch_adam"):
         raise SystemExit(f"the benchmark compares torch AdamW everywhere; the DeepSpeed config has {opt}")
@@ -105,9 +109,6 @@ def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, dev
 
     ``name``: deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain; a "+compile"
     suffix compiles that one system's model (``engine.compile()`` / ``torch.compile``)."""
-    from models import GPT
-    from models.parallel import get_parallel_state
-    from pipeline.engine import build_engine, train_step
     label = name
     if name.endswith("+compile"):
         name, compile = name[:-len("+compile")], True
@@ -150,7 +151,6 @@ def _repeat(item):
 
 def check_flops(config, tokens, device="cpu") -> dict:
     """PaLM's formula against torch's op-by-op count of one forward + backward of both models."""
-    from models import GPT
     x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     n_tokens = x.numel()
     formula = config.flops_per_token(x.shape[1]) * n_tokens
@@ -219,7 +219,6 @@ def print_tables(rows):
 
 def profile(args, base_ds, out_dir: Path):
     """torch.profiler tables of each system's step (first size and variant), to see where time goes."""
-    from torch.profiler import ProfilerActivity, profile as tprofile
     out_dir.mkdir(parents=True, exist_ok=True)
     variant, size_name = args.variants[0], args.sizes[0]
     size = CPU_SIZES[size_name]
@@ -271,9 +270,6 @@ def main(argv=None):
         args.clock = "cpu" if args.threads == 1 else "wall"
     common.quiet_deepspeed()
 
-    from models.parallel import initialize_model_parallel
-    from pipeline.distributed import init_distributed
-    from pipeline.engine import load_ds_config
     init_distributed()
     initialize_model_parallel(1, 1)
     common.quiet_deepspeed()

@@ -18,9 +18,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import test_universal as tu  # the tests' runs, so that the two measure the same thing
 
+import pipeline.universal
+
 
 def _pretrain_restarted(rank, argv, fp16):
-    import pipeline.universal
     pipeline.universal.unsupported_reason = lambda saved, current: "the optimizer state is restarted (baseline)"
     return tu._pretrain(rank, argv, fp16)
 

@@ -38,9 +38,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import torch  # noqa: E402
 from common import CPU_SIZES, format_table  # noqa: E402
 
-import torch  # noqa: E402
+from models.parallel import initialize_model_parallel
+from pipeline.engine import build_engine, resolve_ds_config
 
 WORLD = 2
 EXPECTED_BYTES_PER_PARAM = {  # (replicated, partitioned over N_d) bytes per parameter
@@ -82,8 +84,6 @@ def ds_config(stage: int, bucket: int) -> dict:
 
 def worker(rank: int, variant: str, size_name: str, stage: int, bucket: int, steps: int, seq: int) -> dict:
     common.quiet_deepspeed()
-    from models.parallel import initialize_model_parallel
-    from pipeline.engine import build_engine, resolve_ds_config
     state = initialize_model_parallel(1, 1)
     size = dict(CPU_SIZES[size_name])
     config = common.model_config(size, variant)

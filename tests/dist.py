@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from pipeline.distributed import free_port
+
 
 def _worker(rank, world_size, port, out_dir, fn, args, env):
     os.environ.update(env)
@@ -32,7 +34,6 @@ def run_distributed(fn, world_size: int | None = None, *args, tp: int = 1, pp: i
                     env: dict | None = None):
     """``fn(rank, *args)`` on ``world_size`` ranks, or on tp x pp x dp ranks when it is not given:
     ``run_distributed(fn, 2, a, b)`` or ``run_distributed(fn, tp=2, dp=2)``."""
-    from pipeline.distributed import free_port
     world_size = world_size or tp * pp * dp
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_worker, args=(world_size, free_port(), out, fn, args, env or {}),

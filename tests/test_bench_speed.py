@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import common
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from models import GPT, GPTConfig
 from models.gpt import RotaryEmbedding, _rotate_half
 from models.parallel import vocab_parallel_cross_entropy
+from pipeline.engine import EngineConfigError
+from pipeline.pretrain import main
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -26,7 +29,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 ])
 def test_flops_per_token_matches_counted_flops(model):
     # PaLM's 6N + 12 L h s against torch's op-by-op count of one forward + backward (attention unmasked)
-    import common
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=32,
                        hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=128, **model)
@@ -93,7 +95,5 @@ def test_gpu_script_cpu_smoke(tmp_path):
 
 
 def test_pretrain_compile_refuses_pipeline_parallel():
-    from pipeline.engine import EngineConfigError
-    from pipeline.pretrain import main
     with pytest.raises(EngineConfigError, match="--compile is for pipeline-parallel 1 only"):
         main(["--compile", "--pipeline-parallel", "2"])

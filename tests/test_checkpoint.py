@@ -1,33 +1,33 @@
 """Exact resume (also after kill -9 during a save), damaged checkpoints, resharding to other layouts."""
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-
 from dist import run_distributed
+from run_utils import NO_DROPOUT, TINY_GPT2, ds_config, pretrain_worker, write_corpus
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from models import GPT
 from pipeline import checkpoint
+from pipeline.evaluate import main as evaluate_main
+from pipeline.export_hf import main as export_main
+from pipeline.state_dicts import load_full_state_dict, read_state_dict
 
-MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
-         "hidden_dropout": 0.1, "attention_dropout": 0.1, "make_vocab_size_divisible_by": 8}
-DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-      "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
-
-
-def _pretrain(rank, argv):
-    from pipeline.pretrain import main
-    main(argv)
-    return 0
+MODEL = TINY_GPT2
+DS = ds_config(stage=1)
+_pretrain = pretrain_worker
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    import inspect
-    import json as json_mod
     d = tmp_path_factory.mktemp("ckpt")
-    (d / "corpus.txt").write_text(inspect.getsource(json_mod) + "\n\n" + inspect.getsource(inspect))
+    write_corpus(d)
     (d / "model.json").write_text(json.dumps(MODEL))
-    (d / "nodrop.json").write_text(json.dumps({**MODEL, "hidden_dropout": 0.0, "attention_dropout": 0.0}))
+    (d / "nodrop.json").write_text(json.dumps({**MODEL, **NO_DROPOUT}))
     (d / "ds.json").write_text(json.dumps(DS))
     return d
 
@@ -79,7 +79,6 @@ def test_kill_during_save_leaves_previous_checkpoint(setup, uninterrupted):
 
 
 def test_damaged_checkpoint_is_refused(setup, uninterrupted, tmp_path):
-    import shutil
     copy = tmp_path / "copy"
     shutil.copytree(uninterrupted, copy)
     victim = copy / "global_step6" / "mp_rank_01_model_states.pt"
@@ -134,11 +133,7 @@ LLAMA = {"variant": "llama", "hidden_size": 32, "num_layers": 2, "num_heads": 4,
 @pytest.mark.parametrize("variant", ["gpt2", "llama"])
 def test_export_from_tp2_pp2_checkpoint(setup, sources, tmp_path, variant):
     """A (TP2, PP2) DeepSpeed run directory -> Hugging Face: same logits and greedy continuation."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from models import GPT
-    from pipeline.export_hf import main as export_main
-    from pipeline.state_dicts import load_full_state_dict
     if variant == "gpt2":
         src = sources["2x2"]
     else:
@@ -167,8 +162,6 @@ def test_export_from_tp2_pp2_checkpoint(setup, sources, tmp_path, variant):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_checkpoints_stay_deepspeed_checkpoints(setup, tmp_path, stage):
     """DeepSpeed's own zero_to_fp32 recovers the weights of a ZeRO-2/3 run (DP=2), equal to ours."""
-    import subprocess
-    import sys
     ds = {**DS, "zero_optimization": {"stage": stage}}
     (setup / f"ds_z{stage}.json").write_text(json.dumps(ds))
     save = tmp_path / "run"
@@ -178,7 +171,6 @@ def test_zero_checkpoints_stay_deepspeed_checkpoints(setup, tmp_path, stage):
     out = tmp_path / "fp32"
     subprocess.run([sys.executable, str(save / "zero_to_fp32.py"), str(save), str(out), "--tag", "global_step2"],
                    check=True, capture_output=True)
-    from pipeline.state_dicts import read_state_dict
     theirs = dict(read_state_dict(next(out.glob("*.safetensors")) if list(out.glob("*.safetensors"))
                                   else next(out.glob("*.bin"))))
     _, ours, _ = checkpoint.read_full_checkpoint(save)
@@ -195,8 +187,6 @@ def _evaluate(rank, argv):
 
 def test_evaluate_checkpoint_at_tp2_equals_its_hf_export(setup, sources, tmp_path):
     """python -m pipeline.evaluate --checkpoint (a TP2xPP2 run, scored at TP=2) == --hf of its export."""
-    from pipeline.evaluate import main as evaluate_main
-    from pipeline.export_hf import main as export_main
     text = tmp_path / "heldout.txt"
     text.write_text("def dumps(obj, *, skipkeys=False):\n    return obj\n\nclass JSONDecodeError(ValueError):\n    pass\n")
     assert export_main(["--checkpoint", str(sources["2x2"]), "--out", str(tmp_path / "hf")]) == 0

@@ -4,10 +4,11 @@ import io
 
 import pytest
 import torch
-
+import torch.distributed as dist
 from conftest import shared_data
 from dist import run_distributed
-from pipeline.data import (DistributedBatchLoader, StreamBatchLoader, build_pretraining_data, load_tokenizer)
+
+from pipeline.data import DistributedBatchLoader, StreamBatchLoader, build_pretraining_data, load_tokenizer
 
 TOK = load_tokenizer("bytes")
 
@@ -268,7 +269,6 @@ def test_bptt_over_a_streamed_corpus(tmp_path):
 # --- a real multi-process build -----------------------------------------------------------------------
 
 def _rank_epoch(rank, path, cache_dir):
-    import torch.distributed as dist
     train, valid = build_pretraining_data(path, TOK, 32, valid_fraction=0.05, cache_dir=cache_dir)
     loader = DistributedBatchLoader(train, 2, dist.get_rank(), dist.get_world_size(), seed=11)
     return {"batches": [next(loader)["tokens"] for _ in range(len(loader))], "n": len(train),

@@ -8,14 +8,20 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import shared_data
+from sklearn.metrics import f1_score
 from test_finetune_train import FP32_DS, ec_slice, run, write_base
+from transformers import pipeline
+
+from finetune.metrics import multilabel_scores
+from finetune.normalize import TweetNormalizer
+from finetune.predictions import read_predictions
+from finetune.recipes import EC_RECIPE as RECIPE
+from finetune.thresholds import DEFAULT_GRID, apply_thresholds, tune_thresholds
 
 
 @pytest.fixture(scope="module")
 def recipe_run(tmp_path_factory):
-    from finetune.recipes import EC_RECIPE as RECIPE
     d = tmp_path_factory.mktemp("recipe")
     ec = shared_data("semeval2018-ec")
     (d / "ds.json").write_text(json.dumps(FP32_DS))
@@ -31,7 +37,6 @@ def recipe_run(tmp_path_factory):
 
 
 def test_recipe_trains_tunes_and_exports(recipe_run):
-    from finetune.recipes import EC_RECIPE as RECIPE
     save = recipe_run["save"]
     ev = json.loads((save / "eval.json").read_text())
     settings = ev["settings"]
@@ -44,11 +49,7 @@ def test_recipe_trains_tunes_and_exports(recipe_run):
 
 
 def test_exported_recipe_classifier_equals_predict_on_every_dev_tweet(recipe_run):
-    from transformers import pipeline
 
-    from finetune.normalize import TweetNormalizer
-    from finetune.predictions import read_predictions
-    from finetune.thresholds import apply_thresholds
     d, save = recipe_run["dir"], recipe_run["save"]
     out, probs_file = d / "pred.txt", d / "probs.tsv"
     run([sys.executable, "-m", "finetune.predict", "--model", str(save), "--data", str(recipe_run["dev"]),
@@ -71,8 +72,6 @@ def test_exported_recipe_classifier_equals_predict_on_every_dev_tweet(recipe_run
 
 
 def _scores(y, p, t):
-    from finetune.metrics import multilabel_scores
-    from finetune.thresholds import apply_thresholds
     return multilabel_scores(y, apply_thresholds(p, t))
 
 
@@ -81,7 +80,6 @@ def _macro_f1(y, p, t):
 
 
 def test_threshold_objectives_per_class_micro_and_balanced():
-    from finetune.thresholds import DEFAULT_GRID, tune_thresholds
     rng = np.random.default_rng(7)
     n = 600
     # one frequent, well-separated class and two rare, noisy ones: the micro refinement trades the rare
@@ -107,7 +105,6 @@ def test_threshold_objectives_per_class_micro_and_balanced():
     assert three["mean"] >= max(three["per_class"], three["micro"], three["balanced"]) - 1e-12
     assert three["mean"] > three["per_class"] + 1e-3
     # per class, no grid threshold gives a better F1: per-class F1 is the macro-F1 optimum on the grid
-    from sklearn.metrics import f1_score
     for c in range(y.shape[1]):
         best = max(f1_score(y[:, c], p[:, c] >= t) for t in DEFAULT_GRID)
         assert f1_score(y[:, c], p[:, c] >= per_class[c]) == pytest.approx(best, abs=1e-12)

@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from finetune.data import DataFormatError
+from finetune.train import FinetuneError
+from models.config import ConfigError
+from pipeline.checkpoint import CheckpointError
+from pipeline.engine import EngineConfigError
 from pipeline.errors import InputError, UserError, command, format_user_error
 from pipeline.files import atomic_dir, atomic_path, atomic_write_json, atomic_write_text
 
@@ -57,11 +62,6 @@ def test_debug_shows_the_traceback(monkeypatch, capsys):
 
 
 def test_project_error_classes_are_user_errors():
-    from finetune.data import DataFormatError
-    from finetune.train import FinetuneError
-    from models.config import ConfigError
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.engine import EngineConfigError
     assert all(issubclass(c, UserError) for c in (DataFormatError, FinetuneError, CheckpointError, EngineConfigError))
     assert format_user_error(ConfigError("gpt2-tiny.json: field 'num_heads' must be >= 1; fix it")) == \
         "error: gpt2-tiny.json: field 'num_heads' must be >= 1; fix it"

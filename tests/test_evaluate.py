@@ -7,20 +7,34 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ROOT, shared_data
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
 from pipeline.evaluate import main as evaluate_main
-from pipeline.lm_scoring import (ByteTokenizer, HFScorer, HFTokenizer, LambadaExample, TokenScores, evaluate_bpc,
-                              evaluate_lambada, evaluate_wikitext, load_lambada, load_project_model, load_text,
-                              load_wikitext, score_token_stream, sliding_windows, vocab_parallel_argmax,
-                              wikitext_detokenize)
+from pipeline.lm_scoring import (
+    ByteTokenizer,
+    HFScorer,
+    HFTokenizer,
+    LambadaExample,
+    TokenScores,
+    evaluate_bpc,
+    evaluate_lambada,
+    evaluate_wikitext,
+    load_lambada,
+    load_project_model,
+    load_text,
+    load_wikitext,
+    score_token_stream,
+    sliding_windows,
+    vocab_parallel_argmax,
+    wikitext_detokenize,
+)
 
 N_POSITIONS = 64
 
 
 @pytest.fixture(scope="module")
 def gpt2_tokenizer():
-    from transformers import GPT2TokenizerFast
     # from_pretrained on the directory: in transformers 5, GPT2TokenizerFast(vocab_file=..., merges_file=...)
     # silently builds an empty vocabulary.
     return GPT2TokenizerFast.from_pretrained(shared_data("tokenizers", "gpt2"))
@@ -29,7 +43,6 @@ def gpt2_tokenizer():
 @pytest.fixture(scope="module")
 def tiny_hf_dir(tmp_path_factory, gpt2_tokenizer):
     """A randomly initialised 2-layer GPT-2 with the real GPT-2 vocabulary, saved like any HF model."""
-    from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(gpt2_tokenizer), n_positions=N_POSITIONS, n_embd=32,
                                        n_layer=2, n_head=2))
@@ -41,7 +54,6 @@ def tiny_hf_dir(tmp_path_factory, gpt2_tokenizer):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tiny_hf_dir):
-    from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_hf_dir)
     return model.eval(), HFScorer(model)
 

@@ -7,11 +7,27 @@ the project model's). fp32 ZeRO-1/2 runs are the ones whose weights are views in
 buffers, which safetensors refuses unless the reader gives each tensor its own storage.
 """
 import itertools
+from pathlib import Path
 
 import pytest
-
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from dist import run_distributed
 from engine_utils import BASE_DS, TINY, GlobalBatchLoader, real_text_tokens
+
+from models import GPTConfig
+from models.parallel import initialize_model_parallel, model_parallel_seed
+from pipeline import checkpoint
+from pipeline.engine import (
+    EngineConfigError,
+    build_engine,
+    check_supported,
+    lm_batches,
+    precision,
+    resolve_ds_config,
+    train_step,
+)
+from pipeline.export_hf import main as export_main
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True,
@@ -20,7 +36,6 @@ PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": 
 
 def supported(tp, pp):
     """(name, DeepSpeed config overrides) of every precision x ZeRO stage training accepts at this layout."""
-    from pipeline.engine import EngineConfigError, check_supported
     out = []
     for (prec, extra), stage in itertools.product(PRECISIONS.items(), range(4)):
         ds = {**BASE_DS, **extra, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}
@@ -33,15 +48,8 @@ def supported(tp, pp):
 
 
 def _train_and_save(rank, tp, pp, configs, root):
-    from pathlib import Path
 
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
 
-    from models import GPTConfig
-    from models.parallel import initialize_model_parallel, model_parallel_seed
-    from pipeline import checkpoint
-    from pipeline.engine import build_engine, lm_batches, precision, resolve_ds_config, train_step
     get_accelerator().is_fp16_supported = lambda: True
     state = initialize_model_parallel(tensor_parallel=tp, pipeline_parallel=pp)
     config = GPTConfig(**TINY)
@@ -65,7 +73,6 @@ def _train_and_save(rank, tp, pp, configs, root):
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}_pp{p}" for t, p in LAYOUTS])
 def test_every_supported_run_exports(tmp_path, tp, pp, capsys):
-    from pipeline.export_hf import main as export_main
     configs = supported(tp, pp)
     assert len(configs) == (11 if pp == 1 else 6)  # the matrix is what training accepts, not a hand-picked few
     run_distributed(_train_and_save, tp * pp, tp, pp, configs, str(tmp_path))

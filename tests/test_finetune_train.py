@@ -10,9 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT, shared_data
 from dist import run_distributed
+from safetensors.torch import save_file
+
+from finetune.data import load_semeval_ec
+from finetune.heads import HeadConfig
+from finetune.metrics import multilabel_scores
+from finetune.model import build_classifier
+from finetune.predictions import read_predictions
+from finetune.saved import load_classifier, load_full_gpt_state, read_classifier_dir
+from finetune.thresholds import apply_thresholds, load_thresholds, tune_thresholds
+from models import GPT, MLSTM, GPTConfig, MLSTMConfig, save_mlstm
+from models.parallel import full_state_dict
+from pipeline.data import byte_tokenizer, load_tokenizer
 
 FP32_DS = {"train_batch_size": 32, "optimizer": {"type": "AdamW", "params": {
     "lr": 3e-3, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True}},
@@ -22,11 +33,7 @@ FP32_DS = {"train_batch_size": 32, "optimizer": {"type": "AdamW", "params": {
 def write_base(out: Path, variant: str = "gpt2", **overrides) -> Path:
     """A randomly initialised tiny GPT as a base model directory (config.json + model.safetensors + the GPT-2
     BPE tokenizer): what ``pipeline.import_hf`` writes for a real model."""
-    from safetensors.torch import save_file
 
-    from models import GPT, GPTConfig
-    from models.parallel import full_state_dict
-    from pipeline.data import load_tokenizer
     tok = load_tokenizer(str(shared_data("tokenizers", "gpt2")))
     fields = dict(variant=variant, vocab_size=tok.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
                   max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
@@ -81,10 +88,6 @@ def trained(work):
 
 
 def test_finetune_learns_and_writes_everything(trained, work):
-    from finetune.data import load_semeval_ec
-    from finetune.metrics import multilabel_scores
-    from finetune.predictions import read_predictions
-    from finetune.thresholds import apply_thresholds, load_thresholds, tune_thresholds
 
     ev = json.loads((trained / "eval.json").read_text())
     assert ev["settings"]["thresholds_tuned_on"] == "holdout"
@@ -116,10 +119,6 @@ def test_finetune_learns_and_writes_everything(trained, work):
 
 
 def test_predict_writes_official_format_with_tuned_thresholds(trained, work, capsys):
-    from finetune.data import load_semeval_ec
-    from finetune.predictions import read_predictions
-    from finetune.saved import load_classifier
-    from finetune.thresholds import apply_thresholds
 
     out = work["dir"] / "pred_unlabelled.txt"
     proc = run([sys.executable, "-m", "finetune.predict", "--model", str(trained), "--data", str(work["unlabelled"]),
@@ -144,8 +143,6 @@ def test_predict_writes_official_format_with_tuned_thresholds(trained, work, cap
 
 
 def test_classifier_dir_is_a_base_model(trained):
-    from finetune.saved import load_full_gpt_state
-    from finetune.saved import read_classifier_dir
     config, encoder, tokenizer_dir = load_full_gpt_state(trained)
     info, full = read_classifier_dir(trained)
     assert config.hidden_size == 64 and tokenizer_dir == trained / "tokenizer"
@@ -217,7 +214,6 @@ def test_linear_probe_computes_features_once_and_keeps_the_encoder(work):
         str(work["ds"]), "--freeze-encoder", "--pooling", "mean", "--train-steps", "30", "--lr", "1e-2",
         "--max-length", "32", "--save", str(save), "--hf-export", "no"])[0]
     assert r["feature_seconds"] > 0 and np.mean(r["losses"][-5:]) < np.mean(r["losses"][:5])
-    from finetune.saved import load_full_gpt_state
     _, base, _ = load_full_gpt_state(work["base"])
     _, encoder, _ = load_full_gpt_state(save)
     assert all(torch.equal(encoder[k], v) for k, v in base.items())  # fp32 run: the frozen weights, unchanged
@@ -231,11 +227,6 @@ def _mlstm_worker(rank, argv):
 def test_mlstm_encoder_cell_state_classifier(work):
     """The byte-level mLSTM as the encoder (its final cell state, pooling 'none'), with the auxiliary LM loss,
     data parallel over 2 ranks; the saved classifier predicts what the job wrote."""
-    from finetune.data import load_semeval_ec
-    from finetune.predictions import read_predictions
-    from finetune.saved import load_classifier
-    from models import MLSTM, MLSTMConfig, save_mlstm
-    from pipeline.data import byte_tokenizer
     base = work["dir"] / "mlstm"
     tok = byte_tokenizer()
     torch.manual_seed(0)
@@ -294,9 +285,6 @@ def test_bad_arguments_are_refused_by_the_parser(work, capsys):
 # ------------------------------------------------------------------------------------- the classifier
 
 def _tiny_classifier(**kwargs):
-    from finetune.heads import HeadConfig
-    from finetune.model import build_classifier
-    from models import GPTConfig
     config = GPTConfig(variant="llama", vocab_size=300, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                        ffn_hidden_size=64, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0,
                        make_vocab_size_divisible_by=8)

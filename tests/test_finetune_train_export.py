@@ -6,8 +6,17 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import shared_data
+from transformers import pipeline
+
+from finetune.export_hf import ExportError, compare_with_project, export_classifier, main
+from finetune.heads import HeadConfig
+from finetune.model import build_classifier
+from finetune.normalize import TweetNormalizer
+from finetune.saved import load_classifier, save_classifier_dir
+from models import GPTConfig
+from models.parallel import full_state_dict
+from pipeline.data import load_tokenizer
 
 TWEETS = ["I am so happy today!!! 😀", "This is terrible, I'm furious #angry @user",
           "not sure what to expect tomorrow... http://t.co/abc", "Thank you for the lovely flowers &amp; the card",
@@ -24,13 +33,6 @@ def one_thread():
 
 def make_classifier_dir(out, variant="gpt2", pooling="last", mlp_hidden=(), bias=True,
                         labels=("anger", "joy", "sadness")):
-    from finetune.heads import HeadConfig
-    from finetune.model import build_classifier
-    from finetune.normalize import TweetNormalizer
-    from finetune.saved import save_classifier_dir
-    from models import GPTConfig
-    from models.parallel import full_state_dict
-    from pipeline.data import load_tokenizer
     tok = load_tokenizer(str(shared_data("tokenizers", "gpt2")))
     fields = dict(variant=variant, vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=4,
                   max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
@@ -50,11 +52,7 @@ def make_classifier_dir(out, variant="gpt2", pooling="last", mlp_hidden=(), bias
 
 @pytest.mark.parametrize("variant,bias", [("gpt2", True), ("llama", False)])
 def test_transformers_pipeline_gives_the_project_probabilities(tmp_path, variant, bias):
-    from transformers import pipeline
 
-    from finetune.export_hf import compare_with_project, export_classifier
-    from finetune.normalize import TweetNormalizer
-    from finetune.saved import load_classifier
     model_dir = make_classifier_dir(tmp_path / "clf", variant, bias=bias)
     hf_dir = export_classifier(model_dir, tmp_path / "hf")
     config = json.loads((hf_dir / "config.json").read_text())
@@ -84,7 +82,6 @@ def test_transformers_pipeline_gives_the_project_probabilities(tmp_path, variant
     ({"variant": "llama", "bias": True}, "train the llama classifier with --head-bias no"),
 ])
 def test_heads_transformers_cannot_hold_are_refused(tmp_path, settings, message):
-    from finetune.export_hf import ExportError, export_classifier
     model_dir = make_classifier_dir(tmp_path / "clf", **settings)
     with pytest.raises(ExportError) as e:
         export_classifier(model_dir, tmp_path / "hf")
@@ -93,7 +90,6 @@ def test_heads_transformers_cannot_hold_are_refused(tmp_path, settings, message)
 
 
 def test_export_command(tmp_path, capsys):
-    from finetune.export_hf import main
     model_dir = make_classifier_dir(tmp_path / "clf")
     assert main(["--model", str(model_dir), "--out", str(tmp_path / "hf"), "--verify"]) == 0
     assert "same tokens: True" in capsys.readouterr().out

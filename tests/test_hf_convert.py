@@ -2,13 +2,20 @@
 what it cannot represent. (Export and import through files and at TP=2: test_hf_export.py, test_hf_import.py.)"""
 import pytest
 import torch
-from transformers import GPT2Config, GemmaConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, LlamaConfig
 
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict
-from pipeline.hf_convert import (HF_FAMILIES, ConversionError, config_from_hf, from_hf, state_dict_from_hf, to_hf,
-                                 weight_map)
-from pipeline.state_dicts import StateDictError, load_full_state_dict
+from pipeline.hf_convert import (
+    HF_FAMILIES,
+    ConversionError,
+    config_from_hf,
+    from_hf,
+    state_dict_from_hf,
+    to_hf,
+    weight_map,
+)
+from pipeline.state_dicts import StateDictError, load_full_state_dict, read_state_dict, save_state_dict
 
 TINY = dict(vocab_size=101, hidden_size=32, num_layers=2, max_position_embeddings=16, make_vocab_size_divisible_by=8)
 CONFIGS = {
@@ -50,7 +57,6 @@ def test_weight_map_lists_exactly_the_models_tensors(name):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_in_memory_round_trip_and_hf_logits(name):
-    from transformers import AutoModelForCausalLM
     model = _model(name)
     sd = full_state_dict(model)
     hf_cfg, hf_sd = to_hf(sd, model.config)
@@ -79,7 +85,6 @@ def test_in_memory_round_trip_and_hf_logits(name):
 
 def test_mapping_error_would_be_caught():
     """Guard for the tests above: K and V swapped in the map changes the logits far beyond the tolerance."""
-    from transformers import AutoModelForCausalLM
     model = _model("llama-tied-bias-headdim")
     hf_cfg, hf_sd = to_hf(full_state_dict(model), model.config)
     hf_sd["model.layers.0.self_attn.k_proj.weight"], hf_sd["model.layers.0.self_attn.v_proj.weight"] = (
@@ -170,7 +175,6 @@ def test_load_full_state_dict_is_strict():
 
 
 def test_bias_free_gpt2_trained_with_biases_in_hf_comes_back_with_biases():
-    from transformers import AutoModelForCausalLM
     model = _model("gpt2-nobias")
     hf_cfg, hf_sd = to_hf(full_state_dict(model), model.config)
     hf = AutoModelForCausalLM.from_config(hf_cfg).eval()
@@ -202,7 +206,6 @@ class _NotATensor:  # pickled by torch.save; weights_only loading must refuse to
 
 
 def test_weight_files_are_read_safely(tmp_path):
-    from pipeline.state_dicts import read_state_dict, save_state_dict
     sd = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(2)}
     save_state_dict(sd, tmp_path / "w.safetensors")
     torch.save(sd, tmp_path / "w.pt")

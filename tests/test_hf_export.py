@@ -7,13 +7,22 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from conftest import ROOT, shared_data
 from dist import run_distributed
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2TokenizerFast
+
 from models import GPT, GPTConfig
-from models.parallel import full_state_dict, get_shard_spec, initialize_model_parallel, model_parallel_seed
-from pipeline.export_hf import compare_with_hf, export_hf, main as export_main, max_relative_difference
+from models.parallel import (
+    full_state_dict,
+    get_shard_spec,
+    initialize_model_parallel,
+    model_parallel_seed,
+    tp_rank,
+    tp_world_size,
+)
+from pipeline.export_hf import compare_with_hf, export_hf, max_relative_difference
+from pipeline.export_hf import main as export_main
 from pipeline.hf_convert import ConversionError
 from pipeline.state_dicts import expected_full_shape, save_state_dict
 
@@ -42,7 +51,6 @@ def _perturb_norms_and_biases(model, seed=7):
 
 
 def _tp():
-    from models.parallel import tp_rank, tp_world_size
     return tp_rank(), tp_world_size()
 
 
@@ -78,7 +86,6 @@ def tp2_models():
 
 
 def _load_hf(path):
-    from transformers import AutoModelForCausalLM
     model, info = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}, info  # no missing / unexpected / mismatched weights
     return model.eval()
@@ -125,7 +132,6 @@ def test_half_precision_export(dtype, torch_dtype, tp2_models, tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt2_tokenizer_dir(tmp_path_factory):
-    from transformers import GPT2TokenizerFast
     tok = GPT2TokenizerFast.from_pretrained(str(shared_data("tokenizers", "gpt2", "merges.txt").parent))
     assert len(tok) == 50257
     out = tmp_path_factory.mktemp("gpt2-tokenizer")
@@ -135,7 +141,6 @@ def gpt2_tokenizer_dir(tmp_path_factory):
 
 def test_export_command_with_tokenizer_refuses_overwrite(gpt2_tokenizer_dir, tmp_path, capsys):
     """The command on a model directory (config.json + model.safetensors + tokenizer), as import_hf writes it."""
-    from transformers import AutoTokenizer
     torch.manual_seed(0)
     config = GPTConfig(**dict(CONFIGS["gpt2"], vocab_size=50257))
     model = GPT(config).eval()

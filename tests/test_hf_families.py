@@ -9,18 +9,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
-
 from conftest import shared_data
 from dist import run_distributed
+from test_finetune_train import FP32_DS, ec_slice
+from test_hf_import import export_imported, import_each, load_imported
+from transformers import (
+    AutoModelForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from finetune.export_hf import compare_with_project
+from finetune.train import main
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict, initialize_model_parallel
 from pipeline.export_hf import export_hf
 from pipeline.hf_convert import ConversionError, to_hf
-from pipeline.import_hf import import_hf, main as import_main
+from pipeline.import_hf import import_hf
+from pipeline.import_hf import main as import_main
 from pipeline.state_dicts import read_state_dict
-from test_hf_import import export_imported, import_each, load_imported
 
 TOL = 1e-5
 COMMON = dict(vocab_size=101, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -159,15 +171,11 @@ def test_windows_and_families_the_model_cannot_compute_are_refused(tmp_path, cap
 # -- a finetune of an imported Qwen2, exported as Qwen2ForSequenceClassification ---------------------------------------
 
 def _finetune_worker(rank, argv):
-    from finetune.train import main
     return {"hf_export": main(argv)["hf_export"]}
 
 
 def test_finetuned_qwen2_exports_as_its_classifier(tmp_path):
-    from transformers import Qwen2Tokenizer
 
-    from finetune.export_hf import compare_with_project
-    from test_finetune_train import FP32_DS, ec_slice
     ec = shared_data("semeval2018-ec")
     hf_dir = tmp_path / "hf-qwen2"
     _random_hf(Qwen2Config, Qwen2ForCausalLM, vocab_size=50257, max_position_embeddings=64, bos_token_id=50256,

@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GemmaConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
 from conftest import shared_data
 from dist import run_distributed
+from transformers import AutoTokenizer, GemmaConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict, initialize_model_parallel
 from pipeline.export_hf import export_hf, max_relative_difference
 from pipeline.hf_convert import ConversionError, from_hf, load_hf_model, resolve_hf_source
-from pipeline.import_hf import check_layout, import_hf, main as import_main, write_model_dir
+from pipeline.import_hf import check_layout, import_hf, write_model_dir
+from pipeline.import_hf import main as import_main
 from pipeline.state_dicts import load_full_state_dict, read_state_dict
 
 TOL = 1e-4
@@ -106,7 +107,6 @@ def test_imported_directories_at_tp2_equal_hf_logits(hf_models, imported):
 
 
 def test_hf_to_project_to_hf_is_exact(hf_models, imported, tmp_path):
-    from transformers import AutoTokenizer
     for name, (path, _, hf_sd) in hf_models.items():
         export_imported(imported[name], tmp_path / name, hf_sd, imported[name] if name == "gpt2" else None)
         theirs = json.loads((Path(path) / "config.json").read_text())
@@ -192,7 +192,6 @@ SENTENCE = "The capital of France is Paris, and the capital of Germany is"
 
 def test_smollm2_gguf_import_equals_hf(tmp_path):
     """The steps of import_hf on a GGUF file, with the Hugging Face model loaded once (dequantising is slow)."""
-    from transformers import AutoTokenizer
     gguf = smollm2_gguf()
     with pytest.raises(ConversionError, match=r"\(9 heads, 3 KV heads, 30 layers\) cannot be split as --tensor-parallel 2"
                                               r".*Tensor-parallel sizes that divide this model: 1, 3;"):

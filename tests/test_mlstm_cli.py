@@ -1,9 +1,11 @@
 """An mLSTM pretraining run through every command, as a user runs them: pretrain, export_hf --verify, evaluate
 --checkpoint and evaluate --hf of the export, which give the same bits per character."""
+import inspect
 import json
 import os
 import subprocess
 import sys
+import textwrap
 
 from conftest import ROOT
 
@@ -23,8 +25,6 @@ def _run(*cmd, cwd):
 
 
 def test_mlstm_run_exports_verifies_and_evaluates_the_same(tmp_path):
-    import inspect
-    import textwrap
     (tmp_path / "corpus.txt").write_text(inspect.getsource(textwrap))
     held_out = tmp_path / "held_out.txt"
     held_out.write_text(inspect.getsource(json)[:3000])

@@ -3,11 +3,14 @@
 The engine's forward returns only the loss; the model carries each rank's TBPTT state
 itself (``carry_state``), so every data-parallel rank follows its own streams.
 """
+import deepspeed
 import pytest
 import torch
-
+import torch.distributed as dist
 from conftest import shared_data
 from dist import run_distributed
+
+from models import MLSTM, MLSTMConfig
 
 GLOBAL_BATCH, BPTT, STEPS, LR = 8, 16, 8, 3e-2
 
@@ -20,7 +23,6 @@ def _streams(path):
 
 
 def _tiny_model():
-    from models import MLSTM, MLSTMConfig
     torch.manual_seed(0)
     model = MLSTM(MLSTMConfig(vocab_size=257, embed_dim=8, hidden_size=32))
     model.carry_state = True
@@ -28,8 +30,6 @@ def _tiny_model():
 
 
 def _train(rank, path, precision, zero_stage):
-    import deepspeed
-    import torch.distributed as dist
 
     if precision == "fp16":
         from deepspeed.accelerator import get_accelerator

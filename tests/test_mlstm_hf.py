@@ -2,6 +2,7 @@
 import json
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from models import MLSTM, MLSTMConfig
 from pipeline.export_hf import export_hf
@@ -12,8 +13,6 @@ def test_mlstm_export_loads_with_auto_classes(tmp_path):
     model = MLSTM(MLSTMConfig(vocab_size=258, embed_dim=8, hidden_size=32, seq_length=16)).eval()
     export_hf(model.config, model.state_dict(), tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "mlstm-lm"
-    import models.hf_mlstm  # noqa: F401  (registers the model type)
-    from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()  # no trust_remote_code
     assert type(hf).__name__ == "MLSTMForCausalLM"
     ids = torch.tensor([list(b"To be, or not to be")])

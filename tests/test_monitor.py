@@ -7,17 +7,17 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from conftest import shared_data
 from dist import run_distributed
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_finetune_train import ec_slice, write_base
 from test_pretrain import FP32_DS, corpus, job_args, metrics  # noqa: F401 (corpus is a fixture)
+from wandb.proto import wandb_internal_pb2 as pb
 
 MONITOR = {"tensorboard": {"enabled": True, "job_name": "tiny"}, "csv_monitor": {"enabled": True, "job_name": "tiny"}}
 
 
 def scalars(log_dir: Path) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
@@ -31,7 +31,6 @@ def csv_rows(path: Path) -> tuple[list, list]:
 def wandb_history(run_file: Path) -> list[dict]:
     """The history rows of a W&B offline run file: a LevelDB-style log (32 KiB blocks, 7-byte record headers)
     of wandb's protobuf Records after a 7-byte file header."""
-    from wandb.proto import wandb_internal_pb2 as pb
     data, pos, block, chunks, rows = run_file.read_bytes(), 7, 32768, b"", []
     while pos + 7 <= len(data):
         if block - pos % block < 7:

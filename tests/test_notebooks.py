@@ -3,9 +3,12 @@ base model on a slice of E-c and exports it, 02 classifies tweets with the expor
 import json
 import sys
 
+import nbformat
+import numpy as np
 import pytest
-
+import transformers
 from conftest import ROOT, shared_data
+from nbclient import NotebookClient
 from test_finetune_train import write_base
 
 NOTEBOOKS = ROOT / "finetune" / "notebooks"
@@ -24,8 +27,6 @@ def kernel(tmp_path_factory):
 
 
 def execute(name, kernel, monkeypatch, **env):
-    import nbformat
-    from nbclient import NotebookClient
     monkeypatch.setenv("JUPYTER_PATH", str(kernel))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # the kernel is a job of its own
         monkeypatch.delenv(key, raising=False)
@@ -59,8 +60,6 @@ def test_finetune_then_classify_with_transformers(tmp_path, kernel, monkeypatch)
 def test_accelerate_notebook_finetunes_the_export(tmp_path, kernel, monkeypatch):
     """03: the base exported to transformers, AutoModelForSequenceClassification trained by accelerate's DeepSpeed
     plugin from ds_configs/cpu.json as it is, the project's thresholds and chart, a classifier transformers loads."""
-    import numpy as np
-    import transformers
     out = tmp_path / "run"
     text = execute("03_finetune_with_accelerate.ipynb", kernel, monkeypatch,
                    EC_DATA_DIR=shared_data("semeval2018-ec"), BASE_MODEL=write_base(tmp_path / "base"),

@@ -1,14 +1,26 @@
 """Vocab-parallel cross-entropy, the f/g ops, column/row linears, the RNG tracker, sharding specs."""
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from dist import run_distributed
-from models.parallel import (ColumnParallelLinear, RowParallelLinear, ShardSpec, copy_to_tensor_parallel_region,
-                             gather_from_tensor_parallel_region, get_rng_tracker, initialize_model_parallel,
-                             model_parallel_seed, reduce_from_tensor_parallel_region,
-                             scatter_to_tensor_parallel_region, tensor_parallel_rng, tp_rank,
-                             vocab_parallel_cross_entropy)
+
+from models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    get_rng_tracker,
+    initialize_model_parallel,
+    model_parallel_seed,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+    tensor_parallel_rng,
+    tp_rank,
+    vocab_parallel_cross_entropy,
+)
 from models.parallel.state import ParallelConfigError, ParallelState
 
 VOCAB, PADDED = 50, 56  # a vocabulary padded by 6 columns, split over 2 ranks (28 each)
@@ -158,7 +170,6 @@ def test_world_size_not_tp_pp_dp():
 
 def _mpu_worker(rank):
     s = initialize_model_parallel(tensor_parallel=2, pipeline_parallel=2)
-    import torch.distributed as dist
     return {"tp": s.get_model_parallel_rank(), "pp": s.get_pipe_parallel_rank(), "dp": s.get_data_parallel_rank(),
             "tp_members": dist.get_process_group_ranks(s.get_model_parallel_group()),
             "dp_members": dist.get_process_group_ranks(s.get_data_parallel_group()),
@@ -168,7 +179,6 @@ def _mpu_worker(rank):
 
 
 def test_parallel_state_groups_follow_deepspeed_topology():
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
     res = run_distributed(_mpu_worker, 8)
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
     for rank, r in enumerate(res):

@@ -1,14 +1,20 @@
 """The main job end to end: python -m, torchrun, the deepspeed launcher (one node and two nodes on loopback)."""
+import inspect
 import json
+import json as json_mod
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
+import datasets
 import pytest
-
 from conftest import ROOT
+from dist import run_distributed
+
 from pipeline.distributed import free_port
+from pipeline.pretrain import main
 
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
          "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
@@ -20,9 +26,6 @@ BIN = Path(sys.executable).parent
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Real text: the source of a few standard-library modules, as one document each."""
-    import inspect
-    import json as json_mod
-    import textwrap
     d = tmp_path_factory.mktemp("corpus")
     text = "\n\n".join(inspect.getsource(m) for m in (json_mod, textwrap, inspect))
     (d / "corpus.txt").write_text(text)
@@ -113,13 +116,11 @@ def test_bad_layout_is_refused_before_work(tmp_path, corpus):
 
 
 def _pretrain(rank, argv):
-    from pipeline.pretrain import main
     return main(argv)
 
 
 def test_mlstm_through_the_main_job_dp2(tmp_path, corpus):
     """--model-type mlstm: byte tokenizer, TBPTT streams per DP rank, ZeRO-1, bits per character."""
-    from dist import run_distributed
     save = tmp_path / "mlstm"
     model = {"model_type": "mlstm", "embed_dim": 16, "hidden_size": 64, "num_layers": 1, "seq_length": 32}
     (tmp_path / "mlstm.json").write_text(json.dumps(model))
@@ -140,7 +141,6 @@ def test_mlstm_through_the_main_job_dp2(tmp_path, corpus):
 
 def test_main_job_trains_from_every_source_form(tmp_path, corpus):
     """One run over .txt, .jsonl (another text field), .csv, .parquet, a folder glob and a save_to_disk dir."""
-    import datasets
     docs = [d for d in corpus.read_text().split("\n\n") if d.strip()]
     parts = [docs[i::5] for i in range(5)]
     (tmp_path / "a.txt").write_text("\n\n".join(parts[0]))

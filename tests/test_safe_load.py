@@ -5,17 +5,22 @@ unpickling writes a marker file. The attacker also fixes up COMPLETE.json (sizes
 only the weights-only loading stands between the file and the payload. Every command that reads a
 checkpoint is tried on it: the marker never appears and the command fails naming the file.
 """
+import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
+from conftest import shared_data
 from dist import run_distributed
+
 from pipeline import checkpoint, safe_load, universal
+from pipeline.pretrain import main
+from pipeline.reshard import reshard
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
@@ -38,7 +43,6 @@ class Payload:
 
 
 def _pretrain(rank, argv):
-    from pipeline.pretrain import main
     main(argv)
     return 0
 
@@ -52,7 +56,6 @@ def pretrain_args(d, save, stage, steps=2, *extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two real one-process runs saved at steps 1 and 2: ZeRO-1 (model + optimizer files) and ZeRO-3."""
-    import inspect
     d = tmp_path_factory.mktemp("trust")
     (d / "corpus.txt").write_text(inspect.getsource(json) + inspect.getsource(inspect))
     (d / "model.json").write_text(json.dumps(MODEL))
@@ -64,7 +67,6 @@ def runs(tmp_path_factory):
 
 def doctored_copy(src: Path, dst: Path, victim: str, marker: Path, tag: str = "global_step2") -> Path:
     """A copy of run ``src`` whose ``tag/victim`` carries its real contents plus a payload; COMPLETE.json agrees."""
-    import shutil
     shutil.copytree(src, dst)
     path = dst / tag / victim
     state = torch.load(path, weights_only=True, map_location="cpu")
@@ -93,7 +95,6 @@ def test_payload_is_live(runs, tmp_path):
 
 
 def _ec_files(d: Path) -> tuple[Path, Path]:
-    from conftest import shared_data
     ec = shared_data("semeval2018-ec")
     out = []
     for name, n in (("train.tsv", 40), ("dev.tsv", 20)):
@@ -177,7 +178,6 @@ def test_checkpoint_engine_refuses_legacy_format_pickle(tmp_path):
 
 def test_sha256_catches_same_size_damage(runs, tmp_path):
     """64 zeroed bytes in a model-states file (same size): refused, naming the file."""
-    import shutil
     shutil.copytree(runs / "z1", tmp_path / "run")
     victim = tmp_path / "run" / "global_step2" / "mp_rank_00_model_states.pt"
     data = bytearray(victim.read_bytes())
@@ -192,7 +192,6 @@ def test_sha256_catches_same_size_damage(runs, tmp_path):
 
 @pytest.mark.parametrize("tag", ["../other/global_step2", "/tmp", "..", "global_step2/../../other/global_step2"])
 def test_tag_outside_the_run_is_refused(runs, tmp_path, tag):
-    import shutil
     shutil.copytree(runs / "z1", tmp_path / "other")
     shutil.copytree(runs / "z1", tmp_path / "run")
     (tmp_path / "run" / "latest").write_text(tag + "\n")
@@ -226,7 +225,6 @@ def _doctor_cache_file(cache: Path, name: str, marker: Path) -> Path:
 def test_universal_cache_is_verified_and_scanned(runs, tmp_path):
     """The cache records a sha256 of each file: a same-size change is rebuilt; a doctored file whose manifest
     was fixed up too is refused, naming it, before DeepSpeed loads anything."""
-    import shutil
     shutil.copytree(runs / "z1", tmp_path / "run")
     messages = []
     cache = universal.ensure_cache(tmp_path / "run", "global_step2", log=messages.append)
@@ -248,7 +246,6 @@ def test_universal_cache_is_verified_and_scanned(runs, tmp_path):
 
 def test_resharded_run_records_sha256(runs, tmp_path):
     """pipeline.reshard's output is verified like any run: its tag's COMPLETE.json holds every file's sha256."""
-    from pipeline.reshard import reshard
     out = reshard(runs / "z1", tmp_path / "resharded")
     manifest = json.loads((out / "global_step2" / checkpoint.COMPLETE).read_text())
     assert sorted(manifest["files"]) == ["layout.json", "rank0_state.pt"]

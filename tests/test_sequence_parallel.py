@@ -2,14 +2,21 @@
 logits, loss and every gathered gradient; the conjugate ops; dropout in the sequence-split region."""
 import pytest
 import torch
-
 from dist import run_distributed
-from models import GPT, GPTConfig
-from models.parallel import (full_state_dict, gather_from_sequence_parallel_region,
-                             initialize_model_parallel, is_sequence_parallel, model_parallel_seed,
-                             reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
-                             tp_rank)
 from test_tensor_parallel import CONFIGS, _batch, _reference, assert_matches_reference
+
+from models import GPT, GPTConfig
+from models.gpt import Embedding
+from models.parallel import (
+    full_state_dict,
+    gather_from_sequence_parallel_region,
+    initialize_model_parallel,
+    is_sequence_parallel,
+    model_parallel_seed,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    tp_rank,
+)
 
 
 def _run_sp(rank, tp, config):
@@ -59,7 +66,6 @@ def _ops_and_dropout(rank, tp):
     # dropout of the sequence-split region: the same input chunk on both ranks, different masks
     config = GPTConfig(**{**CONFIGS["gpt2"], "hidden_dropout": 0.5, "variant": "llama", "tie_embeddings": False},
                        sequence_parallel=True)
-    from models.gpt import Embedding
     emb = Embedding(config, init_seed=0).train()
     out["dropped"] = emb(torch.full((1, 8), 7)).detach()
     out["tp_rank"] = tp_rank()

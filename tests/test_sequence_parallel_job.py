@@ -1,17 +1,27 @@
 """Sequence parallelism through the main job and the engine: per-step losses equal the single process at
 (TP2, SP), (TP2, SP, PP2), (TP2, SP, DP2, ZeRO-1/2/3); activation checkpointing is exact with dropout;
 SP checkpoints load without SP, at another TP size, and export to Hugging Face; refusals before any work."""
+import contextlib
+import io
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
 from dist import run_distributed
 from engine_utils import train_worker
+from run_utils import write_corpus
 from test_checkpoint import DS, MODEL, _pretrain, args, losses
+from transformers import AutoModelForCausalLM
+
+from models import GPT
+from pipeline import checkpoint
+from pipeline.errors import command
+from pipeline.export_hf import main as export_main
+from pipeline.pretrain import main
+from pipeline.state_dicts import load_full_state_dict
 
 NODROP = {**MODEL, "hidden_dropout": 0.0, "attention_dropout": 0.0}
 LLAMA = {"variant": "llama", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -22,10 +32,8 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    import inspect
-    import json as json_mod
     d = tmp_path_factory.mktemp("sp")
-    (d / "corpus.txt").write_text(inspect.getsource(json_mod) + "\n\n" + inspect.getsource(inspect))
+    write_corpus(d)
     (d / "model.json").write_text(json.dumps(MODEL))
     (d / "nodrop.json").write_text(json.dumps(NODROP))
     (d / "ds.json").write_text(json.dumps(DS))
@@ -98,12 +106,7 @@ def test_activation_checkpointing_with_dropout_is_exact_under_sp():
 def test_sequence_parallel_checkpoint_loads_anywhere_and_exports(setup, single, tmp_path):
     """Saved at (TP2, SP): resumes at TP2 without SP, reshards to TP1, and its Hugging Face export gives the
     logits of the model it holds."""
-    from transformers import AutoModelForCausalLM
 
-    from models import GPT
-    from pipeline import checkpoint
-    from pipeline.export_hf import main as export_main
-    from pipeline.state_dicts import load_full_state_dict
     src = setup / "TP2_SP"
     if not (src / "global_step2").is_dir():
         _job(setup, src, 2, "--tensor-parallel", "2", "--sequence-parallel", "--save-interval", "2")
@@ -145,11 +148,7 @@ def test_refusals_before_any_work(setup, tmp_path):
 
 
 def _refusal_worker(rank, argv):
-    import contextlib
-    import io
 
-    from pipeline.errors import command
-    from pipeline.pretrain import main
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:

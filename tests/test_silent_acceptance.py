@@ -3,7 +3,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import shared_data
 
+from finetune.predict import read_texts
+from pipeline.data.build import parse_weights
+from pipeline.data.sources import DataSourceError, load_documents, resolve
 from pipeline.ds_keys import unknown_key_errors
 from pipeline.engine import EngineConfigError, resolve_ds_config
 
@@ -49,8 +53,6 @@ def test_every_deepspeed_key_of_its_own_docs_is_known():
 
 
 def test_data_weights_must_be_finite(tmp_path):
-    from pipeline.data.build import parse_weights
-    from pipeline.data.sources import DataSourceError, resolve
     for name in ("a.txt", "b.txt"):
         (tmp_path / name).write_text("some text\n")
     sources = resolve([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")])
@@ -63,7 +65,6 @@ def test_data_weights_must_be_finite(tmp_path):
 
 
 def test_null_text_is_refused(tmp_path):
-    from pipeline.data.sources import DataSourceError, load_documents, resolve
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(json.dumps({"text": t}) for t in ("one", "two", None, "four")) + "\n")
     with pytest.raises(DataSourceError, match=rf"{path}: record 3 has a null 'text' field"):
@@ -72,8 +73,6 @@ def test_null_text_is_refused(tmp_path):
 
 def test_partial_label_columns_are_reported(tmp_path, capsys):
     """finetune.predict on a file holding some but not all of the model's labels says it reads it unlabelled."""
-    from conftest import shared_data
-    from finetune.predict import read_texts
     lines = (shared_data("semeval2018-ec") / "dev.tsv").read_text(encoding="utf-8").splitlines()[:6]
     header = lines[0].split("\t")
     keep = header[:2] + header[2:5]  # ID, Tweet and three of the eleven emotions

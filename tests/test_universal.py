@@ -11,20 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from dist import run_distributed
+from run_utils import NO_DROPOUT, TINY_GPT2, ds_config, pretrain_worker, write_corpus
 
 from pipeline import universal
 
-MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
-         "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
-OPTIMIZER = {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}
-
-
-def ds_config(stage: int, fp16: bool = False) -> dict:
-    ds = {"train_batch_size": 4, "optimizer": OPTIMIZER, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-          "zero_optimization": {"stage": stage}}
-    if fp16:
-        ds["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
-    return ds
+MODEL = {**TINY_GPT2, **NO_DROPOUT}
 
 
 # name: (tensor parallel, pipeline parallel, world size, ZeRO stage, fp16)
@@ -36,21 +27,13 @@ TRANSITIONS = [("tp1", "tp2"), ("tp2", "tp1"), ("pp2", "tp1"), ("tp2pp2", "dp2")
                ("tp1", "dp2z3"), ("dp2fp16", "dp1fp16")]
 
 
-def _pretrain(rank, argv, fp16):
-    if fp16:  # DeepSpeed's CPU accelerator refuses fp16 unless told otherwise
-        from deepspeed.accelerator import get_accelerator
-        get_accelerator().is_fp16_supported = lambda: True
-    from pipeline.pretrain import main
-    main(argv)
-    return 0
+_pretrain = pretrain_worker  # fp16: DeepSpeed's CPU accelerator refuses it unless told otherwise
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    import inspect
-    import json as json_mod
     d = tmp_path_factory.mktemp("universal")
-    (d / "corpus.txt").write_text(inspect.getsource(json_mod) + "\n\n" + inspect.getsource(inspect))
+    write_corpus(d)
     (d / "model.json").write_text(json.dumps(MODEL))
     return d
 

@@ -2,16 +2,20 @@
 and nothing a user owns is replaced or deleted (outputs never overwrite inputs; --force replaces only what the
 command itself wrote)."""
 import hashlib
+import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
+from conftest import shared_data
 from dist import run_distributed
+
 from pipeline.files import OutputError, atomic_dir
+from pipeline.pretrain import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
@@ -21,7 +25,6 @@ DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-
 
 
 def _pretrain(rank, argv):
-    from pipeline.pretrain import main
     main(argv)
     return 0
 
@@ -36,8 +39,6 @@ def pretrain_args(d, save, *extra, ds="ds.json", data=None):
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """A real one-step pretraining run, an E-c slice, and a few doctored inputs."""
-    import inspect
-    from conftest import shared_data
     d = tmp_path_factory.mktemp("user_errors")
     (d / "corpus.txt").write_text(inspect.getsource(json))
     (d / "other.txt").write_text(inspect.getsource(inspect))
@@ -49,7 +50,6 @@ def work(tmp_path_factory):
     (d / "dev.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (d / "comma.tsv").write_text("\n".join(",".join(line.split("\t")) for line in lines) + "\n", encoding="utf-8")
     (d / "nohead.tsv").write_text("\n".join(lines[1:]) + "\n", encoding="utf-8")
-    import shutil
     shutil.copytree(d / "run", d / "escaped")
     (d / "escaped" / "latest").write_text("../run/global_step1\n")
     return d
