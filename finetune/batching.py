@@ -10,6 +10,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 
 def encode_texts(tokenizer, texts: Sequence[str], max_length: int) -> list[list[int]]:
@@ -121,7 +123,6 @@ def predict_pooled(model, pooled: torch.Tensor, *, batch_size: int = 1024) -> np
 
 def _over_batches(model, run, encoded, pad_id, batch_size, dp_rank, dp_world_size, dp_group, progress,
                   desc) -> torch.Tensor:
-    from tqdm import tqdm
     device = next(model.parameters()).device
     batches = length_sorted_batches([len(s) for s in encoded], batch_size)[dp_rank::dp_world_size]
     out = None
@@ -137,7 +138,6 @@ def _over_batches(model, run, encoded, pad_id, batch_size, dp_rank, dp_world_siz
     finally:
         model.train(was_training)
     if dp_world_size > 1:
-        import torch.distributed as dist
         width = torch.tensor([0 if out is None else out.shape[1]], device=device)
         dist.all_reduce(width, op=dist.ReduceOp.MAX, group=dp_group)
         total = (out if out is not None else torch.zeros(len(encoded), int(width))).to(device)

@@ -125,7 +125,8 @@ class LabeledTexts:
 
     def to_hf(self):
         """A ``datasets.Dataset`` with columns id, text and labels (int8 list; multilabel) or label (ClassLabel)."""
-        import datasets
+        # datasets is heavy; only reading a file through it needs it
+        import datasets  # noqa: PLC0415
 
         columns: dict[str, Any] = {"id": self.ids, "text": self.texts}
         features = {"id": datasets.Value("string"), "text": datasets.Value("string")}
@@ -293,7 +294,8 @@ def load_labeled_file(path: str | os.PathLike, *, text_column: str = "text", id_
     comma-separated with quotes, ``.tsv`` / ``.tab`` / ``.txt`` tab-separated without quoting.
     ``json_field``: the key under which a JSON file keeps its list of records.
     """
-    import datasets
+    # datasets is heavy; only reading a file through it needs it
+    import datasets  # noqa: PLC0415
 
     path = Path(path)
     if not path.is_file():

@@ -110,7 +110,8 @@ def per_class_f1_figure(results: Mapping, title: str | None = None, reference: M
     group per class, one bar per setting in ``results`` (``evaluate_probabilities`` output) or per system when
     ``results`` maps system names to score dicts. Class support is shown under each class name.
     ``reference`` (class -> F1, e.g. ``PUBLISHED_EC_TEST_F1``) is drawn as a marker over the classes it has."""
-    from matplotlib.figure import Figure
+    # matplotlib only when a chart is drawn
+    from matplotlib.figure import Figure  # noqa: PLC0415
 
     series = _series(results)
     first = next(iter(series.values()))
@@ -144,7 +145,8 @@ def per_class_f1_figure(results: Mapping, title: str | None = None, reference: M
 def plot_per_class_f1(path: str | os.PathLike, results: Mapping, title: str | None = None,
                       reference: Mapping[str, float] | None = None, reference_label: str = "published") -> Path:
     """Save ``per_class_f1_figure`` as a PNG, atomically."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    # matplotlib only when a chart is drawn
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
 
     fig = per_class_f1_figure(results, title, reference, reference_label)
     FigureCanvasAgg(fig)

@@ -11,23 +11,26 @@ each text's probabilities (TSV: ID then one column per label).
 """
 from __future__ import annotations
 
+import csv
 import sys
 import time
-from pathlib import Path
-import csv
 from dataclasses import replace
+from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import json
+
 import numpy as np
 
-from pipeline.errors import ArgumentParser, add_debug_arg, command
+from finetune._io import atomic_write_text
 from finetune.data import DataFormatError, load_labeled_file, load_semeval_ec
 from finetune.metrics import evaluate_probabilities, format_comparison, single_label_scores, write_eval_json
 from finetune.predictions import write_predictions
 from finetune.saved import load_classifier
 from finetune.thresholds import apply_thresholds
+from pipeline.errors import ArgumentParser, add_debug_arg, command
 from pipeline.files import check_output_file, refuse_overlap
 from pipeline.hf_convert import add_dtype_arg, parse_dtype
 
@@ -107,7 +110,6 @@ def _unlabelled(data):
 def _columns(path: Path) -> list[str]:
     suffix = path.suffix.lower()
     if suffix in (".json", ".jsonl", ".ndjson"):
-        import json
         with open(path, encoding="utf-8") as f:
             first = next((line for line in f if line.strip()), "{}")
         try:
@@ -142,7 +144,6 @@ def main(argv=None) -> dict:
     print(f"wrote predictions for {len(data)} texts to {args.out} ({len(data) / seconds:.1f} texts/s, batches "
           f"sorted by length)")
     if args.probabilities:
-        from finetune._io import atomic_write_text
         rows = ["\t".join(["ID", *names])] + ["\t".join([i, *(f"{p:.6f}" for p in row)])
                                               for i, row in zip(data.ids, probs)]
         atomic_write_text(args.probabilities, "\n".join(rows) + "\n")

@@ -19,13 +19,13 @@ thresholds.json tuned on dev or on a held-out part of train, tokenizer/), metric
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-import dataclasses
 
 if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torchrun
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,27 +35,45 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param
 
+import finetune.data as data
 from finetune.batching import TrainBatches, encode_texts, pooled_features, predict_encoded, predict_pooled
+from finetune.data import SEMEVAL_EC_LABELS, load_data, load_labeled_file, load_semeval_ec
 from finetune.export_hf import ExportError, export_classifier
 from finetune.heads import MULTILABEL, HeadConfig, pos_weight_from_labels
-from finetune.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison, plot_per_class_f1,
-                              single_label_scores, write_eval_json)
+from finetune.metrics import (
+    PUBLISHED_EC_TEST_F1,
+    evaluate_probabilities,
+    format_comparison,
+    plot_per_class_f1,
+    single_label_scores,
+    write_eval_json,
+)
 from finetune.model import build_classifier, encoder_type_of
 from finetune.normalize import TweetNormalizer
+from finetune.predictions import write_predictions
 from finetune.saved import CLASSIFIER_FILE, load_base_state, save_classifier_dir
+from finetune.thresholds import apply_thresholds, tune_thresholds
+from models.parallel import gather_full, get_shard_spec
 from pipeline.data import load_tokenizer
 from pipeline.engine import build_engine, optimizer_step, precision
 from pipeline.errors import ArgumentParser, UserError, command
 from pipeline.families import ModelFamily, family_of
 from pipeline.files import OutputError, refuse_overlap
-from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, apply_sequence_parallel,
-                          every, is_rank0, quiet_deepspeed, setup, train_loop)
+from pipeline.job import (
+    EngineOptions,
+    Job,
+    StepResult,
+    add_engine_args,
+    add_run_args,
+    apply_sequence_parallel,
+    every,
+    is_rank0,
+    quiet_deepspeed,
+    setup,
+    train_loop,
+)
 from pipeline.metrics import MetricsWriter
 from pipeline.schedules import LRSchedule
-from finetune.data import SEMEVAL_EC_LABELS, load_data, load_semeval_ec
-from finetune.predictions import write_predictions
-from finetune.thresholds import apply_thresholds, tune_thresholds
-from models.parallel import gather_full, get_shard_spec
 
 LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
 
@@ -184,7 +202,6 @@ def load_split(path: str, args, require_labels: bool = True):
         kwargs["label_names"] = _names(args.label_names)
     if kwargs or args.text_column != "text" or args.id_column:
         kwargs.update(text_column=args.text_column, id_column=args.id_column, label_separator=args.label_separator)
-        from finetune.data import load_labeled_file
         data = load_labeled_file(path, **kwargs)
     elif not require_labels and Path(path).is_file() and _is_ec(path):
         data = load_semeval_ec(path, labels=None, require_labels=False)
@@ -209,7 +226,6 @@ def label_subset(spec: str | None):
     if spec is None:
         return None
     if spec in LABEL_SETS:
-        import finetune.data as data
         return list(getattr(data, LABEL_SETS[spec]))
     return _names(spec)
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import ConfigError, read_config_json
@@ -435,7 +436,6 @@ def _atomic_write(path: Path, write) -> None:
 
 def save_mlstm(model: MLSTM, directory: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (each atomically) into ``directory``."""
-    from safetensors.torch import save_file
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -448,7 +448,6 @@ def save_mlstm(model: MLSTM, directory: str | Path) -> Path:
 
 def load_mlstm(directory: str | Path, map_location: str | torch.device = "cpu") -> MLSTM:
     """Build an MLSTM from a directory written by ``save_mlstm``."""
-    from safetensors.torch import load_file
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"mLSTM model directory {directory} does not exist")

@@ -25,8 +25,10 @@ import hashlib
 import json
 import os
 import random
-from pathlib import Path
+import shutil
+import signal
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,6 +41,7 @@ from pipeline.files import atomic_dir, atomic_write_text
 from pipeline.model_dir import read_model_dir
 
 from . import safe_load
+from .pipe_model import pipe_to_gpt_name
 from .safe_load import CheckpointError
 
 COMPLETE = "COMPLETE.json"
@@ -95,7 +98,6 @@ def save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, 
     rank = _rank()
     if rank == 0 and tag_dir.exists():
         # a leftover of a save that never completed (or a rerun of this step): replace it
-        import shutil
         shutil.rmtree(tag_dir)
     _barrier()
     writer = engine.checkpoint_engine  # a safe_load.SafeCheckpointEngine (build_engine installs it)
@@ -139,7 +141,6 @@ def write_complete(tag_dir: Path, step: int, digests: dict | None = None) -> Non
 def _crash_point(where: str, step: int) -> None:
     """Fault injection for the kill -9 tests: PIPELINE_CRASH_AT=<where>:<step> kills this process here."""
     if os.environ.get("PIPELINE_CRASH_AT") == f"{where}:{step}":
-        import signal
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -263,7 +264,6 @@ def read_full_model_state(load_dir, tag: str | None = None):
         if not per_rank[0] or any(v.numel() == 0 for v in per_rank[0].values()):
             per_rank = _zero3_weights(load_dir, tag, tp)
     else:
-        from .pipe_model import pipe_to_gpt_name
         for path in sorted(tag_dir.glob("layer_*-model_states.pt")):
             idx = int(path.name.split("-")[0].removeprefix("layer_"))
             r = int(path.name.split("-model_")[1][:2]) if "-model_" in path.name else 0

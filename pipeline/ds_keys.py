@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import difflib
 
+import deepspeed.runtime.config as ds_config
+from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
 # Sections DeepSpeed 0.19.8 reads through sub-config classes whose key constants live elsewhere.
 _SECTIONS = ("zero_optimization", "activation_checkpointing", "comms_logger", "tensorboard", "wandb", "csv_monitor",
              "comet", "flops_profiler", "autotuning", "hybrid_engine", "pipeline", "aio", "datastates_ckpt",
@@ -21,7 +25,6 @@ _PROJECT_KEYS = {"peak_tflops": "peak_tflops is not a DeepSpeed key; pass --peak
 
 
 def top_level_keys() -> set[str]:
-    import deepspeed.runtime.config as ds_config
     constants = {v for k, v in vars(ds_config).items()
                  if k.isupper() and not k.endswith("DEFAULT") and isinstance(v, str) and v.isidentifier()}
     return constants | set(_SECTIONS)
@@ -29,8 +32,6 @@ def top_level_keys() -> set[str]:
 
 def section_keys() -> dict[str, set[str]]:
     """The keys of the sections this project reads (a pydantic model's fields and their aliases)."""
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     def fields(model) -> set[str]:
         return {n for name, f in model.model_fields.items() for n in (name, f.alias) if n}

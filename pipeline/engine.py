@@ -10,17 +10,20 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 
+import deepspeed
 import torch
 import torch.distributed as dist
-import deepspeed
 
+from models import GPT
 from models.config import read_json
 from models.parallel import ParallelState
 
 from . import safe_load
 from .ds_keys import unknown_key_errors
 from .errors import UserError
+from .pipe_model import gpt_pipeline, pipe_to_gpt_name
 from .schedules import LRSchedule, Scheduler
+from .state_dicts import load_full_state_dict
 from .universal import attach_info
 
 
@@ -182,22 +185,17 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     if state.pipeline_parallel > 1:
         if model_builder is not None:
             raise EngineConfigError("pipeline parallelism is only available for the GPT models")
-        from .pipe_model import gpt_pipeline
         model = gpt_pipeline(model_config, state, init_seed, activation_checkpointing=activation_checkpointing,
                              checkpoint_fn=checkpoint_fn)
         mpu = None  # the PipelineEngine builds its grid from the module's topology
         if full_state_dict is not None:
-            from .pipe_model import pipe_to_gpt_name
-            from .state_dicts import load_full_state_dict
             load_full_state_dict(model, full_state_dict, partial=True, source="checkpoint weights",
                                  name_map=lambda n: pipe_to_gpt_name(n, model_config))
     else:
         if model_builder is None:
-            from models import GPT
             model_builder = GPT
         model = model_builder(model_config, init_seed=init_seed)
         if full_state_dict is not None:
-            from .state_dicts import load_full_state_dict
             load_full_state_dict(model, full_state_dict, source="checkpoint weights")
         if checkpoint_fn is not None:
             model.checkpoint_fn = checkpoint_fn

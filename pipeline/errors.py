@@ -40,6 +40,11 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 
+import torch.distributed as dist
+
+from models.config import ConfigError
+from models.parallel.state import ParallelConfigError
+
 __all__ = ["UserError", "InputError", "ArgumentParser", "user_error_types", "format_user_error", "reported_errors",
            "command", "add_debug_arg",
            "EXIT_USER_ERROR", "DEBUG_ENV"]
@@ -58,8 +63,6 @@ class InputError(UserError, ValueError):
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    from models.config import ConfigError
-    from models.parallel.state import ParallelConfigError
     return (UserError, ConfigError, ParallelConfigError, *_PATH_ERRORS)
 
 
@@ -74,12 +77,8 @@ def format_user_error(error: BaseException) -> str:
 
 
 def _is_rank0() -> bool:
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank() == 0
-    except ImportError:
-        pass
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
 
 

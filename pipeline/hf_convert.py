@@ -176,7 +176,8 @@ def hf_config(config: GPTConfig, dtype: torch.dtype | None = None, special_token
     recorded = dict(config.extra.get("hf", {})) if isinstance(config.extra, dict) else {}
     tokens = {k: recorded.get(k) for k in _SPECIAL_TOKENS}
     tokens.update({k: v for k, v in (special_tokens or {}).items() if k in _SPECIAL_TOKENS})
-    import transformers  # here, not at the top: the dtype helpers of this module serve commands without it
+    # here, not at the top: the dtype helpers of this module serve commands without transformers
+    import transformers  # noqa: PLC0415
     family = hf_family(config)
     cfg = getattr(transformers, family.config_class)(**family.write(config), **tokens)
     cfg.architectures = [family.architecture]
@@ -596,7 +597,8 @@ def resolve_hf_source(path: str | Path, gguf_file: str | None = None) -> HFSourc
 
 
 def load_hf_config(source: HFSource):
-    from transformers import AutoConfig
+    # transformers only where a Hugging Face object is built (see hf_config)
+    from transformers import AutoConfig  # noqa: PLC0415
     try:
         return AutoConfig.from_pretrained(str(source.directory), trust_remote_code=False, **source.kwargs())
     except (OSError, ValueError, KeyError) as e:
@@ -605,7 +607,8 @@ def load_hf_config(source: HFSource):
 
 def load_hf_model(source: HFSource, dtype: torch.dtype = torch.float32):
     """The Hugging Face causal LM at ``source`` (GGUF tensors are dequantised by transformers' loader)."""
-    from transformers import AutoModelForCausalLM
+    # transformers only where a Hugging Face object is built (see hf_config)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
     config_from_hf(load_hf_config(source), str(source))  # refuse before reading gigabytes of weights
     model, info = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, trust_remote_code=False,
                                                        output_loading_info=True, **source.kwargs())

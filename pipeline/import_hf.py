@@ -15,14 +15,23 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from models.config import ConfigError, GPTConfig
 from pipeline.errors import ArgumentParser, add_debug_arg, command
-from pipeline.model_dir import has_tokenizer, write_model_dir
-from pipeline.hf_convert import (ConversionError, add_dtype_arg, config_from_hf, from_hf, load_hf_config,
-                                 num_parameters_message, parallel_sizes, parse_dtype,
-                                 resolve_hf_source)
 from pipeline.files import check_output_dir, refuse_overlap
+from pipeline.hf_convert import (
+    ConversionError,
+    add_dtype_arg,
+    config_from_hf,
+    from_hf,
+    load_hf_config,
+    num_parameters_message,
+    parallel_sizes,
+    parse_dtype,
+    resolve_hf_source,
+)
+from pipeline.model_dir import has_tokenizer, write_model_dir
 
 
 def check_layout(config: GPTConfig, tensor_parallel: int, pipeline_parallel: int, source: str) -> None:
@@ -53,7 +62,6 @@ def import_hf(model: str | Path, out: str | Path, *, tensor_parallel: int = 1, p
     config, full_sd = from_hf(source.directory, gguf_file=source.gguf_file, dtype=parse_dtype(dtype),
                               source=str(source), lazy=True)
     if source.gguf_file:  # the tokenizer is inside the GGUF file: transformers rebuilds it
-        from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
     else:
         tokenizer = source.directory if has_tokenizer(source.directory) else None

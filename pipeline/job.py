@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.utils import logger as ds_logger
 from tqdm import tqdm
 
 from models.parallel import ParallelState, initialize_model_parallel, model_parallel_seed
@@ -117,7 +118,6 @@ class Job:
 
 
 def quiet_deepspeed(verbose: bool) -> None:
-    from deepspeed.utils import logger as ds_logger
     ds_logger.setLevel(logging.INFO if verbose else logging.WARNING)
 
 

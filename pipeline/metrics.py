@@ -69,7 +69,8 @@ class MetricsWriter:
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.prefix = prefix
         if self.monitor is not None and getattr(self.monitor, "wandb_monitor", None) is not None:
-            import wandb
+            # wandb is optional: only a config with a wandb section needs it
+            import wandb  # noqa: PLC0415
             wandb.define_metric(f"{prefix}/*", step_metric=f"{prefix}/step")
         self._f = None
         if path is not None:
@@ -99,6 +100,7 @@ class MetricsWriter:
             self._f.close()
             self._f = None
         if self.monitor is not None and getattr(self.monitor, "wandb_monitor", None) is not None:
-            import wandb
+            # wandb is optional: only a config with a wandb section needs it
+            import wandb  # noqa: PLC0415
             wandb.finish()  # the offline run's files complete now, not at interpreter exit
         self.monitor = None

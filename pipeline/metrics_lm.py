@@ -9,6 +9,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 LN2 = math.log(2.0)
 
@@ -50,7 +51,6 @@ def stream_bpc(model, ids: torch.Tensor, batch_size: int = 16, seq_length: int =
     total, state = 0.0, None
     chunks = range(0, n, seq_length)
     if progress:
-        from tqdm import tqdm
         chunks = tqdm(chunks, desc="bpc", unit="chunk")
     try:
         with isolated:

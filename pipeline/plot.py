@@ -53,7 +53,8 @@ PANELS = (("loss", ("loss", "valid_loss")), ("learning rate", ("lr",)), ("tokens
 
 
 def curves_figure(runs: list[dict], labels: list[str]):
-    from matplotlib.figure import Figure
+    # matplotlib only when a chart is drawn
+    from matplotlib.figure import Figure  # noqa: PLC0415
     panels = [p for p in PANELS if any(key in run for run in runs for key in p[1])]
     if not panels:
         raise PlotError("no run logged loss, lr, tokens_per_s or mfu with a step")
@@ -77,7 +78,8 @@ def curves_figure(runs: list[dict], labels: list[str]):
 
 
 def plot_runs(runs: list[str | Path], out: str | Path, labels: list[str] | None = None, dpi: int = 80) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    # matplotlib only when a chart is drawn
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
     if labels and len(labels) != len(runs):
         raise PlotError(f"{len(labels)} --label for {len(runs)} runs; give one per run or none")
     labels = labels or [Path(r).name if Path(r).is_dir() else Path(r).parent.name for r in runs]

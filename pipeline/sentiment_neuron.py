@@ -20,17 +20,18 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
 import matplotlib
 import matplotlib.pyplot as plt
+import numpy as np
+import torch
 from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
+from tqdm import tqdm
 
-from pipeline.errors import ArgumentParser, add_debug_arg, command
-from pipeline.files import atomic_path, atomic_write_json
 from models.mlstm import MLSTM, load_mlstm
 from pipeline.checkpoint import is_deepspeed_run_dir, read_full_checkpoint
+from pipeline.errors import ArgumentParser, add_debug_arg, command
+from pipeline.files import atomic_path, atomic_write_json
 
 SPLITS = ("train", "val", "test")
 DEFAULT_CS = tuple(2.0 ** k for k in range(-6, 4))
@@ -86,7 +87,6 @@ def featurize(model, texts: list[str], batch_size: int = 64, max_length: int | N
     out = np.empty((len(texts), model.config.hidden_size), dtype=np.float32)
     batches = range(0, len(order), batch_size)
     if progress:
-        from tqdm import tqdm
         batches = tqdm(batches, desc="features", unit="batch", leave=False)
     try:
         for start in batches:

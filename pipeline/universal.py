@@ -44,18 +44,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
-from deepspeed.checkpoint.constants import (OPTIMIZER_STATE_DICT, ORIGINAL_VOCAB_SIZE, PARAM, PARAM_GROUPS,
-                                            PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, PARAMETER_WITH_SUB_PARAMS,
-                                            SUB_PARAM_SHARD_WIDTHS, TP_REPLICATED_PARAMETER_PATTERNS,
-                                            UNIVERSAL_CHECKPOINT_VERSION_KEY, VOCABULARY_PARAMETER_PATTERNS)
+from deepspeed.checkpoint.constants import (
+    OPTIMIZER_STATE_DICT,
+    ORIGINAL_VOCAB_SIZE,
+    PARAM,
+    PARAM_GROUPS,
+    PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+    PARAMETER_WITH_SUB_PARAMS,
+    PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+    SUB_PARAM_SHARD_WIDTHS,
+    TP_REPLICATED_PARAMETER_PATTERNS,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    VOCABULARY_PARAMETER_PATTERNS,
+)
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+from models import GPT, GPTConfig
+from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline import safe_load
 from pipeline.errors import UserError
 from pipeline.files import atomic_dir
-from models import GPT, GPTConfig
-from models.parallel import get_shard_spec, tp_rank, tp_world_size
-from .pipe_model import pipe_to_gpt_name
+
+from .pipe_model import TIED_KEY, gpt_to_pipe_name, pipe_to_gpt_name
 
 MANIFEST = "UNIVERSAL.json"
 CACHE_DIR = "universal"
@@ -103,7 +113,6 @@ def checkpoint_info(named_params, vocab_size: int | None, tp: int) -> dict:
 def attach_info(model: torch.nn.Module, model_config, pipeline: bool) -> None:
     """Give ``model`` (what DeepSpeed's engine wraps) the metadata its checkpoints are saved with."""
     if pipeline:  # a stage holds only its layers: describe the whole GPT, under the pipeline's names
-        from .pipe_model import gpt_to_pipe_name
         named = [(gpt_to_pipe_name(n, model_config), p) for n, p in meta_gpt(model_config).named_parameters()]
     else:
         named = list(model.named_parameters())
@@ -111,9 +120,7 @@ def attach_info(model: torch.nn.Module, model_config, pipeline: bool) -> None:
     if pipeline:
         # The tied embedding lives on the first and the last stage; the last stage's copy of its position
         # embedding receives no gradient. The first stage's copy is the one to keep.
-        from deepspeed.checkpoint.constants import PIPELINE_REPLICATED_PARAMETER_PATTERNS
 
-        from .pipe_model import TIED_KEY
         info[PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [f"^tied_modules\\.{TIED_KEY}\\."]
     model.universal_checkpoint_info = info
 

@@ -19,6 +19,7 @@ import random
 
 import numpy as np
 import torch
+from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
 from .state import get_parallel_state
 
@@ -28,7 +29,6 @@ _PP_OFFSET = 100
 
 
 def get_rng_tracker():
-    from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
     return get_cuda_rng_tracker()
 
 

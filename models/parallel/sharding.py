@@ -14,6 +14,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from .state import tp_group, tp_world_size
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
@@ -95,11 +98,9 @@ def get_shard_spec(param: torch.Tensor) -> ShardSpec | None:
 
 def gather_full(tensor: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     """All-gather a TP-sharded tensor (a parameter or its gradient) into its full form on every TP rank."""
-    from .state import tp_group, tp_world_size
     tp = tp_world_size()
     if spec is None or tp == 1:
         return tensor if spec is None else spec.gather([tensor])
-    import torch.distributed as dist
     shards = [torch.empty_like(tensor) for _ in range(tp)]
     dist.all_gather(shards, tensor.contiguous(), group=tp_group())
     return spec.gather(shards)

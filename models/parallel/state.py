@@ -12,6 +12,7 @@ are ``None``, so the models run unchanged in a plain single process.
 from __future__ import annotations
 
 import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 
 class ParallelConfigError(ValueError):
@@ -37,7 +38,6 @@ class ParallelState:
         self.world_size = world
         self.rank = dist.get_rank() if self.distributed else 0
 
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
         self.topology = PipeModelDataParallelTopology(
             num_pp=pipeline_parallel, num_mp=tensor_parallel, num_dp=self.data_parallel)
         coord = self.topology.get_coord(self.rank)

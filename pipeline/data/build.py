@@ -8,6 +8,7 @@ import math
 import os
 
 import datasets
+import torch.distributed as dist
 
 from .packing import PackedSequences, StreamingSequences, tokenize_dataset, work_dir
 from .sources import DataSourceError, explain_read_error, load_documents, resolve
@@ -162,7 +163,6 @@ def main_process_first():
     Rank 0 reaches the barrier even when its build fails, so the others do not hang: they then hit
     the same error themselves.
     """
-    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         yield
         return

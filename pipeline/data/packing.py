@@ -14,6 +14,7 @@ at a time as they arrive; memory holds one batch of documents plus one sequence.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 from pathlib import Path
@@ -22,7 +23,9 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import torch
+from datasets.distributed import split_dataset_by_node
 
+from .sources import DataSourceError, explain_read_error
 from .tokenizer import Tokenizer
 
 _CACHE_VERSION = "pack-v1"  # bump when the tokenized layout changes, to invalidate old cache files
@@ -159,7 +162,6 @@ class StreamingSequences:
         self.doc_batch_size = doc_batch_size
 
     def shard(self, rank: int, world_size: int) -> "StreamingSequences":
-        from datasets.distributed import split_dataset_by_node
         if world_size == 1:
             return self
         return StreamingSequences(split_dataset_by_node(self.documents, rank=rank, world_size=world_size),
@@ -198,7 +200,6 @@ class PackingIterator:
 
     # -- document side -------------------------------------------------------------------------------
     def _open_epoch(self, doc_state=None):
-        import copy
         docs = copy.deepcopy(self.stream.documents).with_format("arrow")  # batches as Arrow tables
         docs.set_epoch(self.epoch)
         if doc_state is not None:
@@ -213,11 +214,9 @@ class PackingIterator:
         except StopIteration:
             return None
         except Exception as e:
-            from .sources import explain_read_error
             raise explain_read_error(e, self.stream.files, self.stream.name) from e
         texts = table.column("text").to_pylist()
         if any(t is None for t in texts):
-            from .sources import DataSourceError
             raise DataSourceError(f"{self.stream.name}: a record has a null text field; give each record a text or "
                                   f"drop those records")
         return texts

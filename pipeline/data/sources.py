@@ -18,6 +18,7 @@ Empty (0-byte) files are skipped with a warning; a source with no documents at a
 from __future__ import annotations
 
 import bz2
+import codecs
 import csv
 import glob as globlib
 import gzip
@@ -274,7 +275,8 @@ def _refuse_null_text(ds, text_field: str, where: str) -> None:
         return
     column = ds.data.column(text_field)
     if column.null_count:
-        import pyarrow.compute as pc
+        # pyarrow's compute/parquet modules only for those sources
+        import pyarrow.compute as pc  # noqa: PLC0415
         row = pc.index(pc.is_null(column), True).as_py()
         raise DataSourceError(f"{where}: record {row + 1} has a null {text_field!r} field ({column.null_count} "
                               f"record(s) in all); give each record a text or drop those records")
@@ -293,7 +295,8 @@ def check_text_field(part: Part, text_field: str) -> None:
     for path in part.files:
         columns = None
         if part.fmt == "parquet":
-            import pyarrow.parquet as pq
+            # pyarrow's compute/parquet modules only for those sources
+            import pyarrow.parquet as pq  # noqa: PLC0415
             try:
                 columns = pq.read_schema(path).names
             except Exception as e:
@@ -327,7 +330,6 @@ def check_text_field(part: Part, text_field: str) -> None:
 
 def find_bad_utf8(files) -> str | None:
     """The first invalid UTF-8 byte among ``files``, as 'FILE: ... at byte N (line L)'; None if all decode."""
-    import codecs
     for path in files:
         f = _open(path)
         if f is None:

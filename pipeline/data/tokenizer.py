@@ -23,6 +23,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pipeline.files import atomic_write_text
 
+from .sources import iter_texts
+
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 CONFIG_KEY = "pipeline_tokenizer"  # our own metadata inside tokenizer_config.json
@@ -246,7 +248,6 @@ def load_tokenizer(spec: str, *, corpus=None, vocab_size: int | None = None) -> 
     if spec == "bytes":
         return byte_tokenizer()
     if spec == "train-bpe":
-        from .sources import iter_texts
         return train_bpe(iter_texts(corpus), vocab_size)
     path = Path(spec).expanduser()
     if path.is_file():

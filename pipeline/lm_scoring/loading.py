@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models.hf_mlstm  # noqa: F401  (registers the project's mLSTM with the Auto classes, for --hf of its export)
 from models.parallel import initialize_model_parallel
@@ -37,7 +38,6 @@ def _split_gguf(path: Path) -> tuple[Path, str | None]:
 
 
 def load_hf_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> HFTokenizer:
-    from transformers import AutoTokenizer
     directory, gguf = _split_gguf(Path(path))
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf, trust_remote_code=trust_remote_code)
     return HFTokenizer(tok, name=str(path))
@@ -49,7 +49,6 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
 
     A model's own Python code runs only when the caller opts in (``trust_remote_code``); nothing is downloaded.
     """
-    from transformers import AutoModelForCausalLM
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     directory, gguf = _split_gguf(Path(path))
