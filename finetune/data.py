@@ -458,6 +458,11 @@ def _from_label_lists(values, label_names, separator, source, column, locate):
         if any(not isinstance(item, str) for item in found):
             raise ValueError(f"{source}: column {column!r} holds label indices; pass label_names to name them")
         label_names = sorted(found)
+    return _one_hot(rows, label_names, lambda i, item: f"unknown label {item!r}", "labels", source, column, locate)
+
+
+def _one_hot(rows, label_names, unknown, kind, source, column, locate):
+    """(names, int8 [n, k]) with a 1 for each item of each row: an item is a name or an index into the names."""
     names = tuple(label_names)
     index = {name: j for j, name in enumerate(names)}
     matrix = np.zeros((len(rows), len(names)), dtype=np.int8)
@@ -468,7 +473,7 @@ def _from_label_lists(values, label_names, separator, source, column, locate):
                 k = _as_index(item)
                 j = k if k is not None and 0 <= k < len(names) else None
             if j is None:
-                raise DataFormatError(source, f"unknown label {item!r} (labels: {list(names)})", column=column,
+                raise DataFormatError(source, f"{unknown(i, item)} ({kind}: {list(names)})", column=column,
                                       **locate(i))
             matrix[i, j] = 1
     return names, matrix
@@ -490,19 +495,8 @@ def _from_classes(values, label_names, source, column, locate):
         else:
             label_names = sorted(str(k) for k in found)
         keys = [str(k) for k in keys]
-    names = tuple(label_names)
-    index = {name: j for j, name in enumerate(names)}
-    matrix = np.zeros((len(keys), len(names)), dtype=np.int8)
-    for i, key in enumerate(keys):
-        j = index.get(key) if isinstance(key, str) else None
-        if j is None:
-            k = _as_index(key)
-            j = k if k is not None and 0 <= k < len(names) else None
-        if j is None:
-            raise DataFormatError(source, f"unknown class {values[i]!r} (classes: {list(names)})", column=column,
-                                  **locate(i))
-        matrix[i, j] = 1
-    return names, matrix
+    return _one_hot([[k] for k in keys], label_names, lambda i, _: f"unknown class {values[i]!r}", "classes",
+                    source, column, locate)
 
 
 def _require_columns(source, header: Sequence[str], wanted: Iterable[str], where: dict | None = None):

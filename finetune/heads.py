@@ -19,13 +19,15 @@ across the ranks of a tensor-parallel group.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ._io import strict_from_dict
 
 POOLINGS = ("last", "mean", "max", "attention", "none")
 MULTILABEL, SINGLE_LABEL = "multilabel", "single_label"
@@ -79,11 +81,7 @@ class HeadConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HeadConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown HeadConfig keys {sorted(unknown)} (known: {sorted(known)})")
-        return cls(**d)
+        return strict_from_dict(cls, d, "HeadConfig keys")
 
 
 # ------------------------------------------------------------------------------------------- pooling

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import html
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Iterable
+
+from ._io import strict_from_dict
 
 # A URL runs to the next whitespace; trailing sentence punctuation is left outside it.
 _URL = re.compile(r"(?:\bhttps?://|\bwww\.)\S+?(?=[.,;:!?)\]}'\"]*(?:\s|$))", re.IGNORECASE)
@@ -59,11 +61,7 @@ class TweetNormalizer:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TweetNormalizer":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown normalisation options {sorted(unknown)} (known: {sorted(known)})")
-        return cls(**d)
+        return strict_from_dict(cls, d, "normalisation options")
 
     @classmethod
     def identity(cls) -> "TweetNormalizer":
