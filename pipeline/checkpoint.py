@@ -254,6 +254,9 @@ def read_full_model_state(load_dir, tag: str | None = None):
     layout = saved_layout(load_dir, tag)
     tp, pp = layout.get("tensor_parallel", 1), layout.get("pipeline_parallel", 1)
     specs = family.shard_specs(config)
+    if layout.get("universal_only"):  # what pipeline.reshard writes: the weights are in the universal folder
+        return config, _universal_weights(load_dir / "universal" / tag / "zero", specs, config), \
+            tokenizer_dir
     per_rank: list[dict] = [dict() for _ in range(tp)]
     if pp == 1 and not (tag_dir / "mp_rank_00_model_states.pt").is_file():
         per_rank = _zero3_weights(load_dir, tag, tp)  # ZeRO-3 writes zero_pp_rank_<dp>_mp_rank_<tp> files only
@@ -280,6 +283,22 @@ def read_full_model_state(load_dir, tag: str | None = None):
         shards = [per_rank[r][name] for r in range(tp)]
         full[name] = spec.gather(shards) if spec is not None else shards[0]
     return config, own_storage(full), tokenizer_dir
+
+
+def _universal_weights(zero: Path, specs: dict, config) -> dict:
+    """The full fp32 weights of a universal checkpoint (one ``<name>/fp32.pt`` per parameter, TP=1 shapes),
+    loaded weights-only; a vocabulary padded for the old TP size is cut back to the model's."""
+    full = {}
+    for name in specs:
+        path = zero / name / "fp32.pt"
+        if not path.is_file():
+            raise CheckpointError(f"universal checkpoint {zero.parent} lacks {name}/fp32.pt")
+        tensor = safe_load.safe_torch_load(path, map_location="cpu")["param"]
+        vocab = getattr(config, "vocab_size", None)
+        if name in ("embedding.word_embeddings.weight", "lm_head.weight") and tensor.shape[0] > vocab:
+            tensor = tensor[:vocab]
+        full[name] = tensor.contiguous()
+    return full
 
 
 def own_storage(state_dict) -> dict:

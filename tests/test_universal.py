@@ -13,7 +13,9 @@ import torch
 from dist import run_distributed
 from run_utils import NO_DROPOUT, TINY_GPT2, ds_config, pretrain_worker, write_corpus
 
-from pipeline import universal
+from pipeline import checkpoint, universal
+from pipeline.export_hf import main as export_main
+from pipeline.reshard import reshard
 
 MODEL = {**TINY_GPT2, **NO_DROPOUT}
 
@@ -118,6 +120,19 @@ def test_resume_at_another_layout_continues_exactly(setup, source, target):
     tolerance = 2e-3 if LAYOUTS[source][4] else 1e-6
     for key, value in rel.items():
         assert value < tolerance, key
+
+
+def test_a_resharded_run_reads_and_exports_as_its_source(setup, tmp_path):
+    """pipeline.reshard's output holds the weights only in universal form: reading it (export, evaluation,
+    finetuning) gives the source's weights, and it exports to Hugging Face like its source."""
+    ref = reference(setup, "tp2")
+    out = reshard(ref, tmp_path / "resharded", "global_step2")
+    config, theirs, _ = checkpoint.read_full_checkpoint(ref, "global_step2")
+    config2, ours, tokenizer = checkpoint.read_full_checkpoint(out)
+    assert config2 == config and tokenizer is not None and sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name].float()), name
+    assert export_main(["--checkpoint", str(out), "--out", str(tmp_path / "hf"), "--verify"]) == 0
 
 
 def test_damaged_cache_is_rebuilt(setup):
