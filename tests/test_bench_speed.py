@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import common
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,8 @@ from pipeline.pretrain import main
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+
+import common  # noqa: E402  (bench/common.py, on the path from here)
 
 
 @pytest.mark.parametrize("model", [
