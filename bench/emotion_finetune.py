@@ -44,9 +44,13 @@ from finetune.metrics import (  # noqa: E402
     write_eval_json,
 )
 from finetune.recipes import EC_RECIPE, LINEAR_PROBE  # noqa: E402
-from finetune.thresholds import tune_thresholds  # noqa: E402
+from finetune.thresholds import bagged_thresholds, tune_thresholds  # noqa: E402
 from finetune.train import main as finetune  # noqa: E402
-from pipeline.import_hf import import_hf
+import torch  # noqa: E402
+
+from finetune.saved import load_classifier  # noqa: E402
+from finetune.train import holdout_split  # noqa: E402
+from pipeline.import_hf import import_hf  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "semeval2018-ec"
 
@@ -71,6 +75,39 @@ def ensure_base(base: Path) -> float:
     return time.perf_counter() - t0
 
 
+THRESHOLD_FLAGS = ("--threshold-objective", "--threshold-bagging")
+
+
+def training_flags(flags: list[str]) -> list[str]:
+    """The flags that decide the trained model (the threshold flags only decide its cut-offs)."""
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f in THRESHOLD_FLAGS:
+            skip = True
+        else:
+            out.append(f)
+    return out
+
+
+def rescore_system(name: str, flags: list[str], args, out: Path, earlier: dict) -> tuple[dict, dict, float]:
+    """``--rescore``: the classifier an earlier run of this benchmark trained with the same training flags,
+    its held-out and dev probabilities computed again in its training precision (what the job computed)."""
+    save = out / name
+    if training_flags(earlier.get({"recipe": "recipe", "linear_probe": "probe"}[name], [])) != training_flags(flags):
+        sys.exit(f"--rescore: {save} was trained with other flags than {' '.join(flags)}; run without --rescore")
+    settings = json.loads((save / "eval.json").read_text())["settings"]
+    train, dev = load_semeval_ec(args.train), load_semeval_ec(args.dev)
+    _, held = holdout_split(len(train), float(flags[flags.index("--holdout") + 1]), settings["seed"])
+    tune = train.subset(held)
+    clf = load_classifier(save, dtype=torch.bfloat16 if settings["precision"] == "bf16" else torch.float32)
+    result = {"dev_probabilities": clf.predict_proba(list(dev.texts)),
+              "tune_probabilities": clf.predict_proba(list(tune.texts)), "tune_labels": tune.labels,
+              "train_seconds": earlier["seconds"].get(f"{name}_training", 0.0), "steps": settings["steps"]}
+    return result, settings, earlier["seconds"][name]
+
+
 def run_system(name: str, flags: list[str], args, out: Path) -> tuple[dict, dict, float]:
     """One finetune job; returns its result, its settings and its wall time."""
     save = out / name
@@ -83,7 +120,10 @@ def run_system(name: str, flags: list[str], args, out: Path) -> tuple[dict, dict
     return result, settings, seconds
 
 
-def honest_scores(label: str, result: dict, dev) -> dict:
+BAGGING = int(EC_RECIPE[EC_RECIPE.index("--threshold-bagging") + 1])
+
+
+def honest_scores(label: str, result: dict, dev, seed: int) -> dict:
     """Dev scores of a job's probabilities under both threshold objectives, tuned on its held-out tenth."""
     probs, tune_probs, tune_y = (np.asarray(result[k]) for k in ("dev_probabilities", "tune_probabilities",
                                                                  "tune_labels"))
@@ -94,6 +134,9 @@ def honest_scores(label: str, result: dict, dev) -> dict:
         t = tune_thresholds(tune_y, tune_probs, refine=refine)
         systems[f"{label}, thresholds {objective} on held-out train"] = \
             evaluate_probabilities(dev.labels, probs, names, t)["tuned"]
+    t = bagged_thresholds(tune_y, tune_probs, refine="mean", resamples=BAGGING, seed=seed)
+    systems[f"{label}, thresholds per-class + mean of three, bagged x{BAGGING} on held-out train"] = \
+        evaluate_probabilities(dev.labels, probs, names, t)["tuned"]
     return systems
 
 
@@ -107,6 +150,9 @@ def main(argv=None):
     p.add_argument("--skip-probe", action="store_true", help="the recipe and the baseline only")
     p.add_argument("--extra", default="", help="more finetune/train.py arguments for every job, space-separated")
     p.add_argument("--folds", type=int, default=5, help="baseline cross-validation folds")
+    p.add_argument("--rescore", action="store_true",
+                   help="score the classifiers an earlier run left in --out-dir (same training flags) without "
+                        "training them again: for a change of the threshold flags; wall times are the earlier run's")
     args = p.parse_args(argv)
 
     out = Path(args.out_dir)
@@ -115,11 +161,13 @@ def main(argv=None):
     train, dev = load_semeval_ec(args.train), load_semeval_ec(args.dev)
     systems, settings = {}, {}
     jobs = [("recipe", EC_RECIPE)] + ([] if args.skip_probe else [("linear_probe", LINEAR_PROBE)])
+    earlier = json.loads((out / "emotion_finetune.json").read_text()) if args.rescore else None
     for name, flags in jobs:
-        result, settings[name], seconds[name] = run_system(name, flags, args, out)
+        run = (lambda *a: rescore_system(*a, earlier)) if args.rescore else run_system
+        result, settings[name], seconds[name] = run(name, flags, args, out)
         label = {"recipe": "SmolLM2-135M full finetune (recipe)",
                  "linear_probe": "SmolLM2-135M linear probe (16 layers)"}[name]
-        systems.update(honest_scores(label, result, dev))
+        systems.update(honest_scores(label, result, dev, settings[name]["seed"]))
         steps = settings[name]["steps_per_epoch"]
         if name == "recipe":
             seconds["recipe_training"] = result["train_seconds"]
@@ -129,6 +177,8 @@ def main(argv=None):
     seconds["baseline"] = time.perf_counter() - t0
     systems.update({name: s for name, s in base["systems"].items() if "optimistic" not in name})
     seconds["total"] = time.perf_counter() - t_all
+    if args.rescore:  # the training happened in the earlier run: report its times
+        seconds = {**seconds, "rescore": seconds["total"], "total": earlier["seconds"]["total"]}
 
     print(f"\nSemEval-2018 E-c dev ({len(dev)} tweets); trained on {len(train)} tweets "
           f"({settings['recipe']['examples']['train']} for the finetuned models, "
@@ -137,7 +187,7 @@ def main(argv=None):
     print("\nseconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
     write_eval_json(out / "emotion_finetune.json", {"systems": systems, "seconds": seconds},
                     benchmark="emotion_finetune", recipe=EC_RECIPE, probe=LINEAR_PROBE, settings=settings,
-                    baseline_settings=base["settings"])
+                    baseline_settings=base["settings"], rescored_earlier_run=args.rescore)
     shown = {name: s for name, s in systems.items()
              if name.endswith("per-class F1 on held-out train") or name.endswith("per-class F1, CV on train")}
     plot_per_class_f1(out / "emotion_finetune_per_class_f1.png", shown, reference=PUBLISHED_EC_TEST_F1,

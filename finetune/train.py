@@ -52,7 +52,7 @@ from finetune.model import build_classifier, encoder_type_of
 from finetune.normalize import TweetNormalizer
 from finetune.predictions import write_predictions
 from finetune.saved import CLASSIFIER_FILE, load_base_state, save_classifier_dir
-from finetune.thresholds import apply_thresholds, tune_thresholds
+from finetune.thresholds import apply_thresholds, bagged_thresholds, tune_thresholds
 from models.parallel import gather_full, get_shard_spec
 from pipeline.data import load_tokenizer
 from pipeline.engine import build_engine, optimizer_step, precision
@@ -130,6 +130,9 @@ def parse_args(argv=None):
                    help="macro: each class's threshold maximises that class's F1 (what maximises macro-F1); micro: "
                         "then coordinate ascent for micro-F1; balanced: for the mean of micro- and macro-F1; "
                         "mean: for the mean of micro-F1, macro-F1 and Jaccard accuracy")
+    g.add_argument("--threshold-bagging", type=int, default=0, metavar="N",
+                   help="average the thresholds tuned on N bootstrap resamples of the tuning set (less variance "
+                        "from a small tuning set; 0: tune once)")
     add_engine_args(p, pipeline_parallel=False)
     g.add_argument("--eval-batch-size", type=int, default=64)
     g = p.add_argument_group("optimization")
@@ -170,6 +173,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         problems.append(f"--train-steps must be >= 1, got {args.train_steps}")
     if not 0.0 <= args.holdout < 1.0:
         problems.append(f"--holdout must be in [0, 1), got {args.holdout}")
+    if args.threshold_bagging < 0:
+        problems.append(f"--threshold-bagging must be >= 0, got {args.threshold_bagging}")
     if not 0.0 <= args.warmup < 1.0:
         problems.append(f"--warmup is a fraction of the training steps in [0, 1), got {args.warmup}")
     if args.encoder_layers is not None and args.encoder_layers < 1:
@@ -476,7 +481,8 @@ def run_settings(args, base: Base, data: Splits, head: Head, job: Job, steps: tu
             "labels": list(data.train.label_names),
             "examples": {"train": len(data.train), "dev": len(data.dev), "threshold_tuning": len(data.tune_on)},
             "thresholds_tuned_on": "holdout" if args.holdout else "dev",
-            "threshold_objective": args.threshold_objective, "max_length": base.max_length,
+            "threshold_objective": args.threshold_objective, "threshold_bagging": args.threshold_bagging,
+            "max_length": base.max_length,
             "truncated_train_texts": data.truncated, "global_batch": job.global_batch, "micro_batch": job.micro_batch,
             "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
             "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
@@ -607,7 +613,12 @@ def finish(r: FinetuneRun) -> dict:
     tune_probs = dev_probs if tune_on is dev else predict("tune", progress=True)
     test_probs = predict("test", progress=True) if test is not None else None
     refine = None if args.threshold_objective == "macro" else args.threshold_objective
-    thresholds = tune_thresholds(tune_on.labels, tune_probs, refine=refine) if multilabel else None
+    thresholds = None
+    if multilabel and args.threshold_bagging:
+        thresholds = bagged_thresholds(tune_on.labels, tune_probs, refine=refine, resamples=args.threshold_bagging,
+                                       seed=args.seed)
+    elif multilabel:
+        thresholds = tune_thresholds(tune_on.labels, tune_probs, refine=refine)
     results = {}
 
     def scores(data, probs):
