@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from models import GPT  # noqa: E402
 from models.config import GPTConfig  # noqa: E402
 from pipeline.export_hf import export_hf  # noqa: E402
 from pipeline.safetensors_io import PlannedTensor  # noqa: E402
@@ -45,8 +46,7 @@ def random_hf_model(out: Path, layers: int, dtype: torch.dtype) -> int:
     """A random Hugging Face Llama at ``out`` (written one tensor at a time); returns its weights' bytes."""
     config = tinyllama_config(layers)
     with torch.device("meta"):
-        from models import GPT
-        shapes = {name: tuple(p.shape) for name, p in GPT(config).named_parameters()}
+        shapes = {name: tuple(p.shape) for name, p in GPT(config, init_seed=0).named_parameters()}
 
     def maker(shape, seed):
         def make():

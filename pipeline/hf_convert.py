@@ -36,7 +36,7 @@ import torch
 
 from models.config import ConfigError, GPTConfig
 from pipeline.errors import UserError
-from pipeline.safetensors_io import PlannedTensor, SafetensorsFiles, hf_weight_files, shape_of
+from pipeline.safetensors_io import PlannedTensor, SafetensorsFiles, hf_weight_files, materialize, shape_of
 
 GPT2_ARCH = "GPT2LMHeadModel"
 LLAMA_ARCH = "LlamaForCausalLM"
@@ -269,7 +269,7 @@ def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype:
 
 def _piece_maker(full_state_dict: Mapping, rule: WeightRule, start: int, rows: int, dtype):
     def make() -> torch.Tensor:
-        piece = full_state_dict[rule.ours].narrow(0, start, rows)
+        piece = materialize(full_state_dict[rule.ours]).narrow(0, start, rows)
         piece = piece.t() if rule.transpose else piece
         # a block of a fused tensor gets its own storage: safetensors' own writer refuses tensors sharing one
         piece = piece.clone(memory_format=torch.contiguous_format) if rule.split else piece.contiguous()
@@ -550,7 +550,8 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dty
 
 def _joiner(hf_sd: Mapping, rule: WeightRule, dtype):
     def make() -> torch.Tensor:
-        pieces = [hf_sd[n].t() if rule.transpose else hf_sd[n] for n in rule.theirs]
+        pieces = [materialize(hf_sd[n]) for n in rule.theirs]
+        pieces = [p.t() if rule.transpose else p for p in pieces]
         full = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
         return _cast(full.detach().contiguous(), dtype, rule.theirs[0])
     return make
