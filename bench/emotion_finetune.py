@@ -189,7 +189,8 @@ def main(argv=None):
                     benchmark="emotion_finetune", recipe=EC_RECIPE, probe=LINEAR_PROBE, settings=settings,
                     baseline_settings=base["settings"], rescored_earlier_run=args.rescore)
     shown = {name: s for name, s in systems.items()
-             if name.endswith("per-class F1 on held-out train") or name.endswith("per-class F1, CV on train")}
+             if name.endswith("per-class F1 on held-out train") or name.endswith("per-class F1, CV on train")
+             or ("(recipe)" in name and "bagged" in name)}
     plot_per_class_f1(out / "emotion_finetune_per_class_f1.png", shown, reference=PUBLISHED_EC_TEST_F1,
                       reference_label="Kant et al. 2018 (E-c test, values the paper gives)",
                       title="E-c dev: finetuned SmolLM2-135M vs linear probe vs TF-IDF + logistic regression")
