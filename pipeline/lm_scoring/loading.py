@@ -91,7 +91,11 @@ def build_filled(family, config, full, source: str) -> torch.nn.Module:
     filled from ``full`` tensor by tensor: with a lazy ``full`` the weights are in memory once."""
     with torch.device("meta"):
         model = family.build(config, 0)
+    # to_empty makes new Parameter objects: carry over what the layers attached to theirs (ShardSpec, TP marks)
+    marks = {name: dict(vars(p)) for name, p in model.named_parameters()}
     model.to_empty(device="cpu")
+    for name, p in model.named_parameters():
+        p.__dict__.update(marks[name])
     load_full_state_dict(model, full, source=source)
     return model
 
