@@ -18,6 +18,10 @@ from pipeline.export_hf import main as export_main
 from pipeline.reshard import reshard
 
 MODEL = {**TINY_GPT2, **NO_DROPOUT}
+# the llama variant's fused projections under GQA: QKV rows of 4 query and 2 KV heads, gate-up of SwiGLU
+LLAMA_GQA = {"variant": "llama", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+             "ffn_hidden_size": 64, "max_position_embeddings": 32, "tie_embeddings": False,
+             "make_vocab_size_divisible_by": 8, **NO_DROPOUT}
 
 
 # name: (tensor parallel, pipeline parallel, world size, ZeRO stage, fp16)
@@ -37,14 +41,15 @@ def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("universal")
     write_corpus(d)
     (d / "model.json").write_text(json.dumps(MODEL))
+    (d / "llama.json").write_text(json.dumps(LLAMA_GQA))
     return d
 
 
-def run(setup, layout, save, *extra, worker=None):
+def run(setup, layout, save, *extra, worker=None, model="model.json"):
     tp, pp, world, stage, fp16 = LAYOUTS[layout]
     ds = setup / f"ds_{layout}.json"
     ds.write_text(json.dumps(ds_config(stage, fp16)))
-    argv = ["--model-config", str(setup / "model.json"), "--deepspeed_config", str(ds), "--data",
+    argv = ["--model-config", str(setup / model), "--deepspeed_config", str(ds), "--data",
             str(setup / "corpus.txt"), "--tokenizer", "bytes", "--seq-length", "32", "--lr-warmup-steps", "2",
             "--train-steps", "4", "--cache-dir", str(setup / "cache"), "--save", str(save), "--micro-batch-size", "2",
             "--tensor-parallel", str(tp), "--pipeline-parallel", str(pp), *extra]
@@ -120,6 +125,24 @@ def test_resume_at_another_layout_continues_exactly(setup, source, target):
     tolerance = 2e-3 if LAYOUTS[source][4] else 1e-6
     for key, value in rel.items():
         assert value < tolerance, key
+
+
+def test_llama_gqa_fused_projections_resume_at_another_tp_size(setup):
+    """TP 1 -> 2 and back for the llama variant with grouped-query attention: its fused QKV (4 query, 2 KV
+    heads) and gate-up weights are re-cut by their SubparamShape, moments included."""
+    ref = run(setup, "tp2", setup / "ref_llama_tp2", "--save-interval", "2", model="llama.json")
+    resumed = run(setup, "tp1", setup / "resumed_llama_tp1", "--load", str(ref), "--load-tag", "global_step2",
+                  model="llama.json")
+    want, got = losses(ref), losses(resumed)
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):
+        assert abs(got[step] - want[step]) / want[step] < 1e-5, (step, got[step], want[step])
+    theirs, ours = optimizer_state(ref), optimizer_state(resumed)
+    assert sorted(ours) == sorted(theirs) and any("qkv" in k[0] for k in ours)
+    worst = max(rel_diff(ours[k], theirs[k]) for k in theirs)
+    print(f"llama GQA tp2 -> tp1: step 3-4 loss differences {abs(got[3] - want[3]) / want[3]:.2e} "
+          f"{abs(got[4] - want[4]) / want[4]:.2e}, worst weight/moment difference {worst:.2e}")
+    assert worst < 1e-6
 
 
 def test_a_resharded_run_reads_and_exports_as_its_source(setup, tmp_path):
