@@ -2,7 +2,7 @@
 downloaded) import through the command, compute transformers' logits at TP=1 and TP=2 (max |diff| < 1e-5, fp32;
 TP=2 also gives TP=1's gradients, the replicated Q/K norms included), export back as the same class with the same
 tensors, config and logits; sliding windows the model cannot compute exactly are refused with the reason; a
-finetuned Qwen2 classifier exports as Qwen2ForSequenceClassification with the project's probabilities."""
+finetuned classifier of each family exports as its *ForSequenceClassification with the project's probabilities."""
 import json
 import sys
 from pathlib import Path
@@ -15,6 +15,7 @@ from test_finetune_train import FP32_DS, ec_slice
 from test_hf_import import export_imported, import_each, load_imported
 from transformers import (
     AutoModelForCausalLM,
+    GPT2TokenizerFast,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -168,20 +169,25 @@ def test_windows_and_families_the_model_cannot_compute_are_refused(tmp_path, cap
         to_hf(full_state_dict(GPT(config, init_seed=0)), config)
 
 
-# -- a finetune of an imported Qwen2, exported as Qwen2ForSequenceClassification ---------------------------------------
+# -- a finetune of each imported family, exported as its *ForSequenceClassification ----------------------------------
 
 def _finetune_worker(rank, argv):
     return {"hf_export": main(argv)["hf_export"]}
 
 
-def test_finetuned_qwen2_exports_as_its_classifier(tmp_path):
-
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_finetuned_family_exports_as_its_classifier(family, tmp_path):
+    config_class, model_class, settings = FAMILIES[family]
     ec = shared_data("semeval2018-ec")
-    hf_dir = tmp_path / "hf-qwen2"
-    _random_hf(Qwen2Config, Qwen2ForCausalLM, vocab_size=50257, max_position_embeddings=64, bos_token_id=50256,
-               eos_token_id=50256, tie_word_embeddings=True).save_pretrained(hf_dir)
-    # transformers loads any model_type qwen2 tokenizer as Qwen2Tokenizer (its own pre-tokenizer): GPT-2's BPE in it
-    Qwen2Tokenizer.from_pretrained(str(shared_data("tokenizers", "gpt2", "merges.txt").parent)).save_pretrained(hf_dir)
+    hf_dir = tmp_path / f"hf-{family}"
+    _random_hf(config_class, model_class, **{**settings, "vocab_size": 50257, "max_position_embeddings": 64,
+                                              "bos_token_id": 50256, "eos_token_id": 50256,
+                                              **({"sliding_window": 64} if family == "mistral" else {})}
+               ).save_pretrained(hf_dir)
+    # transformers loads a qwen2/qwen3 directory's tokenizer as Qwen2Tokenizer (its own pre-tokenizer): GPT-2's
+    # BPE in it; a mistral directory keeps the class its files name
+    tokenizer_class = GPT2TokenizerFast if family == "mistral" else Qwen2Tokenizer
+    tokenizer_class.from_pretrained(str(shared_data("tokenizers", "gpt2", "merges.txt").parent)).save_pretrained(hf_dir)
     assert import_main(["--model", str(hf_dir), "--out", str(tmp_path / "base")]) == 0
     (tmp_path / "ds.json").write_text(json.dumps(FP32_DS))
     result = run_distributed(_finetune_worker, 1, [
@@ -190,8 +196,9 @@ def test_finetuned_qwen2_exports_as_its_classifier(tmp_path):
         str(tmp_path / "ds.json"), "--global-batch-size", "16", "--micro-batch-size", "16", "--train-steps", "3",
         "--max-length", "32", "--pooling", "last", "--save", str(tmp_path / "run")])[0]
     exported = Path(result["hf_export"])
-    assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen2ForSequenceClassification"]
+    arch = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family] + "ForSequenceClassification"
+    assert json.loads((exported / "config.json").read_text())["architectures"] == [arch]
     texts = [line.split("\t")[1] for line in (tmp_path / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:7]]
     check = compare_with_project(tmp_path / "run", exported, texts)
-    print(f"finetuned Qwen2 classifier: max |p_transformers - p_project| = {check['max_abs_diff']:.2e}", file=sys.stderr)
+    print(f"finetuned {family} classifier: max |p_transformers - p_project| = {check['max_abs_diff']:.2e}", file=sys.stderr)
     assert check["tokens_equal"] and check["max_abs_diff"] < 1e-4
