@@ -2,15 +2,14 @@
 classifier, eval.json, predictions in the official format and the Hugging Face export; TP=2 and DP=2 give the
 single-process losses; predict; clear refusals of bad arguments and inputs."""
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, shared_data
+from cli import run_cli
+from conftest import shared_data
 from dist import run_distributed
 from safetensors.torch import save_file
 
@@ -68,12 +67,7 @@ def work(tmp_path_factory):
 
 
 def run(cmd, cwd, timeout=1200):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n" \
-                                 f"{proc.stderr[-5000:]}"
-    return proc
+    return run_cli(cmd, cwd, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,12 @@
 the harness's own task machinery, reading local task files offline, gives on a DeepSpeed checkpoint saved at
 TP=2 (scored at TP 1 and 2, no export) what `lm_eval --model hf` gives on the same model's export."""
 import json
-import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
+from cli import cli_env, run_cli
 from conftest import ROOT, shared_data
 from dist import run_distributed
 
@@ -53,16 +51,11 @@ metric_list:
 """
 
 
-def env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1",
-            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PATH": f"{Path(sys.executable).parent}:"
-            f"{os.environ['PATH']}"}
+env = cli_env
 
 
 def run(cmd, cwd, timeout=600):
-    proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
+    return run_cli(cmd, cwd, timeout=timeout)
 
 
 def _pretrain(rank, argv):

@@ -2,12 +2,10 @@
 --checkpoint and evaluate --hf of the export, which give the same bits per character."""
 import inspect
 import json
-import os
-import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT
+from cli import run_cli
 
 MODEL = {"model_type": "mlstm", "embed_dim": 8, "hidden_size": 32, "num_layers": 1, "seq_length": 32}
 DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
@@ -15,13 +13,7 @@ DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-
 
 
 def _run(*cmd, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", *map(str, cmd)], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n" \
-                                 f"{proc.stderr[-5000:]}"
-    return proc
+    return run_cli([sys.executable, "-m", *cmd], cwd)
 
 
 def test_mlstm_run_exports_verifies_and_evaluates_the_same(tmp_path):

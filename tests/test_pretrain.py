@@ -10,6 +10,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+from cli import run_cli
 from conftest import ROOT
 from dist import run_distributed
 
@@ -41,11 +42,7 @@ def job_args(tmp_path, corpus, *extra, ds=FP32_DS, model=MODEL):
 
 
 def run(cmd, tmp_path, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
-    return proc
+    return run_cli(cmd, tmp_path, timeout=timeout)
 
 
 def metrics(save):

@@ -7,14 +7,13 @@ checkpoint is tried on it: the marker never appears and the command fails naming
 """
 import inspect
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli import run_cli
 from conftest import shared_data
 from dist import run_distributed
 
@@ -79,10 +78,7 @@ def doctored_copy(src: Path, dst: Path, victim: str, marker: Path, tag: str = "g
 
 
 def run_cmd(args, cwd, timeout=600):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_FORCE")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_cli([sys.executable, *args], cwd, timeout=timeout, check=False)
 
 
 def test_payload_is_live(runs, tmp_path):

@@ -4,13 +4,12 @@ command itself wrote)."""
 import hashlib
 import inspect
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli import run_cli
 from conftest import shared_data
 from dist import run_distributed
 
@@ -117,10 +116,7 @@ def test_user_error_is_one_line(work, name, argv, message, survivor):
     (work / "mine" / "notes.txt").write_text("a user's own file\n")
     before = tree(work / survivor) if survivor and (work / survivor).is_dir() else None
     before_file = (work / survivor).read_bytes() if survivor and (work / survivor).is_file() else None
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, *argv(work)], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_cli([sys.executable, *argv(work)], work, check=False)
     lines = [line for line in proc.stderr.splitlines() if line.strip() and "[WARNING]" not in line
              and not line.startswith(("Generating", "tokenizing"))]
     assert proc.returncode == 2, proc.stderr[-3000:]
