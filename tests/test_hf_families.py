@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import shared_data
 from dist import run_distributed
+from run_utils import ds_config, write_corpus
 from test_finetune_train import FP32_DS, ec_slice
 from test_hf_import import export_imported, import_each, load_imported
 from transformers import (
@@ -29,10 +30,12 @@ from finetune.export_hf import compare_with_project
 from finetune.train import main
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict, initialize_model_parallel
+from pipeline.data import load_tokenizer
 from pipeline.export_hf import export_hf
 from pipeline.hf_convert import ConversionError, to_hf
 from pipeline.import_hf import import_hf
 from pipeline.import_hf import main as import_main
+from pipeline.pretrain import main as pretrain_main
 from pipeline.state_dicts import read_state_dict
 
 TOL = 1e-5
@@ -202,3 +205,35 @@ def test_finetuned_family_exports_as_its_classifier(family, tmp_path):
     check = compare_with_project(tmp_path / "run", exported, texts)
     print(f"finetuned {family} classifier: max |p_transformers - p_project| = {check['max_abs_diff']:.2e}", file=sys.stderr)
     assert check["tokens_equal"] and check["max_abs_diff"] < 1e-4
+
+
+# -- pipeline stages of an imported family --------------------------------------------------------------------------
+
+def _pretrain(rank, argv):
+    pretrain_main(argv)
+    return 0
+
+
+def test_imported_qwen3_trains_in_two_pipeline_stages_as_in_one(tmp_path):
+    """Qwen3 (QK-norm, explicit head_dim, untied head) imported, then trained 3 steps from its weights at PP=1
+    and at PP=2: the same losses (the stages are built from the same layers)."""
+    config_class, model_class, settings = FAMILIES["qwen3"]
+    _random_hf(config_class, model_class, **{**settings, "vocab_size": 258, "max_position_embeddings": 32}
+               ).save_pretrained(tmp_path / "hf")
+    load_tokenizer("bytes").save(tmp_path / "hf")  # the byte tokenizer the run trains with, travelling with the model
+    import_hf(tmp_path / "hf", tmp_path / "base", pipeline_parallel=2)
+    corpus = write_corpus(tmp_path)
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config(stage=1)))
+    losses = {}
+    for pp in (1, 2):
+        save = tmp_path / f"pp{pp}"
+        run_distributed(_pretrain, pp, [
+            "--load", str(tmp_path / "base"), "--deepspeed_config", str(tmp_path / "ds.json"), "--data", str(corpus),
+            "--tokenizer", "bytes", "--seq-length", "32", "--lr-warmup-steps", "1", "--train-steps", "3",
+            "--micro-batch-size", "2", "--cache-dir", str(tmp_path / "cache"), "--save", str(save),
+            "--pipeline-parallel", str(pp)])
+        losses[pp] = [r["loss"] for r in map(json.loads, (save / "metrics.jsonl").read_text().splitlines())
+                      if "loss" in r]
+    print(f"qwen3 losses PP=1 {losses[1]}, PP=2 {losses[2]}", file=sys.stderr)
+    assert len(losses[1]) == 3 and losses[1][-1] < losses[1][0]
+    assert all(abs(a - b) / a < 1e-5 for a, b in zip(losses[1], losses[2])), losses
