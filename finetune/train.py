@@ -130,9 +130,8 @@ def parse_args(argv=None):
                    help="macro: each class's threshold maximises that class's F1 (what maximises macro-F1); micro: "
                         "then coordinate ascent for micro-F1; balanced: for the mean of micro- and macro-F1; "
                         "mean: for the mean of micro-F1, macro-F1 and Jaccard accuracy")
-    g.add_argument("--threshold-bagging", type=int, default=0, metavar="N",
-                   help="average the thresholds tuned on N bootstrap resamples of the tuning set (less variance "
-                        "from a small tuning set; 0: tune once)")
+    g.add_argument("--threshold-bagging", type=int, default=0, metavar="N", help="average the thresholds tuned "
+                   "on N bootstrap resamples of the tuning set (less variance from a small tuning set; 0: tune once)")
     add_engine_args(p, pipeline_parallel=False)
     g.add_argument("--eval-batch-size", type=int, default=64)
     g = p.add_argument_group("optimization")
