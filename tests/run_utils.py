@@ -16,9 +16,11 @@ NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}
 
 
-def ds_config(stage: int = 1, fp16: bool = False, train_batch_size: int = 4) -> dict:
-    """fp32 (or fp16 with a small initial scale) AdamW with clipping, at ZeRO ``stage``."""
-    ds = {"train_batch_size": train_batch_size, "optimizer": OPTIMIZER, "gradient_clipping": 1.0,
+def ds_config(stage: int = 1, fp16: bool = False, train_batch_size: int = 4, lr: float = 3e-3) -> dict:
+    """fp32 (or fp16 with a small initial scale) AdamW with clipping, at ZeRO ``stage``: the DeepSpeed config
+    of the tests that launch the pretraining job."""
+    optimizer = {**OPTIMIZER, "params": {**OPTIMIZER["params"], "lr": lr}}
+    ds = {"train_batch_size": train_batch_size, "optimizer": optimizer, "gradient_clipping": 1.0,
           "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
     if fp16:
         ds["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}

@@ -10,13 +10,13 @@ import pytest
 from cli import cli_env, run_cli
 from conftest import ROOT, shared_data
 from dist import run_distributed
+from run_utils import ds_config
 
 pytest.importorskip("lm_eval")
 PASSAGES = 40
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 128,
          "hidden_dropout": 0.0, "attention_dropout": 0.0}
-DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-      "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+DS = ds_config(stage=1, lr=1e-2)
 LAMBADA_YAML = """task: lambada_local
 dataset_path: json
 dataset_kwargs:

@@ -6,10 +6,10 @@ import sys
 import textwrap
 
 from cli import run_cli
+from run_utils import ds_config
 
 MODEL = {"model_type": "mlstm", "embed_dim": 8, "hidden_size": 32, "num_layers": 1, "seq_length": 32}
-DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-      "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}  # ZeRO-1 fp32 exports: issue 12, class 5
+DS = ds_config(stage=0)  # ZeRO-1 fp32 exports: issue 12, class 5
 
 
 def _run(*cmd, cwd):

@@ -13,14 +13,14 @@ import pytest
 from cli import run_cli
 from conftest import ROOT
 from dist import run_distributed
+from run_utils import ds_config
 
 from pipeline.distributed import free_port
 from pipeline.pretrain import main
 
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
          "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
-FP32_DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-           "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+FP32_DS = ds_config(stage=1)
 BIN = Path(sys.executable).parent
 
 

@@ -12,6 +12,7 @@ import pytest
 from cli import run_cli
 from conftest import shared_data
 from dist import run_distributed
+from run_utils import ds_config
 
 from pipeline.files import OutputError, atomic_dir
 from pipeline.pretrain import main
@@ -19,8 +20,7 @@ from pipeline.pretrain import main
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
          "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
-DS = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-      "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+DS = ds_config(stage=1)
 
 
 def _pretrain(rank, argv):
