@@ -43,6 +43,7 @@ from pipeline.model_dir import read_model_dir
 from . import safe_load
 from .pipe_model import pipe_to_gpt_name
 from .safe_load import CheckpointError
+from .universal import OPTIMIZER_PARAM_NAMES, optimizer_param_names
 
 COMPLETE = "COMPLETE.json"
 
@@ -102,8 +103,11 @@ def save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, 
     _barrier()
     writer = engine.checkpoint_engine  # a safe_load.SafeCheckpointEngine (build_engine installs it)
     writer.written.clear()
-    engine.save_checkpoint(str(save_dir), tag=tag, client_state={"step": step, **(extra_client_state or {})},
-                           save_latest=False)
+    client_state = {"step": step, **(extra_client_state or {})}
+    names = optimizer_param_names(engine)  # ZeRO-0: which moments belong to which parameter
+    if names is not None:
+        client_state[OPTIMIZER_PARAM_NAMES] = names
+    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
     _crash_point("after-deepspeed-files", step)
     state_file = tag_dir / f"rank{rank}_state.pt"
     digests = {**writer.written, str(state_file.resolve()): safe_load.save_hashed(
@@ -112,7 +116,8 @@ def save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, 
     if rank == 0:
         scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
         layout_text = json.dumps({**layout, "step": step, "scheduler": scheduler,
-                                  "skipped_steps": int(engine.skipped_steps)}, indent=2) + "\n"
+                                  "skipped_steps": int(engine.skipped_steps), OPTIMIZER_PARAM_NAMES: names is not None},
+                                 indent=2) + "\n"
         atomic_write_text(tag_dir / "layout.json", layout_text)
         digests[str((tag_dir / "layout.json").resolve())] = hashlib.sha256(layout_text.encode()).hexdigest()
         write_complete(tag_dir, step, digests)

@@ -17,6 +17,10 @@ each beside the code it fixes:
   ZeRO-3 target cuts its shards with the ShardSpec (``_zero3_hp_loader``: DeepSpeed's takes the
   stored tensor as is, which a re-padded vocabulary breaks) and keeps each parameter group's own
   hyperparameters (``_zero3_param_groups``).
+- ZeRO-0 (fp32, no pipeline): DeepSpeed has no universal path without ZeRO. A ZeRO-0 checkpoint records
+  which optimizer slot is which parameter (``optimizer_param_names``); ``convert_zero0`` gathers its Adam
+  state over the TP ranks into the same folders ds_to_universal writes, and ``_load_zero0`` fills a
+  ZeRO-0 engine's torch optimizer from them.
 
 Layout of the cache, beside the tags it converts::
 
@@ -45,6 +49,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 from deepspeed.checkpoint.constants import (
+    CAT_DIM,
+    DS_VERSION,
     OPTIMIZER_STATE_DICT,
     ORIGINAL_VOCAB_SIZE,
     PARAM,
@@ -54,14 +60,18 @@ from deepspeed.checkpoint.constants import (
     PIPELINE_REPLICATED_PARAMETER_PATTERNS,
     SUB_PARAM_SHARD_WIDTHS,
     TP_REPLICATED_PARAMETER_PATTERNS,
+    SUB_PARAM_SHAPE,
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    VOCAB_TENSOR,
     VOCABULARY_PARAMETER_PATTERNS,
 )
+from deepspeed.checkpoint.universal_checkpoint import SubparamShape
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from models import GPT, GPTConfig
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline import safe_load
+from pipeline.families import family_of_dict
 from pipeline.errors import UserError
 from pipeline.files import atomic_dir
 
@@ -69,6 +79,7 @@ from .pipe_model import TIED_KEY, gpt_to_pipe_name, pipe_to_gpt_name
 
 MANIFEST = "UNIVERSAL.json"
 CACHE_DIR = "universal"
+OPTIMIZER_PARAM_NAMES = "optimizer_param_names"  # client state of a ZeRO-0 checkpoint (``optimizer_param_names``)
 
 
 class UniversalError(UserError):
@@ -96,9 +107,7 @@ def checkpoint_info(named_params, vocab_size: int | None, tp: int) -> dict:
                 raise UniversalError(f"{name}: a padded parameter must be one part split along dim 0 (a vocabulary)")
             vocab.append(pattern)
         elif len(spec.parts) > 1:
-            shape = [-1] * param.ndim
-            shape[spec.dim] = tuple(spec.parts)
-            sub_params.append({"patterns": [pattern], "shape": tuple(shape), "partition_dim": spec.dim})
+            sub_params.append(_subparam_shape(pattern, param.ndim, spec))
             widths[pattern] = [[p // tp] * tp for p in spec.parts]
         elif spec.dim == 1:
             row.append(pattern)
@@ -108,6 +117,23 @@ def checkpoint_info(named_params, vocab_size: int | None, tp: int) -> dict:
     if vocab:
         info[ORIGINAL_VOCAB_SIZE] = int(vocab_size)
     return info
+
+
+def _subparam_shape(pattern: str, ndim: int, spec) -> dict:
+    """DeepSpeed's SubparamShape of a fused parameter (QKV, gate-up): each part's full size along the split dim."""
+    shape = [-1] * ndim
+    shape[spec.dim] = tuple(spec.parts)
+    return {"patterns": [pattern], "shape": tuple(shape), "partition_dim": spec.dim}
+
+
+def optimizer_param_names(engine) -> list[list[str]] | None:
+    """The names of each optimizer group's parameters, in the order ZeRO-0's optimizer state_dict numbers
+    them; saved with every ZeRO-0 checkpoint (None at ZeRO 1-3, whose files name their parameters), so that
+    its Adam moments can be matched to parameters without rebuilding the groups."""
+    if engine.zero_optimization_stage() != 0 or engine.optimizer is None:
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in engine.optimizer.param_groups]
 
 
 def attach_info(model: torch.nn.Module, model_config, pipeline: bool) -> None:
@@ -137,10 +163,17 @@ def unsupported_reason(saved: dict, current: dict) -> str | None:
     """Why the optimizer state of a checkpoint saved at layout ``saved`` cannot move to ``current``."""
     if not saved.get("universal_info"):
         return "the checkpoint was saved without universal-checkpoint metadata (before this version)"
-    if saved.get("zero_stage", 0) < 1 or current.get("zero_stage", 0) < 1:
-        # without ZeRO DeepSpeed keeps the optimizer in its own unpartitioned format, which ds_to_universal
-        # does not read and load_universal does not write into
-        return "DeepSpeed's universal checkpoints need ZeRO stage 1-3 at both layouts"
+    if current.get("zero_stage", 0) < 1 and (current.get("precision", "fp32") != "fp32"
+                                             or current.get("pipeline_parallel", 1) > 1):
+        # load_universal writes into ZeRO's partitions only; torch's own optimizer is filled here (``_load_zero0``),
+        # DeepSpeed's FP16_Optimizer and a pipeline's stages are not
+        return "a universal checkpoint loads into ZeRO-0 in fp32 without pipeline parallelism only"
+    if saved.get("zero_stage", 0) < 1:
+        if not saved.get(OPTIMIZER_PARAM_NAMES):
+            return "the ZeRO-0 checkpoint was saved without its optimizer's parameter names (before this version)"
+        if saved.get("precision", "fp32") != "fp32" or saved.get("pipeline_parallel", 1) > 1:
+            # DeepSpeed's FP16_Optimizer (fp16/bf16) and the pipeline's files keep the state in other forms
+            return "a ZeRO-0 checkpoint converts in fp32 without pipeline parallelism only"
     return None
 
 
@@ -224,12 +257,14 @@ def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
             _scan_all(cache)  # the manifest matches: a doctored file came with a doctored manifest
             return cache
         log(f"universal checkpoint cache {cache} is damaged ({problem}): rebuilding it")
-    if not any((Path(run_dir) / tag).glob("*optim_states.pt")):
+    tag_dir = Path(run_dir) / tag
+    zero0 = json.loads((tag_dir / "layout.json").read_text()).get("zero_stage", 1) == 0
+    if not zero0 and not any(tag_dir.glob("*optim_states.pt")):
         raise UniversalError(f"{Path(run_dir) / tag} has no DeepSpeed optimizer files to convert (a run written by "
                              f"pipeline.reshard whose universal cache {cache} is gone); reshard the original run again")
     # built under a temporary name and swapped in by one rename (a damaged cache is replaced the same way)
     with atomic_dir(cache, force=True) as out:
-        convert(Path(run_dir) / tag, out)
+        (convert_zero0 if zero0 else convert)(tag_dir, out)
         manifest = {"source": tag, "files": safe_load.file_manifest(out)}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return cache
@@ -247,6 +282,66 @@ def convert(tag_dir: Path, out: Path) -> None:
     _rename_pipeline_params(tag_dir, out / "zero")
     _model_files_for_every_stage(out)
     _optimizer_state_for_every_stage(out / "zero")
+
+
+def convert_zero0(tag_dir: Path, out: Path) -> None:
+    """A ZeRO-0 tag into the universal form ``convert`` writes. ZeRO-0 keeps torch's Adam state_dict of each
+    TP rank's shards in that rank's model file, a form ds_to_universal does not read: here each parameter's
+    fp32 weight and moments are gathered over the TP ranks with its ShardSpec and written as ds_to_universal
+    writes them (the full unpadded tensor, with how DeepSpeed's loader splits it)."""
+    files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))  # one per TP rank, in rank order
+    ranks = [safe_load.safe_torch_load(f, map_location="cpu") for f in files]
+    raw = json.loads((tag_dir.parent / "config.json").read_text())
+    family = family_of_dict(raw, str(tag_dir.parent / "config.json"))
+    specs = family.shard_specs(family.config_class.from_dict(raw))
+    per_rank = [_zero0_states(state) for state in ranks]
+    zero = out / "zero"
+    for name in per_rank[0]:  # the optimizer's parameters (a tied weight once), as ds_to_universal names them
+        spec = specs[name]
+        folder = zero / name
+        folder.mkdir(parents=True)
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            shards = [states[name][key] for states in per_rank]
+            full = spec.gather(shards) if spec is not None else shards[0]
+            torch.save({**_split_metadata(name, full.ndim, spec), PARAM: full.contiguous()}, folder / f"{key}.pt")
+        torch.save(per_rank[0][name]["step"], folder / "step.pt")
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [i]}
+              for i, group in enumerate(ranks[0]["optimizer"]["param_groups"])]
+    torch.save({PARAM_GROUPS: groups, DS_VERSION: ranks[0][DS_VERSION]}, zero / "optimizer_state.pt")
+    for path, state in zip(files, ranks):
+        # what the loading engine reads from the model files (step, LR schedule, client state), without
+        # the optimizer, which now lives in zero/
+        torch.save({**state, "optimizer": None}, out / path.name)
+    _model_files_for_every_stage(out)
+    _optimizer_state_for_every_stage(zero)
+
+
+def _zero0_states(state: dict) -> dict:
+    """{parameter: {fp32, exp_avg, exp_avg_sq, step}} of one TP rank's ZeRO-0 model file (fp32: the weights
+    are the master weights); a parameter that never had a gradient has zero moments, as under ZeRO."""
+    optimizer, weights = state["optimizer"], state["module"]
+    numbered = [(index, name) for group, names in zip(optimizer["param_groups"], state[OPTIMIZER_PARAM_NAMES])
+                for index, name in zip(group["params"], names)]
+    steps = [s["step"] for s in optimizer["state"].values() if "step" in s]
+    out = {}
+    for index, name in numbered:
+        adam = optimizer["state"].get(index, {})
+        weight = weights[name].detach().float()
+        out[name] = {"fp32": weight, "exp_avg": adam.get("exp_avg", torch.zeros_like(weight)),
+                     "exp_avg_sq": adam.get("exp_avg_sq", torch.zeros_like(weight)),
+                     "step": adam.get("step", steps[0])}
+    return out
+
+
+def _split_metadata(name: str, ndim: int, spec) -> dict:
+    """How DeepSpeed's universal loader cuts a full tensor for a TP rank, from the parameter's ShardSpec."""
+    if spec is None:
+        return {}  # replicated: the loader takes it whole
+    if spec.pad_multiple:
+        return {CAT_DIM: 0, VOCAB_TENSOR: True}
+    if len(spec.parts) > 1:
+        return {SUB_PARAM_SHAPE: SubparamShape(**_subparam_shape(f"^{re.escape(name)}$", ndim, spec))}
+    return {CAT_DIM: spec.dim}
 
 
 def _model_files_for_every_stage(out: Path) -> None:
@@ -320,12 +415,45 @@ def _zero3_merged_as_tp1(ds_to_universal, tag_dir: Path):
 def load(engine, cache: Path, model_config) -> None:
     """Restore weights, Adam moments and step, loss scale and LR schedule of a universal checkpoint into
     ``engine`` (built with ``"checkpoint": {"load_universal": true}``). Collective."""
+    if engine.zero_optimization_stage() == 0:
+        _load_zero0(engine, cache)
+        return
     with _gpt_names(engine, model_config), _zero3_hp_loader(engine):
         path, _ = engine.load_checkpoint(str(cache.parent), tag=cache.name, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     if path is None:
         raise UniversalError(f"DeepSpeed could not load the universal checkpoint {cache}")
     _zero3_after_load(engine, cache)
+
+
+def _load_zero0(engine, cache: Path) -> None:
+    """Into ZeRO-0 (fp32), whose optimizer is torch's own, which DeepSpeed's universal loader does not fill:
+    each parameter's TP shard of the full weight and Adam moments (cut with its ShardSpec, which pads a
+    vocabulary as the model does), the Adam step, and each group's hyperparameters. The step count and LR
+    schedule follow from the tag's layout (``checkpoint.restore_after_reshard``)."""
+    zero = cache / "zero"
+    saved = _load_state(zero / "optimizer_state.pt")[PARAM_GROUPS]
+    optimizer = engine.optimizer
+    if len(saved) != len(optimizer.param_groups):
+        raise UniversalError(f"{cache}: {len(saved)} optimizer parameter groups saved, "
+                             f"{len(optimizer.param_groups)} in this run")
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update({k: v for k, v in values.items() if k != "params"})
+        for param in group["params"]:
+            folder, spec = zero / names[id(param)], get_shard_spec(param)
+            if not folder.is_dir():
+                raise UniversalError(f"universal checkpoint {cache} has no state for {names[id(param)]}")
+
+            def shard(key, spec=spec, folder=folder):
+                full = _load_state(folder / f"{key}.pt")[PARAM]
+                return (spec.shard(full, tp_rank(), tp_world_size()) if spec is not None else full).to(param)
+
+            with torch.no_grad():
+                param.copy_(shard("fp32"))
+            step = torch.as_tensor(_load_state(folder / "step.pt"), dtype=torch.float32).clone()
+            optimizer.state[param] = {"step": step, "exp_avg": shard("exp_avg"), "exp_avg_sq": shard("exp_avg_sq")}
+    engine.global_steps = int(step)
 
 
 def _zero3_after_load(engine, cache: Path) -> None:
