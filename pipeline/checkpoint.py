@@ -260,7 +260,7 @@ def read_full_model_state(load_dir, tag: str | None = None):
     tp, pp = layout.get("tensor_parallel", 1), layout.get("pipeline_parallel", 1)
     specs = family.shard_specs(config)
     if layout.get("universal_only"):  # what pipeline.reshard writes: the weights are in the universal folder
-        return config, _universal_weights(load_dir / "universal" / tag / "zero", specs, config), \
+        return config, _universal_weights(load_dir / "universal" / tag / "zero", specs), \
             tokenizer_dir
     per_rank: list[dict] = [dict() for _ in range(tp)]
     if pp == 1 and not (tag_dir / "mp_rank_00_model_states.pt").is_file():
@@ -290,18 +290,17 @@ def read_full_model_state(load_dir, tag: str | None = None):
     return config, own_storage(full), tokenizer_dir
 
 
-def _universal_weights(zero: Path, specs: dict, config) -> dict:
+def _universal_weights(zero: Path, specs: dict) -> dict:
     """The full fp32 weights of a universal checkpoint (one ``<name>/fp32.pt`` per parameter, TP=1 shapes),
     loaded weights-only; a vocabulary padded for the old TP size is cut back to the model's."""
     full = {}
-    for name in specs:
+    for name, spec in specs.items():
         path = zero / name / "fp32.pt"
         if not path.is_file():
             raise CheckpointError(f"universal checkpoint {zero.parent} lacks {name}/fp32.pt")
         tensor = safe_load.safe_torch_load(path, map_location="cpu")["param"]
-        vocab = getattr(config, "vocab_size", None)
-        if name in ("embedding.word_embeddings.weight", "lm_head.weight") and tensor.shape[0] > vocab:
-            tensor = tensor[:vocab]
+        if spec is not None and spec.pad_multiple and tensor.shape[spec.dim] > sum(spec.parts):
+            tensor = tensor.narrow(spec.dim, 0, sum(spec.parts))  # a padded vocabulary
         full[name] = tensor.contiguous()
     return full
 

@@ -36,7 +36,7 @@ import torch
 
 from models.config import ConfigError, GPTConfig
 from pipeline.errors import UserError
-from pipeline.safetensors_io import PlannedTensor, SafetensorsFiles, hf_weight_files, materialize, shape_of
+from pipeline.safetensors_io import PlannedTensor, SafetensorsFiles, dtype_of, hf_weight_files, materialize, shape_of
 
 GPT2_ARCH = "GPT2LMHeadModel"
 LLAMA_ARCH = "LlamaForCausalLM"
@@ -248,7 +248,7 @@ def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype:
         got = shape_of(full_state_dict, rule.ours)
         if got != rule.shape:
             raise ConversionError(f"project state dict: {rule.ours} has shape {got}, the config expects {rule.shape}")
-        src_dtype = _dtype_of(full_state_dict, rule.ours)
+        src_dtype = dtype_of(full_state_dict, rule.ours)
         source_dtypes.add(src_dtype)
         rows = list(rule.split) if rule.split else [rule.shape[0]]
         start = 0
@@ -259,7 +259,7 @@ def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype:
                                       _piece_maker(full_state_dict, rule, start, n, dtype))
             start += n
     if config.variant == "gpt2" and not config.bias:
-        like = dtype or _dtype_of(full_state_dict, "embedding.word_embeddings.weight")
+        like = dtype or dtype_of(full_state_dict, "embedding.word_embeddings.weight")
         out.update({name: PlannedTensor((n,), like, lambda n=n, like=like: torch.zeros(n, dtype=like))
                     for name, n in _gpt2_bias_names(config).items()})
     common = dtype if dtype is not None else (source_dtypes.pop() if len(source_dtypes) == 1 else torch.float32)
@@ -275,11 +275,6 @@ def _piece_maker(full_state_dict: Mapping, rule: WeightRule, start: int, rows: i
         piece = piece.clone(memory_format=torch.contiguous_format) if rule.split else piece.contiguous()
         return _cast(piece, dtype, rule.ours)
     return make
-
-
-def _dtype_of(sd: Mapping, name: str) -> torch.dtype:
-    get = getattr(sd, "dtype_of", None)
-    return get(name) if get is not None else sd[name].dtype
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None, name: str) -> torch.Tensor:
@@ -523,7 +518,7 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dty
             listed = ", ".join(f"{n} {shape_of(hf_sd, n)}" for n in rule.theirs)
             raise ConversionError(f"{source}: {listed} do(es) not fit the config (the project's {rule.ours} "
                                   f"must be {rule.shape})")
-        out[rule.ours] = PlannedTensor(rule.shape, dtype or _dtype_of(hf_sd, rule.theirs[0]),
+        out[rule.ours] = PlannedTensor(rule.shape, dtype or dtype_of(hf_sd, rule.theirs[0]),
                                        _joiner(hf_sd, rule, dtype))
         used.update(rule.theirs)
     if config.variant == "gpt2" and not config.bias:

@@ -158,6 +158,17 @@ def shape_of(tensors: Mapping, name: str) -> tuple[int, ...]:
     return tuple(get(name)) if get is not None else tuple(tensors[name].shape)
 
 
+def dtype_of(tensors: Mapping, name: str) -> torch.dtype:
+    """The dtype of ``tensors[name]`` without reading it where the mapping can say (SafetensorsFiles)."""
+    get = getattr(tensors, "dtype_of", None)
+    return get(name) if get is not None else tensors[name].dtype
+
+
+def reports_shapes(tensors: Mapping) -> bool:
+    """Whether ``tensors`` is a lazy mapping that knows its tensors' shapes without reading them."""
+    return callable(getattr(tensors, "shape_of", None))
+
+
 def hf_weight_files(directory: str | Path) -> list[Path] | None:
     """The safetensors files of a Hugging Face model directory (sharded or not), or None when it has none."""
     directory = Path(directory)

@@ -15,7 +15,7 @@ import torch
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline.errors import UserError
 from pipeline.safe_load import UnsafeCheckpointError, safe_torch_load
-from pipeline.safetensors_io import SafetensorsError, SafetensorsFiles, shape_of, write_safetensors
+from pipeline.safetensors_io import SafetensorsError, SafetensorsFiles, reports_shapes, shape_of, write_safetensors
 
 
 class StateDictError(UserError, ValueError):
@@ -57,8 +57,9 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
     rank, tp = tp_rank(), tp_world_size()
     # Check every shape before copying anything, so a bad file leaves the model untouched.
     # (by shape only: a lazy mapping reads each tensor once, in the copy loop, and frees it after)
+    lazy = reports_shapes(full)  # its values are tensors, read when asked for
     for name, param in params.items():
-        if not isinstance(full, SafetensorsFiles) and not isinstance(full[name], torch.Tensor):
+        if not lazy and not isinstance(full[name], torch.Tensor):
             raise StateDictError(f"{source}: {name} is a {type(full[name]).__name__}, not a tensor")
         want, got = expected_full_shape(param), shape_of(full, name)
         if got != want:
