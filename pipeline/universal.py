@@ -130,10 +130,13 @@ def optimizer_param_names(engine) -> list[list[str]] | None:
     """The names of each optimizer group's parameters, in the order ZeRO-0's optimizer state_dict numbers
     them; saved with every ZeRO-0 checkpoint (None at ZeRO 1-3, whose files name their parameters), so that
     its Adam moments can be matched to parameters without rebuilding the groups."""
-    if engine.zero_optimization_stage() != 0 or engine.optimizer is None:
-        return None
+    if engine.zero_optimization_stage() != 0 or not isinstance(engine.optimizer, torch.optim.Optimizer):
+        return None  # (bf16 ZeRO-0: DeepSpeed's FP16_Optimizer, whose groups hold fp32 copies, is not converted)
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in engine.optimizer.param_groups]
+    groups = [group["params"] for group in engine.optimizer.param_groups]
+    if any(id(p) not in names for group in groups for p in group):
+        return None
+    return [[names[id(p)] for p in group] for group in groups]
 
 
 def attach_info(model: torch.nn.Module, model_config, pipeline: bool) -> None:
@@ -259,7 +262,7 @@ def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
         log(f"universal checkpoint cache {cache} is damaged ({problem}): rebuilding it")
     tag_dir = Path(run_dir) / tag
     zero0 = json.loads((tag_dir / "layout.json").read_text()).get("zero_stage", 1) == 0
-    if not zero0 and not any(tag_dir.glob("*optim_states.pt")):
+    if not any(tag_dir.glob("mp_rank_*_model_states.pt" if zero0 else "*optim_states.pt")):
         raise UniversalError(f"{Path(run_dir) / tag} has no DeepSpeed optimizer files to convert (a run written by "
                              f"pipeline.reshard whose universal cache {cache} is gone); reshard the original run again")
     # built under a temporary name and swapped in by one rename (a damaged cache is replaced the same way)
@@ -320,16 +323,17 @@ def _zero0_states(state: dict) -> dict:
     """{parameter: {fp32, exp_avg, exp_avg_sq, step}} of one TP rank's ZeRO-0 model file (fp32: the weights
     are the master weights); a parameter that never had a gradient has zero moments, as under ZeRO."""
     optimizer, weights = state["optimizer"], state["module"]
-    numbered = [(index, name) for group, names in zip(optimizer["param_groups"], state[OPTIMIZER_PARAM_NAMES])
-                for index, name in zip(group["params"], names)]
     steps = [s["step"] for s in optimizer["state"].values() if "step" in s]
     out = {}
-    for index, name in numbered:
-        adam = optimizer["state"].get(index, {})
-        weight = weights[name].detach().float()
-        out[name] = {"fp32": weight, "exp_avg": adam.get("exp_avg", torch.zeros_like(weight)),
-                     "exp_avg_sq": adam.get("exp_avg_sq", torch.zeros_like(weight)),
-                     "step": adam.get("step", steps[0])}
+    for group, names in zip(optimizer["param_groups"], state[OPTIMIZER_PARAM_NAMES]):
+        for index, name in zip(group["params"], names):
+            adam = optimizer["state"].get(index, {})
+            weight = weights[name].detach().float()
+            # torch's Adam counts steps per parameter, DeepSpeed's FusedAdam per group
+            step = adam.get("step", group.get("step", steps[0] if steps else 0))
+            out[name] = {"fp32": weight, "exp_avg": adam.get("exp_avg", torch.zeros_like(weight)),
+                         "exp_avg_sq": adam.get("exp_avg_sq", torch.zeros_like(weight)),
+                         "step": torch.as_tensor(step, dtype=torch.float32)}
     return out
 
 
@@ -453,6 +457,8 @@ def _load_zero0(engine, cache: Path) -> None:
                 param.copy_(shard("fp32"))
             step = torch.as_tensor(_load_state(folder / "step.pt"), dtype=torch.float32).clone()
             optimizer.state[param] = {"step": step, "exp_avg": shard("exp_avg"), "exp_avg_sq": shard("exp_avg_sq")}
+        if "step" in group:  # DeepSpeed's FusedAdam counts steps per group
+            group["step"] = int(step)
     engine.global_steps = int(step)
 
 

@@ -32,6 +32,7 @@ LAYOUTS = {"tp1": (1, 1, 1, 1, False), "tp2": (2, 1, 2, 1, False), "pp2": (1, 2,
 TRANSITIONS = [("tp1", "tp2"), ("tp2", "tp1"), ("pp2", "tp1"), ("tp2pp2", "dp2"), ("dp2z2", "dp1z2"),
                ("tp1", "dp2z3"), ("dp2fp16", "dp1fp16"), ("tp2z0", "tp1"), ("tp1z0", "dp2z3"),
                ("tp1", "tp2z0"), ("dp2z2", "tp1z0"), ("tp2z0", "tp1z0")]
+RESHARDED = {("tp2", "tp1"), ("tp2z0", "tp1z0")}  # through ``python -m pipeline.reshard``, the rest on --load
 
 
 _pretrain = pretrain_worker  # fp16: DeepSpeed's CPU accelerator refuses it unless told otherwise
@@ -103,9 +104,9 @@ def comparable(name: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
 def test_resume_at_another_layout_continues_exactly(setup, source, target):
     ref = reference(setup, source)
     load = ref
-    if (source, target) == ("tp2", "tp1"):  # this one through the offline conversion
+    if (source, target) in RESHARDED:  # these through the offline conversion
         from pipeline.reshard import main as reshard_main
-        load = setup / "resharded_tp2"
+        load = setup / f"resharded_{source}"
         assert reshard_main(["--checkpoint", str(ref), "--out", str(load), "--tag", "global_step2"]) == 0
         assert not (ref / "universal" / "global_step2").exists()  # the source is not written to
     resumed = run(setup, target, setup / f"resumed_{source}_{target}", "--load", str(load), "--load-tag",
