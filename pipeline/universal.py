@@ -58,9 +58,9 @@ from deepspeed.checkpoint.constants import (
     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
     PARAMETER_WITH_SUB_PARAMS,
     PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+    SUB_PARAM_SHAPE,
     SUB_PARAM_SHARD_WIDTHS,
     TP_REPLICATED_PARAMETER_PATTERNS,
-    SUB_PARAM_SHAPE,
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
     VOCAB_TENSOR,
     VOCABULARY_PARAMETER_PATTERNS,
@@ -71,15 +71,15 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from models import GPT, GPTConfig
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline import safe_load
-from pipeline.families import family_of_dict
 from pipeline.errors import UserError
+from pipeline.families import family_of_dict
 from pipeline.files import atomic_dir
 
 from .pipe_model import TIED_KEY, gpt_to_pipe_name, pipe_to_gpt_name
 
 MANIFEST = "UNIVERSAL.json"
 CACHE_DIR = "universal"
-OPTIMIZER_PARAM_NAMES = "optimizer_param_names"  # client state of a ZeRO-0 checkpoint (``optimizer_param_names``)
+OPTIMIZER_PARAM_NAMES = "optimizer_param_names"  # in a ZeRO-0 checkpoint's client state and layout.json
 
 
 class UniversalError(UserError):
@@ -435,15 +435,10 @@ def _load_zero0(engine, cache: Path) -> None:
     each parameter's TP shard of the full weight and Adam moments (cut with its ShardSpec, which pads a
     vocabulary as the model does), the Adam step, and each group's hyperparameters. The step count and LR
     schedule follow from the tag's layout (``checkpoint.restore_after_reshard``)."""
-    zero = cache / "zero"
-    saved = _load_state(zero / "optimizer_state.pt")[PARAM_GROUPS]
-    optimizer = engine.optimizer
-    if len(saved) != len(optimizer.param_groups):
-        raise UniversalError(f"{cache}: {len(saved)} optimizer parameter groups saved, "
-                             f"{len(optimizer.param_groups)} in this run")
+    zero, optimizer = cache / "zero", engine.optimizer
+    _restore_group_hyperparameters(optimizer.param_groups, cache)
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    for group, values in zip(optimizer.param_groups, saved):
-        group.update({k: v for k, v in values.items() if k != "params"})
+    for group in optimizer.param_groups:
         for param in group["params"]:
             folder, spec = zero / names[id(param)], get_shard_spec(param)
             if not folder.is_dir():
@@ -462,18 +457,22 @@ def _load_zero0(engine, cache: Path) -> None:
     engine.global_steps = int(step)
 
 
+def _restore_group_hyperparameters(groups: list[dict], cache: Path) -> None:
+    """Each optimizer group's saved hyperparameters (lr, weight decay, betas...), group by group."""
+    saved = _load_state(cache / "zero" / "optimizer_state.pt")[PARAM_GROUPS]
+    if len(saved) != len(groups):
+        raise UniversalError(f"{cache}: {len(saved)} optimizer parameter groups saved, {len(groups)} in this run")
+    for group, values in zip(groups, saved):
+        group.update({k: v for k, v in values.items() if k != "params"})
+
+
 def _zero3_after_load(engine, cache: Path) -> None:
     """ZeRO-3's universal loader gives every parameter group the hyperparameters of the first saved one (the
     project's groups differ: no weight decay on biases and norms), and all of them one shared Adam step
     tensor, which torch's Adam increments in place once per group and step. Give each group its own."""
     if not isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
         return
-    saved = torch.load(cache / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=True)[PARAM_GROUPS]
-    groups = engine.optimizer.optimizer.param_groups
-    if len(saved) != len(groups):
-        raise UniversalError(f"{cache}: {len(saved)} optimizer parameter groups saved, {len(groups)} in this run")
-    for group, values in zip(groups, saved):
-        group.update({k: v for k, v in values.items() if k != "params"})
+    _restore_group_hyperparameters(engine.optimizer.optimizer.param_groups, cache)
     for state in engine.optimizer.optimizer.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
