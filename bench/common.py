@@ -35,7 +35,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from models import GPTConfig  # noqa: E402
-from pipeline import hf_convert  # noqa: E402
+from pipeline.hf import convert as hf_convert  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -68,7 +68,7 @@ def model_config(size: dict, variant: str = "gpt2") -> GPTConfig:
 
 
 def hf_config(config: GPTConfig):
-    """The ``transformers`` config of the same model (pipeline.hf_convert's, the export's), without a KV cache."""
+    """The ``transformers`` config of the same model (pipeline.hf.convert's, the export's), without a KV cache."""
     if config.vocab_size % config.make_vocab_size_divisible_by:
         raise ValueError(f"vocab_size {config.vocab_size} is not a multiple of {config.make_vocab_size_divisible_by}: "
                          f"the project pads it and Hugging Face would not, so the shapes would differ")

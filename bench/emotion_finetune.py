@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 from finetune.saved import load_classifier  # noqa: E402
 from finetune.train import holdout_split  # noqa: E402
-from pipeline.import_hf import import_hf  # noqa: E402
+from pipeline.hf.importer import import_hf  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "semeval2018-ec"
 

@@ -4,7 +4,7 @@ measured matmul peak. Runs in under 8 minutes; installs nothing.
 
 Systems, per (size, precision), the same shapes, batch, sequence, optimizer (torch's fused AdamW, gradient
 clipping 1.0) and precision:
-  deepspeed  the project's GPT through ``pipeline.engine.build_engine`` with ds_configs/bf16_zero1.json
+  deepspeed  the project's GPT through ``pipeline.engine.build.build_engine`` with ds_configs/bf16_zero1.json
              (bf16 weights and activations, fp32 master weights, ZeRO-1) or ds_configs/fp16_zero1.json (fp16
              with dynamic loss scaling; fp16 needs ZeRO >= 1 here), one rank (NCCL);
   hf         GPT2LMHeadModel (SDPA attention) in a plain loop: fp32 weights with torch.autocast (bf16, or fp16
@@ -53,7 +53,7 @@ from common import GPU_SIZES, ROOT, TINY_SIZES, format_table  # noqa: E402
 from train_step import make_system  # noqa: E402
 
 from models.parallel import initialize_model_parallel
-from pipeline.distributed import init_distributed
+from pipeline.engine.distributed import init_distributed
 
 DS_CONFIGS = {"bf16": ROOT / "ds_configs" / "bf16_zero1.json", "fp16": ROOT / "ds_configs" / "fp16_zero1.json"}
 DATASHEET_TFLOPS = {"bf16": 989.0, "fp16": 989.0}  # H100/H200 SXM dense
@@ -118,7 +118,7 @@ def run(args) -> list[dict]:
                        "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
                        **m}
                 if name.startswith("deepspeed"):
-                    from pipeline.engine import loss_scale
+                    from pipeline.engine.steps import loss_scale
                     row["loss_scale"] = loss_scale(system.owner)
                     row["skipped_steps"] = int(system.owner.skipped_steps)
                 rows.append(row)

@@ -32,8 +32,8 @@ import torch  # noqa: E402
 
 from models import GPT  # noqa: E402
 from models.config import GPTConfig  # noqa: E402
-from pipeline.export_hf import export_hf  # noqa: E402
-from pipeline.safetensors_io import PlannedTensor  # noqa: E402
+from pipeline.hf.export import export_hf  # noqa: E402
+from pipeline.hf.safetensors_io import PlannedTensor  # noqa: E402
 
 
 def tinyllama_config(layers: int) -> GPTConfig:

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 from tqdm import tqdm
 
 from models.mlstm import MLSTM, MLSTMConfig, save_mlstm  # noqa: E402
-from pipeline.metrics_lm import stream_bpc  # noqa: E402
+from pipeline.evaluation.metrics_lm import stream_bpc  # noqa: E402
 
 
 def load_text(path: Path, heldout_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,8 +4,8 @@ The systems train the same model shapes on the same batch with the same optimize
 DeepSpeed config's hyper-parameters and foreach/fused choice, fused by default, no weight decay on 1-D
 tensors, gradient clipping 1.0) in the same precision:
 
-  deepspeed     the project's GPT through ``pipeline.engine.build_engine`` (a one-rank gloo group) and
-                ``pipeline.engine.train_step``, with the project's CPU DeepSpeed config (ds_configs/cpu.json:
+  deepspeed     the project's GPT through ``pipeline.engine.build.build_engine`` (a one-rank gloo group) and
+                ``pipeline.engine.steps.train_step``, with the project's CPU DeepSpeed config (ds_configs/cpu.json:
                 ZeRO-1; bf16 on, or off for fp32);
   deepspeed-z0  the same with ZeRO stage 0 (at one rank ZeRO-1 partitions nothing and only adds copies);
   hf            ``transformers``' GPT2LMHeadModel (gpt2) / LlamaForCausalLM (llama), SDPA attention, in a
@@ -46,8 +46,10 @@ from torch.profiler import profile as tprofile
 
 from models import GPT
 from models.parallel import get_parallel_state, initialize_model_parallel
-from pipeline.distributed import init_distributed
-from pipeline.engine import build_engine, load_ds_config, param_groups, resolve_ds_config, train_step
+from pipeline.engine.distributed import init_distributed
+from pipeline.engine.build import build_engine, param_groups
+from pipeline.engine.ds_config import load_ds_config, resolve_ds_config
+from pipeline.engine.steps import train_step
 
 SYSTEMS = ("deepspeed", "deepspeed-z0", "hf", "plain")
 

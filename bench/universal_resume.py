@@ -18,11 +18,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import test_universal as tu  # the tests' runs, so that the two measure the same thing
 
-import pipeline.universal
+import pipeline.checkpoints.universal
 
 
 def _pretrain_restarted(rank, argv, fp16):
-    pipeline.universal.unsupported_reason = lambda saved, current: "the optimizer state is restarted (baseline)"
+    pipeline.checkpoints.universal.unsupported_reason = lambda saved, current: "the optimizer state is restarted (baseline)"
     return tu._pretrain(rank, argv, fp16)
 
 

@@ -1,6 +1,6 @@
 """Memory per rank of ZeRO stages 0-3 at data-parallel size 2: what ZeRO partitions, expected against measured.
 
-Two real gloo CPU ranks (torch.multiprocessing) train the same GPT through ``pipeline.engine.build_engine``
+Two real gloo CPU ranks (torch.multiprocessing) train the same GPT through ``pipeline.engine.build.build_engine``
 with the same bf16 DeepSpeed config, only ``zero_optimization.stage`` changing. On each rank the benchmark
 measures:
 
@@ -42,7 +42,8 @@ import torch  # noqa: E402
 from common import CPU_SIZES, format_table  # noqa: E402
 
 from models.parallel import initialize_model_parallel
-from pipeline.engine import build_engine, resolve_ds_config
+from pipeline.engine.build import build_engine
+from pipeline.engine.ds_config import resolve_ds_config
 
 WORLD = 2
 EXPECTED_BYTES_PER_PARAM = {  # (replicated, partitioned over N_d) bytes per parameter

@@ -1,8 +1,8 @@
-"""The project's atomic writes (pipeline.files), under the names the finetuning modules import, and the strict
+"""The project's atomic writes (pipeline.job.files), under the names the finetuning modules import, and the strict
 reading of a saved dataclass."""
 from dataclasses import fields
 
-from pipeline.files import atomic_write_bytes, atomic_write_text
+from pipeline.job.files import atomic_write_bytes, atomic_write_text
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "strict_from_dict"]
 

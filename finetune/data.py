@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from pipeline.errors import UserError
+from pipeline.job.errors import UserError
 
 SEMEVAL_EC_LABELS: tuple[str, ...] = ("anger", "anticipation", "disgust", "fear", "joy", "love", "optimism",
                                       "pessimism", "sadness", "surprise", "trust")

@@ -28,15 +28,15 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from pipeline.errors import ArgumentParser, UserError, add_debug_arg, command
+from pipeline.job.errors import ArgumentParser, UserError, add_debug_arg, command
 
 from .heads import MULTILABEL
 from .saved import load_classifier, read_classifier_dir
-from pipeline.files import atomic_dir, refuse_overlap
-from pipeline.families import family_named
-from pipeline.hf_convert import add_dtype_arg, hf_family, parse_dtype, to_hf
-from pipeline.model_dir import copy_tokenizer_files
-from pipeline.safetensors_io import write_hf_weights
+from pipeline.job.files import atomic_dir, refuse_overlap
+from pipeline.job.families import family_named
+from pipeline.hf.convert import add_dtype_arg, hf_family, parse_dtype, to_hf
+from pipeline.checkpoints.model_dir import copy_tokenizer_files
+from pipeline.hf.safetensors_io import write_hf_weights
 from .thresholds import load_thresholds
 
 HF_PROBLEM_TYPE = {MULTILABEL: "multi_label_classification", "single_label": "single_label_classification"}

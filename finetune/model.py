@@ -15,7 +15,7 @@ Inputs are right padded: the GPT's attention is causal, so padding after a text 
 positions. Base weights come from ``finetune.saved.load_full_gpt_state(directory)``: a pretraining checkpoint of this
 project (DeepSpeed files at any TP/PP layout), a directory of ``config.json`` + ``model.safetensors``
 (a full TP=1 state dict, what ``pipeline.import_hf`` writes), or a finetuned classifier directory.
-Each TP rank cuts its own shard of every full tensor (``pipeline.state_dicts.load_full_state_dict``).
+Each TP rank cuts its own shard of every full tensor (``pipeline.checkpoints.state_dicts.load_full_state_dict``).
 """
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ from torch import nn
 
 from models import GPT, MLSTM, MLSTMConfig
 from models.parallel import tp_world_size, vocab_parallel_cross_entropy
-from pipeline.errors import UserError
-from pipeline.families import family_named, family_of
+from pipeline.job.errors import UserError
+from pipeline.job.families import family_named, family_of
 
 from .heads import MULTILABEL, ClassificationHead, HeadConfig
 from models.gpt import seeded_init
-from pipeline.state_dicts import load_full_state_dict
+from pipeline.checkpoints.state_dicts import load_full_state_dict
 
 ENCODER_PREFIX = "encoder."
 
@@ -124,7 +124,7 @@ class MLSTMEncoder(LayerDepths, MLSTM):
 
 
 def encoder_type_of(config) -> str:
-    """The model family of an encoder config (pipeline.families): its name is the encoder type."""
+    """The model family of an encoder config (pipeline.job.families): its name is the encoder type."""
     return family_of(config).name
 
 

@@ -30,9 +30,9 @@ from finetune.metrics import evaluate_probabilities, format_comparison, single_l
 from finetune.predictions import write_predictions
 from finetune.saved import load_classifier
 from finetune.thresholds import apply_thresholds
-from pipeline.errors import ArgumentParser, add_debug_arg, command
-from pipeline.files import check_output_file, refuse_overlap
-from pipeline.hf_convert import add_dtype_arg, parse_dtype
+from pipeline.job.errors import ArgumentParser, add_debug_arg, command
+from pipeline.job.files import check_output_file, refuse_overlap
+from pipeline.hf.convert import add_dtype_arg, parse_dtype
 
 
 def parse_args(argv=None):

@@ -24,14 +24,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.errors import UserError
+from pipeline.job.errors import UserError
 from models import GPTConfig, MLSTMConfig
 from pipeline.data import load_saved_tokenizer
-from pipeline.checkpoint import is_deepspeed_run_dir, read_full_model_state
-from pipeline.families import family_named
-from pipeline.model_dir import CONFIG_FILE, read_model_dir, tokenizer_dir_of
-from pipeline.state_dicts import load_full_state_dict
-from pipeline.files import atomic_dir, atomic_path
+from pipeline.checkpoints.checkpoint import is_deepspeed_run_dir, read_full_model_state
+from pipeline.job.families import family_named
+from pipeline.checkpoints.model_dir import CONFIG_FILE, read_model_dir, tokenizer_dir_of
+from pipeline.checkpoints.state_dicts import load_full_state_dict
+from pipeline.job.files import atomic_dir, atomic_path
 
 from ._io import atomic_write_text
 from .batching import encode_texts, predict_encoded
@@ -178,7 +178,7 @@ def load_base_state(directory: str | Path) -> tuple[GPTConfig | MLSTMConfig, dic
     """(model config, full TP=1 state dict, tokenizer directory or None) of a base model directory:
 
     * a project pretraining run (``config.json``, ``tokenizer/``, ``latest`` -> ``global_stepN/``) saved at any
-      TP/PP layout, GPT or mLSTM (``pipeline.checkpoint.read_full_model_state``); a ``global_stepN`` directory
+      TP/PP layout, GPT or mLSTM (``pipeline.checkpoints.checkpoint.read_full_model_state``); a ``global_stepN`` directory
       picks that step;
     * ``config.json`` + ``model.safetensors`` (a full state dict: what ``pipeline.import_hf`` or
       ``models.save_mlstm`` writes; tokenizer files beside them or in tokenizer/);

@@ -55,25 +55,17 @@ from finetune.saved import CLASSIFIER_FILE, load_base_state, save_classifier_dir
 from finetune.thresholds import apply_thresholds, bagged_thresholds, tune_thresholds
 from models.parallel import gather_full, get_shard_spec
 from pipeline.data import load_tokenizer
-from pipeline.engine import build_engine, optimizer_step, precision
-from pipeline.errors import ArgumentParser, UserError, command
-from pipeline.families import ModelFamily, family_of
-from pipeline.files import OutputError, refuse_overlap
-from pipeline.job import (
-    EngineOptions,
-    Job,
-    StepResult,
-    add_engine_args,
-    add_run_args,
-    apply_sequence_parallel,
-    every,
-    is_rank0,
-    quiet_deepspeed,
-    setup,
-    train_loop,
-)
-from pipeline.metrics import MetricsWriter
-from pipeline.schedules import LRSchedule
+from pipeline.engine.build import build_engine
+from pipeline.engine.steps import optimizer_step
+from pipeline.engine.ds_config import precision
+from pipeline.job.errors import ArgumentParser, UserError, command
+from pipeline.job.families import ModelFamily, family_of
+from pipeline.job.files import OutputError, refuse_overlap
+from pipeline.job.options import EngineOptions, add_engine_args, add_run_args
+from pipeline.job.loop import (Job, StepResult, apply_sequence_parallel, every, is_rank0, quiet_deepspeed, setup,
+                               train_loop)
+from pipeline.tracking.metrics import MetricsWriter
+from pipeline.engine.schedules import LRSchedule
 
 LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
 

@@ -13,7 +13,7 @@ its own chunk of the sequence, the chunks are all-gathered entering attention,
 the MLP and the output layer, and reduce-scattered leaving them.
 The model is a sequence of stages (``Embedding``, ``TransformerLayer``
 x L, ``FinalNorm``, ``LMHead``) so that the same modules, with the same
-parameter names, make up DeepSpeed's pipeline stages (pipeline/pipe_model.py).
+parameter names, make up DeepSpeed's pipeline stages (pipeline/engine/pipe_model.py).
 
 Labels are given already shifted: the model reads ``tokens[:, :-1]`` and is
 scored against ``tokens[:, 1:]`` (as Megatron's data does).

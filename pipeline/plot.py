@@ -7,87 +7,11 @@ rate, and tokens/s, plus MFU when a run logged it. A RUN is a run directory or i
 """
 from __future__ import annotations
 
-import io
-import json
 from pathlib import Path
 
-from pipeline.errors import ArgumentParser, UserError, add_debug_arg, command
-from pipeline.files import atomic_write_bytes, check_output_file, refuse_overlap
-
-
-class PlotError(UserError):
-    pass
-
-
-def metrics_path(run: str | Path) -> Path:
-    path = Path(run)
-    path = path / "metrics.jsonl" if path.is_dir() else path
-    if not path.is_file():
-        raise PlotError(f"{run}: no metrics.jsonl; pass a run directory written with --save, or its metrics.jsonl")
-    return path
-
-
-def read_series(run: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """field -> [(step, value)] for every number logged with a step (a resumed run appends: the last value
-    written for a step wins)."""
-    path = metrics_path(run)
-    series: dict[str, dict[int, float]] = {}
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise PlotError(f"{path}:{lineno}: not a JSON record; is this a metrics.jsonl?") from None
-        step = record.get("step")
-        if not isinstance(step, int):
-            continue
-        for key, value in record.items():
-            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                series.setdefault(key, {})[step] = float(value)
-    return {key: sorted(points.items()) for key, points in series.items()}
-
-
-PANELS = (("loss", ("loss", "valid_loss")), ("learning rate", ("lr",)), ("tokens/s", ("tokens_per_s",)),
-          ("MFU", ("mfu",)))
-
-
-def curves_figure(runs: list[dict], labels: list[str]):
-    # matplotlib only when a chart is drawn
-    from matplotlib.figure import Figure  # noqa: PLC0415
-    panels = [p for p in PANELS if any(key in run for run in runs for key in p[1])]
-    if not panels:
-        raise PlotError("no run logged loss, lr, tokens_per_s or mfu with a step")
-    fig = Figure(figsize=(4.2 * len(panels), 3.2))
-    for ax, (title, keys) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
-        for i, (run, label) in enumerate(zip(runs, labels)):
-            color = f"C{i % 10}"
-            for key in keys:
-                if key not in run:
-                    continue
-                steps, values = zip(*run[key])
-                valid = key.startswith("valid")
-                ax.plot(steps, values, color=color, linestyle="--" if valid else "-", marker="o" if valid else None,
-                        markersize=3, label=f"{label} ({'valid' if valid else 'train'})" if len(keys) > 1 else label)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
-
-
-def plot_runs(runs: list[str | Path], out: str | Path, labels: list[str] | None = None, dpi: int = 80) -> Path:
-    # matplotlib only when a chart is drawn
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
-    if labels and len(labels) != len(runs):
-        raise PlotError(f"{len(labels)} --label for {len(runs)} runs; give one per run or none")
-    labels = labels or [Path(r).name if Path(r).is_dir() else Path(r).parent.name for r in runs]
-    fig = curves_figure([read_series(r) for r in runs], labels)
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format=Path(out).suffix.lstrip(".") or "png", dpi=dpi)
-    return atomic_write_bytes(out, buf.getvalue())
+from pipeline.job.errors import ArgumentParser, add_debug_arg, command
+from pipeline.job.files import check_output_file, refuse_overlap
+from pipeline.tracking.plot import plot_runs
 
 
 @command

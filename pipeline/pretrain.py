@@ -19,17 +19,18 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torc
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import ConfigError
-from pipeline import checkpoint, universal
+from pipeline.checkpoints import checkpoint, universal
 from pipeline.data import (DistributedBatchLoader, StreamBatchLoader, build_pretraining_data, check_same_tokenizer,
                            load_saved_tokenizer, load_tokenizer, main_process_first)
-from pipeline.engine import (EngineConfigError, build_engine, eval_loss, lm_batches, loss_scale, precision,
-                             train_step, zero_stage)
-from pipeline.errors import ArgumentParser, UserError, command
-from pipeline.families import ModelFamily, family_named, family_of_dict
-from pipeline.job import (EngineOptions, Job, StepResult, add_engine_args, add_run_args, apply_sequence_parallel,
-                          default_ds_config, every, is_rank0, setup, train_loop, when)
-from pipeline.metrics import MetricsWriter
-from pipeline.schedules import LRSchedule, scaled_lr
+from pipeline.engine.ds_config import EngineConfigError, precision, zero_stage
+from pipeline.engine.build import build_engine
+from pipeline.engine.steps import eval_loss, lm_batches, loss_scale, train_step
+from pipeline.job.errors import ArgumentParser, UserError, command
+from pipeline.job.families import ModelFamily, family_named, family_of_dict
+from pipeline.job.options import EngineOptions, add_engine_args, add_run_args, default_ds_config
+from pipeline.job.loop import Job, StepResult, apply_sequence_parallel, every, is_rank0, setup, train_loop, when
+from pipeline.tracking.metrics import MetricsWriter
+from pipeline.engine.schedules import LRSchedule, scaled_lr
 
 PRESETS = Path(__file__).resolve().parents[1] / "models" / "configs"
 __all__ = ["main", "parse_args", "default_ds_config"]
@@ -224,7 +225,7 @@ def provide_engine(args, m: Model, job: Job, layout: dict, loader):
 # -- the job -----------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> dict:
-    """The job (a user error raises; run as a command, ``pipeline.errors.command`` reports it in one line)."""
+    """The job (a user error raises; run as a command, ``pipeline.job.errors.command`` reports it in one line)."""
     args = parse_args(argv)
     if args.compile and args.pipeline_parallel > 1:
         raise EngineConfigError("--compile is for pipeline-parallel 1 only (DeepSpeed's pipeline engine runs its "

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from pipeline.distributed import free_port
+from pipeline.engine.distributed import free_port
 
 
 def _worker(rank, world_size, port, out_dir, fn, args, env):
@@ -21,7 +21,7 @@ def _worker(rank, world_size, port, out_dir, fn, args, env):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from pipeline.distributed import init_distributed
+    from pipeline.engine.distributed import init_distributed
     init_distributed("gloo")
     result = fn(rank, *args)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")

@@ -8,8 +8,10 @@ import torch
 
 from models import GPTConfig
 from models.parallel import initialize_model_parallel, model_parallel_seed
-from pipeline.engine import build_engine, lm_batches, loss_scale, resolve_ds_config, train_step
-from pipeline.schedules import LRSchedule
+from pipeline.engine.build import build_engine
+from pipeline.engine.steps import lm_batches, loss_scale, train_step
+from pipeline.engine.ds_config import resolve_ds_config
+from pipeline.engine.schedules import LRSchedule
 
 SEQ = 16
 TINY = dict(variant="gpt2", vocab_size=256, hidden_size=32, num_layers=4, num_heads=4, max_position_embeddings=SEQ,

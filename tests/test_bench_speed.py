@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from models import GPT, GPTConfig
 from models.gpt import RotaryEmbedding, _rotate_half
 from models.parallel import vocab_parallel_cross_entropy
-from pipeline.engine import EngineConfigError
+from pipeline.engine.ds_config import EngineConfigError
 from pipeline.pretrain import main
 
 ROOT = Path(__file__).resolve().parents[1]

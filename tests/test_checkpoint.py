@@ -12,10 +12,10 @@ from run_utils import NO_DROPOUT, TINY_GPT2, ds_config, pretrain_worker, write_c
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models import GPT
-from pipeline import checkpoint
+from pipeline.checkpoints import checkpoint
 from pipeline.evaluate import main as evaluate_main
 from pipeline.export_hf import main as export_main
-from pipeline.state_dicts import load_full_state_dict, read_state_dict
+from pipeline.checkpoints.state_dicts import load_full_state_dict, read_state_dict
 
 MODEL = TINY_GPT2
 DS = ds_config(stage=1)

@@ -3,8 +3,8 @@ import pytest
 
 from dist import run_distributed
 from engine_utils import BASE_DS, TINY, train_worker
-from pipeline.engine import EngineConfigError, resolve_ds_config
-from pipeline.schedules import LRSchedule
+from pipeline.engine.ds_config import EngineConfigError, resolve_ds_config
+from pipeline.engine.schedules import LRSchedule
 
 Z1 = {"zero_optimization": {"stage": 1}}
 

@@ -10,10 +10,10 @@ import pytest
 from finetune.data import DataFormatError
 from finetune.train import FinetuneError
 from models.config import ConfigError
-from pipeline.checkpoint import CheckpointError
-from pipeline.engine import EngineConfigError
-from pipeline.errors import InputError, UserError, command, format_user_error
-from pipeline.files import atomic_dir, atomic_path, atomic_write_json, atomic_write_text
+from pipeline.checkpoints.checkpoint import CheckpointError
+from pipeline.engine.ds_config import EngineConfigError
+from pipeline.job.errors import InputError, UserError, command, format_user_error
+from pipeline.job.files import atomic_dir, atomic_path, atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Language-model evaluation (pipeline.lm_scoring, pipeline.evaluate) on tiny models built here and the real data files."""
+"""Language-model evaluation (pipeline.evaluation.lm_scoring, pipeline.evaluate) on tiny models built here and the real data files."""
 import json
 import math
 import subprocess
@@ -11,24 +11,10 @@ from conftest import ROOT, shared_data
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
 from pipeline.evaluate import main as evaluate_main
-from pipeline.lm_scoring import (
-    ByteTokenizer,
-    HFScorer,
-    HFTokenizer,
-    LambadaExample,
-    TokenScores,
-    evaluate_bpc,
-    evaluate_lambada,
-    evaluate_wikitext,
-    load_lambada,
-    load_project_model,
-    load_text,
-    load_wikitext,
-    score_token_stream,
-    sliding_windows,
-    vocab_parallel_argmax,
-    wikitext_detokenize,
-)
+from pipeline.evaluation.lm_scoring import (ByteTokenizer, HFScorer, HFTokenizer, LambadaExample, TokenScores,
+                                            evaluate_bpc, evaluate_lambada, evaluate_wikitext, load_lambada,
+                                            load_project_model, load_text, load_wikitext, score_token_stream,
+                                            sliding_windows, vocab_parallel_argmax, wikitext_detokenize)
 
 N_POSITIONS = 64
 

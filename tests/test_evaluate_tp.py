@@ -5,8 +5,8 @@ import torch
 from dist import run_distributed
 from models import GPT, GPTConfig
 from models.parallel import destroy_model_parallel, initialize_model_parallel, model_parallel_seed
-from pipeline.lm_scoring import (ByteTokenizer, DataShard, GPTScorer, LambadaExample, evaluate_lambada,
-                              score_token_stream, vocab_parallel_argmax)
+from pipeline.evaluation.lm_scoring import (ByteTokenizer, DataShard, GPTScorer, LambadaExample, evaluate_lambada,
+                                            score_token_stream, vocab_parallel_argmax)
 
 # A byte-level model: vocabulary 257 (256 bytes + a start token) is prime, so every TP size pads it
 # differently (264 at TP1, 272 at TP2 with the multiple 8) and the padding columns must stay out.

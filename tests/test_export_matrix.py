@@ -17,16 +17,10 @@ from engine_utils import BASE_DS, TINY, GlobalBatchLoader, real_text_tokens
 
 from models import GPTConfig
 from models.parallel import initialize_model_parallel, model_parallel_seed
-from pipeline import checkpoint
-from pipeline.engine import (
-    EngineConfigError,
-    build_engine,
-    check_supported,
-    lm_batches,
-    precision,
-    resolve_ds_config,
-    train_step,
-)
+from pipeline.checkpoints import checkpoint
+from pipeline.engine.ds_config import EngineConfigError, check_supported, precision, resolve_ds_config
+from pipeline.engine.build import build_engine
+from pipeline.engine.steps import lm_batches, train_step
 from pipeline.export_hf import main as export_main
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]

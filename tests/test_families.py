@@ -3,7 +3,7 @@ import pytest
 
 from models import GPTConfig, MLSTMConfig
 from models.config import ConfigError
-from pipeline.families import FAMILIES, family_named, family_of, family_of_dict
+from pipeline.job.families import FAMILIES, family_named, family_of, family_of_dict
 
 REFS = ("hf_exporter", "hf_verifier", "scorer", "encoder")
 

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on a training checkpoint (pipeline.harness through pipeline.evaluate --harness):
+"""lm-evaluation-harness on a training checkpoint (pipeline.evaluation.harness through pipeline.evaluate --harness):
 the harness's own task machinery, reading local task files offline, gives on a DeepSpeed checkpoint saved at
 TP=2 (scored at TP 1 and 2, no export) what `lm_eval --model hf` gives on the same model's export."""
 import json

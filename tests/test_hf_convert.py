@@ -6,16 +6,9 @@ from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, LlamaCon
 
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict
-from pipeline.hf_convert import (
-    HF_FAMILIES,
-    ConversionError,
-    config_from_hf,
-    from_hf,
-    state_dict_from_hf,
-    to_hf,
-    weight_map,
-)
-from pipeline.state_dicts import StateDictError, load_full_state_dict, read_state_dict, save_state_dict
+from pipeline.hf.convert import (HF_FAMILIES, ConversionError, config_from_hf, from_hf, state_dict_from_hf, to_hf,
+                                 weight_map)
+from pipeline.checkpoints.state_dicts import StateDictError, load_full_state_dict, read_state_dict, save_state_dict
 
 TINY = dict(vocab_size=101, hidden_size=32, num_layers=2, max_position_embeddings=16, make_vocab_size_divisible_by=8)
 CONFIGS = {

@@ -21,10 +21,10 @@ from models.parallel import (
     tp_rank,
     tp_world_size,
 )
-from pipeline.export_hf import compare_with_hf, export_hf, max_relative_difference
+from pipeline.hf.export import compare_with_hf, export_hf, max_relative_difference
 from pipeline.export_hf import main as export_main
-from pipeline.hf_convert import ConversionError
-from pipeline.state_dicts import expected_full_shape, save_state_dict
+from pipeline.hf.convert import ConversionError
+from pipeline.checkpoints.state_dicts import expected_full_shape, save_state_dict
 
 TINY = dict(vocab_size=101, hidden_size=32, num_layers=2, max_position_embeddings=24, make_vocab_size_divisible_by=8,
             hidden_dropout=0.1, attention_dropout=0.1)

@@ -31,12 +31,12 @@ from finetune.train import main
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict, initialize_model_parallel
 from pipeline.data import load_tokenizer
-from pipeline.export_hf import export_hf
-from pipeline.hf_convert import ConversionError, to_hf
-from pipeline.import_hf import import_hf
+from pipeline.hf.export import export_hf
+from pipeline.hf.convert import ConversionError, to_hf
+from pipeline.hf.importer import import_hf
 from pipeline.import_hf import main as import_main
 from pipeline.pretrain import main as pretrain_main
-from pipeline.state_dicts import read_state_dict
+from pipeline.checkpoints.state_dicts import read_state_dict
 
 TOL = 1e-5
 COMMON = dict(vocab_size=101, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,

@@ -13,11 +13,12 @@ from transformers import AutoTokenizer, GemmaConfig, GPT2Config, GPT2LMHeadModel
 
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict, initialize_model_parallel
-from pipeline.export_hf import export_hf, max_relative_difference
-from pipeline.hf_convert import ConversionError, from_hf, load_hf_model, resolve_hf_source
-from pipeline.import_hf import check_layout, import_hf, write_model_dir
+from pipeline.hf.export import export_hf, max_relative_difference
+from pipeline.hf.convert import ConversionError, from_hf, load_hf_model, resolve_hf_source
+from pipeline.hf.importer import check_layout, import_hf
+from pipeline.checkpoints.model_dir import write_model_dir
 from pipeline.import_hf import main as import_main
-from pipeline.state_dicts import load_full_state_dict, read_state_dict
+from pipeline.checkpoints.state_dicts import load_full_state_dict, read_state_dict
 
 TOL = 1e-4
 HF_MODELS = {

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from models import ConfigError, MLSTM, MLSTMConfig, load_mlstm, save_mlstm
-from pipeline.metrics_lm import bits_per_char, stream_bpc
+from pipeline.evaluation.metrics_lm import bits_per_char, stream_bpc
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():

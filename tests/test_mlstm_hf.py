@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models import MLSTM, MLSTMConfig
-from pipeline.export_hf import export_hf
+from pipeline.hf.export import export_hf
 
 
 def test_mlstm_export_loads_with_auto_classes(tmp_path):

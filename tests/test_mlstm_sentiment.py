@@ -7,7 +7,8 @@ import torch
 
 from conftest import shared_data
 from models import MLSTM, MLSTMConfig, save_mlstm
-from pipeline.sentiment_neuron import best_thresholds, featurize, main, read_tsv, unit_accuracy
+from pipeline.evaluation.sentiment_neuron import best_thresholds, featurize, read_tsv, unit_accuracy
+from pipeline.sentiment_neuron import main
 
 
 def test_best_thresholds_equal_brute_force():

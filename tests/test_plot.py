@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from pipeline.plot import curves_figure, read_series
+from pipeline.tracking.plot import curves_figure, read_series
 
 
 def write_run(d, steps, valid_every, scale, mfu=True):

@@ -15,7 +15,7 @@ from conftest import ROOT
 from dist import run_distributed
 from run_utils import ds_config
 
-from pipeline.distributed import free_port
+from pipeline.engine.distributed import free_port
 from pipeline.pretrain import main
 
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,

@@ -17,9 +17,9 @@ from cli import run_cli
 from conftest import shared_data
 from dist import run_distributed
 
-from pipeline import checkpoint, safe_load, universal
+from pipeline.checkpoints import checkpoint, safe_load, universal
 from pipeline.pretrain import main
-from pipeline.reshard import reshard
+from pipeline.checkpoints.reshard import reshard
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
@@ -155,7 +155,7 @@ def test_library_loads_are_weights_only(runs, tmp_path):
     imported the project's checkpoint code (torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD)."""
     marker = tmp_path / "marker"
     doctored_copy(runs / "z3", tmp_path / "run", "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
-    code = ("import pipeline.checkpoint; from deepspeed.utils.zero_to_fp32 import "
+    code = ("import pipeline.checkpoints.checkpoint; from deepspeed.utils.zero_to_fp32 import "
             f"get_fp32_state_dict_from_zero_checkpoint as g; g({str(tmp_path / 'run')!r})")
     proc = run_cmd(["-c", code], tmp_path)
     assert proc.returncode != 0 and not marker.exists()

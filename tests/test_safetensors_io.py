@@ -1,4 +1,4 @@
-"""Safetensors read and written one tensor at a time (pipeline/safetensors_io.py): the files are what the
+"""Safetensors read and written one tensor at a time (pipeline/hf/safetensors_io.py): the files are what the
 safetensors package and transformers read; damaged files are refused by name; imports and exports make each
 tensor only when it is written (never a second copy of the model); sharded and base-model Hugging Face
 directories import as transformers loads them."""
@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model, LlamaConfig, LlamaForCausalLM
 
-from pipeline.hf_convert import from_hf
-from pipeline.import_hf import import_hf
-from pipeline.safetensors_io import (HF_INDEX, PlannedTensor, SafetensorsError, SafetensorsFiles, write_hf_weights,
-                                     write_safetensors)
-from pipeline.export_hf import export_hf, max_relative_difference
-from pipeline.state_dicts import read_state_dict
+from pipeline.hf.convert import from_hf
+from pipeline.hf.importer import import_hf
+from pipeline.hf.safetensors_io import (HF_INDEX, PlannedTensor, SafetensorsError, SafetensorsFiles, write_hf_weights,
+                                        write_safetensors)
+from pipeline.hf.export import export_hf, max_relative_difference
+from pipeline.checkpoints.state_dicts import read_state_dict
 
 
 def _mixed():

@@ -17,11 +17,11 @@ from test_checkpoint import DS, MODEL, _pretrain, args, losses
 from transformers import AutoModelForCausalLM
 
 from models import GPT
-from pipeline import checkpoint
-from pipeline.errors import command
+from pipeline.checkpoints import checkpoint
+from pipeline.job.errors import command
 from pipeline.export_hf import main as export_main
 from pipeline.pretrain import main
-from pipeline.state_dicts import load_full_state_dict
+from pipeline.checkpoints.state_dicts import load_full_state_dict
 
 NODROP = {**MODEL, "hidden_dropout": 0.0, "attention_dropout": 0.0}
 LLAMA = {"variant": "llama", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,

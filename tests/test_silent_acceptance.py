@@ -8,8 +8,8 @@ from conftest import shared_data
 from finetune.predict import read_texts
 from pipeline.data.build import parse_weights
 from pipeline.data.sources import DataSourceError, load_documents, resolve
-from pipeline.ds_keys import unknown_key_errors
-from pipeline.engine import EngineConfigError, resolve_ds_config
+from pipeline.engine.ds_keys import unknown_key_errors
+from pipeline.engine.ds_config import EngineConfigError, resolve_ds_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}

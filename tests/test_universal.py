@@ -13,9 +13,9 @@ import torch
 from dist import run_distributed
 from run_utils import NO_DROPOUT, TINY_GPT2, ds_config, pretrain_worker, write_corpus
 
-from pipeline import checkpoint, universal
+from pipeline.checkpoints import checkpoint, universal
 from pipeline.export_hf import main as export_main
-from pipeline.reshard import reshard
+from pipeline.checkpoints.reshard import reshard
 
 MODEL = {**TINY_GPT2, **NO_DROPOUT}
 # the llama variant's fused projections under GQA: QKV rows of 4 query and 2 KV heads, gate-up of SwiGLU

@@ -14,7 +14,7 @@ from conftest import shared_data
 from dist import run_distributed
 from run_utils import ds_config
 
-from pipeline.files import OutputError, atomic_dir
+from pipeline.job.files import OutputError, atomic_dir
 from pipeline.pretrain import main
 
 ROOT = Path(__file__).resolve().parents[1]

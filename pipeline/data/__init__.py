@@ -24,12 +24,12 @@ source, file, field or byte):
 - Streaming: documents in stream order (no shuffle buffer: resume is exact), memory bounded by one batch
   of documents; validation is the documents whose seeded content hash falls under ``valid_fraction``.
 """
-from .build import build_pretraining_data, main_process_first
-from .loaders import DistributedBatchLoader, StreamBatchLoader
-from .packing import PackedSequences, PackingIterator, StreamingSequences
-from .sources import DataSourceError, default_corpus
-from .tokenizer import (ByteTokenizer, Tokenizer, byte_tokenizer, check_same_tokenizer, load_saved_tokenizer,
-                        load_tokenizer)
+from pipeline.data.build import build_pretraining_data, main_process_first
+from pipeline.data.loaders import DistributedBatchLoader, StreamBatchLoader
+from pipeline.data.packing import PackedSequences, PackingIterator, StreamingSequences
+from pipeline.data.sources import DataSourceError, default_corpus
+from pipeline.data.tokenizer import (ByteTokenizer, Tokenizer, byte_tokenizer, check_same_tokenizer,
+                                     load_saved_tokenizer, load_tokenizer)
 
 __all__ = [
     "Tokenizer", "ByteTokenizer", "load_tokenizer", "load_saved_tokenizer", "check_same_tokenizer",

@@ -10,9 +10,9 @@ import os
 import datasets
 import torch.distributed as dist
 
-from .packing import PackedSequences, StreamingSequences, tokenize_dataset, work_dir
-from .sources import DataSourceError, explain_read_error, load_documents, resolve
-from .tokenizer import Tokenizer
+from pipeline.data.packing import PackedSequences, StreamingSequences, tokenize_dataset, work_dir
+from pipeline.data.sources import DataSourceError, explain_read_error, load_documents, resolve
+from pipeline.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

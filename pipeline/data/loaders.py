@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .packing import PackedSequences, StreamingSequences
+from pipeline.data.packing import PackedSequences, StreamingSequences
 
 _VERSION = 1
 

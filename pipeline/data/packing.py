@@ -25,8 +25,8 @@ import pyarrow as pa
 import torch
 from datasets.distributed import split_dataset_by_node
 
-from .sources import DataSourceError, explain_read_error
-from .tokenizer import Tokenizer
+from pipeline.data.sources import DataSourceError, explain_read_error
+from pipeline.data.tokenizer import Tokenizer
 
 _CACHE_VERSION = "pack-v1"  # bump when the tokenized layout changes, to invalidate old cache files
 

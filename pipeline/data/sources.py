@@ -33,7 +33,7 @@ from pathlib import Path
 
 import datasets
 
-from pipeline.errors import UserError
+from pipeline.job.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pipeline.files import atomic_write_text
+from pipeline.job.files import atomic_write_text
 
-from .sources import iter_texts
+from pipeline.data.sources import iter_texts
 
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

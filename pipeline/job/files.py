@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.errors import InputError, UserError
+from pipeline.job.errors import InputError, UserError
 
 __all__ = ["read_utf8_text", "atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
            "atomic_dir", "check_output_dir", "check_output_file", "refuse_overlap", "OutputError", "fsync_tree"]

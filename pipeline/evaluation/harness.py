@@ -18,8 +18,8 @@ from lm_eval import simple_evaluate, utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 
-from pipeline.errors import UserError
-from pipeline.lm_scoring import DataShard
+from pipeline.job.errors import UserError
+from pipeline.evaluation.lm_scoring import DataShard
 
 
 class HarnessError(UserError):

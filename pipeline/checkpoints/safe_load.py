@@ -32,8 +32,8 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 import deepspeed.utils.zero_to_fp32 as original
 
-from .errors import UserError
-from .files import atomic_write_text
+from pipeline.job.errors import UserError
+from pipeline.job.files import atomic_write_text
 
 # What DeepSpeed 0.19.8 pickles besides tensors and containers (found with
 # torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 0-3, fp32/bf16/fp16, pipeline runs, and the

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.errors import InputError
-from .parallel import DataShard
-from .scoring import Scorer, check_context_length
-from .tokenization import Tokenizer
-from .wikitext import safe_exp
+from pipeline.job.errors import InputError
+from pipeline.evaluation.lm_scoring.parallel import DataShard
+from pipeline.evaluation.lm_scoring.scoring import Scorer, check_context_length
+from pipeline.evaluation.lm_scoring.tokenization import Tokenizer
+from pipeline.evaluation.lm_scoring.wikitext import safe_exp
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
     tokenizer_dir_of(path)                                           # where a directory's tokenizer is, or None
 
 What ``pipeline.import_hf`` and ``models.save_mlstm`` write. A pretraining run (DeepSpeed checkpoints) is read by
-``pipeline.checkpoint.read_full_checkpoint``, which falls back to this module for such a directory; a finetuned
+``pipeline.checkpoints.checkpoint.read_full_checkpoint``, which falls back to this module for such a directory; a finetuned
 classifier by ``finetune.saved``. The tokenizer rule, for all of them: ``<dir>/tokenizer/`` when it holds
 tokenizer files, else ``<dir>`` itself when it does, else none.
 """
@@ -16,9 +16,9 @@ import shutil
 from pathlib import Path
 
 from models.config import read_config_json
-from pipeline.families import config_from_dict
-from pipeline.files import atomic_dir
-from pipeline.state_dicts import read_state_dict, save_state_dict
+from pipeline.job.families import config_from_dict
+from pipeline.job.files import atomic_dir
+from pipeline.checkpoints.state_dicts import read_state_dict, save_state_dict
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 # Files a Hugging Face tokenizer directory may hold; those present are copied as they are.

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
-from pipeline.errors import UserError
-from pipeline.safe_load import UnsafeCheckpointError, safe_torch_load
-from pipeline.safetensors_io import SafetensorsError, SafetensorsFiles, reports_shapes, shape_of, write_safetensors
+from pipeline.job.errors import UserError
+from pipeline.checkpoints.safe_load import UnsafeCheckpointError, safe_torch_load
+from pipeline.hf.safetensors_io import SafetensorsError, SafetensorsFiles, reports_shapes, shape_of, write_safetensors
 
 
 class StateDictError(UserError, ValueError):
@@ -83,7 +83,7 @@ def read_state_dict(path: str | Path, *, lazy: bool = False) -> Mapping[str, tor
     """Tensors from a ``.safetensors`` file, or from a torch file with ``weights_only=True`` (never pickled code).
 
     ``lazy``: a safetensors file is returned as a mapping that reads each tensor when it is asked for
-    (``pipeline.safetensors_io.SafetensorsFiles``), so that every TP rank takes its shards from one big file,
+    (``pipeline.hf.safetensors_io.SafetensorsFiles``), so that every TP rank takes its shards from one big file,
     and a conversion holds one tensor at a time, without the whole model in memory.
     """
     path = Path(path)

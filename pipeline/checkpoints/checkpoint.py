@@ -10,12 +10,12 @@ Layout of a save directory::
         COMPLETE.json        written last: every file of the tag with its size and sha256
     latest                   the newest complete tag, replaced atomically
     zero_to_fp32.py          (ZeRO runs) DeepSpeed's recovery script, made weights-only
-    universal/<tag>/         a tag converted for another layout (``pipeline.universal``), on demand
+    universal/<tag>/         a tag converted for another layout (``pipeline.checkpoints.universal``), on demand
 
 A save killed at any point leaves at most a tag directory without COMPLETE.json,
 which ``latest`` never names. On load every file listed in COMPLETE.json must be
 there with its size and sha256 (hashed as it was written), and every torch file may
-pickle only tensors and DeepSpeed's own types (``pipeline.safe_load``), or the load is
+pickle only tensors and DeepSpeed's own types (``pipeline.checkpoints.safe_load``), or the load is
 refused naming the file. A tag (``latest`` or ``--load-tag``) names a directory of the
 run directory itself, never a path outside it.
 """
@@ -36,14 +36,14 @@ import torch.distributed as dist
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from models.parallel import get_rng_tracker
-from pipeline.families import family_of_dict
-from pipeline.files import atomic_dir, atomic_write_text
-from pipeline.model_dir import read_model_dir
+from pipeline.job.families import family_of_dict
+from pipeline.job.files import atomic_dir, atomic_write_text
+from pipeline.checkpoints.model_dir import read_model_dir
 
-from . import safe_load
-from .pipe_model import pipe_to_gpt_name
-from .safe_load import CheckpointError
-from .universal import OPTIMIZER_PARAM_NAMES, optimizer_param_names
+from pipeline.checkpoints import safe_load
+from pipeline.engine.pipe_model import pipe_to_gpt_name
+from pipeline.checkpoints.safe_load import CheckpointError
+from pipeline.checkpoints.universal import OPTIMIZER_PARAM_NAMES, optimizer_param_names
 
 COMPLETE = "COMPLETE.json"
 
@@ -364,7 +364,7 @@ def read_full_checkpoint(path, tag: str | None = None, *, lazy: bool = False):
     """(model config, full TP=1 state dict, tokenizer dir) of any model directory the project writes:
     a pretraining run directory (DeepSpeed checkpoints at any layout; ``tag`` or its latest), one of
     its ``global_step<N>`` directories, or a ``config.json`` + ``model.safetensors`` directory
-    (what ``pipeline.import_hf`` writes; ``pipeline.model_dir``; ``lazy``: its tensors are read when asked
+    (what ``pipeline.import_hf`` writes; ``pipeline.checkpoints.model_dir``; ``lazy``: its tensors are read when asked
     for)."""
     path = Path(path)
     if path.name.startswith("global_step") and (path.parent / "config.json").is_file():

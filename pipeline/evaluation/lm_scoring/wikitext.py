@@ -18,10 +18,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import InputError
-from pipeline.files import read_utf8_text
-from .scoring import DataShard, Scorer, score_token_stream
-from .tokenization import Tokenizer
+from pipeline.job.errors import InputError
+from pipeline.job.files import read_utf8_text
+from pipeline.evaluation.lm_scoring.scoring import DataShard, Scorer, score_token_stream
+from pipeline.evaluation.lm_scoring.tokenization import Tokenizer
 
 # --- detokenizer ---------------------------------------------------------------
 # Megatron-LM's wikitext_detokenizer, rule for rule and in the same order (the

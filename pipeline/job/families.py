@@ -8,7 +8,7 @@
 In the spirit of torchtitan's ModelSpec. An entry names its config class, its builders, the layouts it
 supports, how its checkpoint shards join (``shard_specs``), its Hugging Face exporter and verifier,
 its evaluation scorer and its finetuning encoder. Functions that live in higher layers (pipeline.export_hf,
-pipeline.lm_scoring, finetune.model) are named as ``"module:attribute"`` and resolved on first use, so this
+pipeline.evaluation.lm_scoring, finetune.model) are named as ``"module:attribute"`` and resolved on first use, so this
 module imports no command and no command module imports another to dispatch. A new family is one entry
 here (and its model in models/); no command branches on ``model_type``.
 """
@@ -35,7 +35,7 @@ class ModelFamily:
     layouts: str                    # the parallel layouts it trains at, in words (for refusals)
     build_module: Callable          # (config, init_seed) -> the training module at this rank's TP shard
     stream_data: bool               # truncated BPTT over contiguous streams (else shuffled packed sequences)
-    pipeline_capable: bool          # trains with pipeline parallelism (pipeline/pipe_model.py)
+    pipeline_capable: bool          # trains with pipeline parallelism (pipeline/engine/pipe_model.py)
     tensor_parallel_capable: bool
     # "hf_exporter", "hf_verifier", "scorer", "encoder", "hf_classifier" (a finetuned classifier -> transformers)
     refs: dict[str, str] = field(default_factory=dict)
@@ -103,16 +103,16 @@ register(ModelFamily(
     name="gpt", config_class=GPTConfig, default_preset="gpt2-tiny", default_tokenizer="train-bpe",
     layouts="tensor, pipeline and data parallelism", build_module=_build_gpt, stream_data=False,
     pipeline_capable=True, tensor_parallel_capable=True,
-    refs={"hf_exporter": "pipeline.export_hf:export_gpt", "hf_verifier": "pipeline.export_hf:gpt_logits",
-          "scorer": "pipeline.lm_scoring.scoring:GPTScorer", "encoder": "finetune.model:GPTEncoder",
+    refs={"hf_exporter": "pipeline.hf.export:export_gpt", "hf_verifier": "pipeline.hf.export:gpt_logits",
+          "scorer": "pipeline.evaluation.lm_scoring.scoring:GPTScorer", "encoder": "finetune.model:GPTEncoder",
           "hf_classifier": "finetune.export_hf:classifier_to_hf"}))
 
 register(ModelFamily(
     name="mlstm", config_class=MLSTMConfig, default_preset="mlstm-tiny", default_tokenizer="bytes",
     layouts="data parallelism (and ZeRO)", build_module=_build_mlstm, stream_data=True,
     pipeline_capable=False, tensor_parallel_capable=False,
-    refs={"hf_exporter": "pipeline.export_hf:export_mlstm", "hf_verifier": "pipeline.export_hf:mlstm_logits",
-          "scorer": "pipeline.lm_scoring.scoring:MLSTMScorer", "encoder": "finetune.model:MLSTMEncoder"}))
+    refs={"hf_exporter": "pipeline.hf.export:export_mlstm", "hf_verifier": "pipeline.hf.export:mlstm_logits",
+          "scorer": "pipeline.evaluation.lm_scoring.scoring:MLSTMScorer", "encoder": "finetune.model:MLSTMEncoder"}))
 
 
 def family_named(name: str, source: str = "model config") -> ModelFamily:

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from pipeline.errors import InputError
+from pipeline.job.errors import InputError
 from models.parallel import vocab_parallel_cross_entropy
 
-from .parallel import DataShard, vocab_parallel_argmax
+from pipeline.evaluation.lm_scoring.parallel import DataShard, vocab_parallel_argmax
 
 
 @dataclass

@@ -16,11 +16,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import InputError
-from pipeline.files import read_utf8_text
-from .parallel import DataShard
-from .scoring import Scorer, score_token_stream
-from .tokenization import Tokenizer
+from pipeline.job.errors import InputError
+from pipeline.job.files import read_utf8_text
+from pipeline.evaluation.lm_scoring.parallel import DataShard
+from pipeline.evaluation.lm_scoring.scoring import Scorer, score_token_stream
+from pipeline.evaluation.lm_scoring.tokenization import Tokenizer
 
 
 @dataclass

@@ -8,13 +8,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models.hf_mlstm  # noqa: F401  (registers the project's mLSTM with the Auto classes, for --hf of its export)
 from models.parallel import initialize_model_parallel
-from pipeline.checkpoint import read_full_checkpoint
-from pipeline.errors import InputError
-from pipeline.families import family_of
-from pipeline.state_dicts import load_full_state_dict
+from pipeline.checkpoints.checkpoint import read_full_checkpoint
+from pipeline.job.errors import InputError
+from pipeline.job.families import family_of
+from pipeline.checkpoints.state_dicts import load_full_state_dict
 
-from .scoring import HFScorer
-from .tokenization import HFTokenizer
+from pipeline.evaluation.lm_scoring.scoring import HFScorer
+from pipeline.evaluation.lm_scoring.tokenization import HFTokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -67,13 +67,13 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
 def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1):
     """A project model directory -> (the model with this rank's shards, tokenizer).
 
-    Any directory ``pipeline.checkpoint.read_full_checkpoint`` reads: a pretraining run (DeepSpeed
+    Any directory ``pipeline.checkpoints.checkpoint.read_full_checkpoint`` reads: a pretraining run (DeepSpeed
     checkpoints saved at any TP/PP/DP layout, GPT or mLSTM), one of its ``global_step<N>`` tags, or a
     ``config.json`` + ``model.safetensors`` directory. The full weights are re-cut for ``tensor_parallel``
     (pipeline stages are not needed to score); the data-parallel size is what is left of the launched world.
-    The model family (``pipeline.families``) builds the model, and refuses a TP size it lacks; its scorer is
+    The model family (``pipeline.job.families``) builds the model, and refuses a TP size it lacks; its scorer is
     ``project_scorer(model)``.
-    Called on every rank after ``pipeline.distributed.init_distributed()``.
+    Called on every rank after ``pipeline.engine.distributed.init_distributed()``.
     """
     # the parallel state first: reading a checkpoint builds a meta-device model for its ShardSpecs, which
     # needs one once several ranks are launched

@@ -29,7 +29,7 @@ Layout of the cache, beside the tags it converts::
 
 It is built under a temporary name and renamed into place, so it is complete or absent;
 one whose manifest is missing or does not match its files (size or sha256) is removed and rebuilt.
-No file is unpickled unsafely on the way (``pipeline.safe_load``): every file of the source tag is
+No file is unpickled unsafely on the way (``pipeline.checkpoints.safe_load``): every file of the source tag is
 scanned before ds_to_universal reads it, every file of a cache before DeepSpeed loads it (a file that
 pickles anything but tensors and DeepSpeed's own types is refused, naming it), and the process loads
 torch files weights-only throughout (DeepSpeed's own ``weights_only=False`` calls included).
@@ -70,12 +70,12 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from models import GPT, GPTConfig
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
-from pipeline import safe_load
-from pipeline.errors import UserError
-from pipeline.families import family_of_dict
-from pipeline.files import atomic_dir
+from pipeline.checkpoints import safe_load
+from pipeline.job.errors import UserError
+from pipeline.job.families import family_of_dict
+from pipeline.job.files import atomic_dir
 
-from .pipe_model import TIED_KEY, gpt_to_pipe_name, pipe_to_gpt_name
+from pipeline.engine.pipe_model import TIED_KEY, gpt_to_pipe_name, pipe_to_gpt_name
 
 MANIFEST = "UNIVERSAL.json"
 CACHE_DIR = "universal"

@@ -10,36 +10,27 @@
     train_loop(lambda: train_step(engine, batches), first=1, last=steps, desc="pretrain",
                hooks=[every(args.log_interval, log), every(args.eval_interval, evaluate)])
 
-Errors: raise a ``pipeline.errors.UserError`` subclass and decorate ``main`` with ``pipeline.errors.command``;
-outputs go through ``pipeline.files``. In the spirit of Megatron's ``pretrain(datasets_provider,
-model_provider, forward_step)``: ``pipeline/pretrain.py`` and ``finetune/train.py`` are providers over this.
+Errors: raise a ``pipeline.job.errors.UserError`` subclass and decorate ``main`` with ``command``; outputs go
+through ``pipeline.job.files``. In the spirit of Megatron's ``pretrain(datasets_provider, model_provider,
+forward_step)``: ``pipeline/pretrain.py`` and ``finetune/train.py`` are providers over this.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from deepspeed.utils import logger as ds_logger
 from tqdm import tqdm
 
 from models.parallel import ParallelState, initialize_model_parallel, model_parallel_seed
-from pipeline.distributed import init_distributed
-from pipeline.engine import EngineConfigError, load_ds_config, resolve_ds_config, sequence_parallel_ds_config
-from pipeline.errors import add_debug_arg
-from pipeline.metrics import StepTimer, place_monitor_outputs
-
-DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
-
-
-def default_ds_config() -> str:
-    return str(DS_CONFIGS / ("bf16_zero1.json" if torch.cuda.is_available() else "cpu.json"))
+from pipeline.engine.distributed import init_distributed
+from pipeline.engine.ds_config import EngineConfigError, load_ds_config, resolve_ds_config, sequence_parallel_ds_config
+from pipeline.tracking.metrics import StepTimer, place_monitor_outputs
+from pipeline.job.options import EngineOptions, default_ds_config
 
 
 def is_rank0() -> bool:
@@ -49,55 +40,6 @@ def is_rank0() -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-# -- argument groups ---------------------------------------------------------------------------------------------------
-
-def add_engine_args(parser: argparse.ArgumentParser, *, pipeline_parallel: bool = True):
-    g = parser.add_argument_group("parallelism and engine")
-    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
-                   help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
-    g.add_argument("--tensor-parallel", type=int, default=1)
-    if pipeline_parallel:
-        g.add_argument("--pipeline-parallel", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="sequence parallelism (Korthikanti et al. 2022): norms, dropout and residuals on 1/TP of "
-                        "the sequence per tensor-parallel rank; needs --tensor-parallel > 1 and a sequence length "
-                        "divisible by it")
-    g.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
-    g.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
-    g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return g
-
-
-def add_run_args(parser: argparse.ArgumentParser, group=None, *, log_interval: int = 1):
-    g = group or parser.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=log_interval)
-    g.add_argument("--verbose", action="store_true", help="DeepSpeed's INFO logs")
-    add_debug_arg(g)
-    return g
-
-
-# -- setup -------------------------------------------------------------------------------------------------------------
-
-@dataclass
-class EngineOptions:
-    """What travels from the command line to the engine (``add_engine_args`` + ``add_run_args``)."""
-    deepspeed_config: str | None = None
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    sequence_parallel: bool = False
-    micro_batch_size: int | None = None
-    global_batch_size: int | None = None
-    seed: int = 1234
-    verbose: bool = False
-    save: str | None = None  # the run directory: DeepSpeed's monitor writes inside it
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, **overrides) -> EngineOptions:
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        return cls(**{**values, **overrides})
 
 
 @dataclass

@@ -9,7 +9,7 @@ No traceback, unless ``--debug`` is on the command line or ``PIPELINE_DEBUG=1`` 
 
 How a command uses it:
 
-    from pipeline.errors import UserError, add_debug_arg, command
+    from pipeline.job.errors import UserError, add_debug_arg, command
 
     class MyError(UserError, ValueError): ...     # a module's own error class derives from UserError
 

@@ -2,7 +2,7 @@
 
 Pure functions on *full* (TP=1) state dicts: ``to_hf`` and ``from_hf`` never see a
 process group. Sharding to a tensor-parallel size happens afterwards, with
-``pipeline.state_dicts.load_full_state_dict``.
+``pipeline.checkpoints.state_dicts.load_full_state_dict``.
 
 One table (``weight_map``) lists, for a given config, every project tensor, its full
 shape and the Hugging Face tensor(s) it is made of; both directions read it, so an
@@ -35,8 +35,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from models.config import ConfigError, GPTConfig
-from pipeline.errors import UserError
-from pipeline.safetensors_io import PlannedTensor, SafetensorsFiles, dtype_of, hf_weight_files, materialize, shape_of
+from pipeline.job.errors import UserError
+from pipeline.hf.safetensors_io import PlannedTensor, SafetensorsFiles, dtype_of, hf_weight_files, materialize, shape_of
 
 GPT2_ARCH = "GPT2LMHeadModel"
 LLAMA_ARCH = "LlamaForCausalLM"
@@ -236,7 +236,7 @@ def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype:
 
     ``dtype`` casts every tensor (None keeps them as they are); a cast that overflows (fp16) is refused.
     A tied model's state dict has no ``lm_head.weight``: transformers ties it on load. ``lazy``: the values
-    are ``PlannedTensor``s, each made (read, cut, cast) only when ``pipeline.safetensors_io`` writes it, so an
+    are ``PlannedTensor``s, each made (read, cut, cast) only when ``pipeline.hf.safetensors_io`` writes it, so an
     export holds the source and one tensor, not a second model.
     """
     dtype = parse_dtype(dtype)

@@ -1,0 +1,3 @@
+"""Checkpoints: DeepSpeed tags saved and verified, safe loading, full state dicts, model directories, universal
+checkpoints and resharding.
+"""

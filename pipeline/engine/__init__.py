@@ -1,0 +1,3 @@
+"""DeepSpeed wiring: process groups, DeepSpeed config checks, the engine (plain or pipelined), optimizer steps,
+learning-rate schedules.
+"""

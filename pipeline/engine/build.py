@@ -1,0 +1,95 @@
+"""The DeepSpeed engine for a model config at any (TP, PP, DP) layout.
+
+PP = 1: the GPT goes to ``deepspeed.initialize(mpu=...)``, so gradients are
+reduced over the data-parallel group only and the global gradient norm counts
+each tensor-parallel shard once. PP > 1: the GPT becomes a ``PipelineModule``
+on the same 3-D topology and trains with ``train_batch``.
+"""
+from __future__ import annotations
+
+
+import deepspeed
+import torch
+
+from models import GPT
+from models.parallel import ParallelState
+
+from pipeline.checkpoints import safe_load
+from pipeline.engine.pipe_model import gpt_pipeline, pipe_to_gpt_name
+from pipeline.engine.schedules import LRSchedule, Scheduler
+from pipeline.checkpoints.state_dicts import load_full_state_dict
+from pipeline.checkpoints.universal import attach_info
+from pipeline.engine.ds_config import EngineConfigError, check_supported, sequence_parallel_ds_config, zero_stage
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> list[dict]:
+    """No weight decay on biases and norm weights (1-D tensors), as Megatron and GPT-2 train."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if weight_decay is not None:
+        groups[0]["weight_decay"] = weight_decay
+    return [g for g in groups if g["params"]]
+
+
+def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
+                 schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None,
+                 full_state_dict: dict | None = None, param_groups_fn=None):
+    """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only).
+
+    ``ds_config`` must have been through ``resolve_ds_config``. ``full_state_dict`` (full TP=1 weights,
+    e.g. of a checkpoint saved at another layout) is loaded into this rank's shards before DeepSpeed
+    takes the model, so its fp32 master weights start from it. ``param_groups_fn(model)`` gives the
+    optimizer's parameter groups (default ``param_groups``); a group's ``lr_mult`` scales the scheduled
+    learning rate (e.g. layer-wise decay when finetuning). Returns the engine; ``engine.is_pipe``
+    tells which training step to use.
+    """
+
+    check_supported(ds_config, state.pipeline_parallel)
+    if getattr(model_config, "sequence_parallel", False):
+        ds_config = sequence_parallel_ds_config(ds_config, state)
+    checkpoint_fn = None
+    if activation_checkpointing:
+        deepspeed.checkpointing.configure(state, deepspeed_config=ds_config)
+        checkpoint_fn = deepspeed.checkpointing.checkpoint
+
+    if state.pipeline_parallel > 1:
+        if model_builder is not None:
+            raise EngineConfigError("pipeline parallelism is only available for the GPT models")
+        model = gpt_pipeline(model_config, state, init_seed, activation_checkpointing=activation_checkpointing,
+                             checkpoint_fn=checkpoint_fn)
+        mpu = None  # the PipelineEngine builds its grid from the module's topology
+        if full_state_dict is not None:
+            load_full_state_dict(model, full_state_dict, partial=True, source="checkpoint weights",
+                                 name_map=lambda n: pipe_to_gpt_name(n, model_config))
+    else:
+        if model_builder is None:
+            model_builder = GPT
+        model = model_builder(model_config, init_seed=init_seed)
+        if full_state_dict is not None:
+            load_full_state_dict(model, full_state_dict, source="checkpoint weights")
+        if checkpoint_fn is not None:
+            model.checkpoint_fn = checkpoint_fn
+        mpu = state
+        if zero_stage(ds_config) == 3 and getattr(model, "lm_head", 1) is None:
+            # the tied output layer reads the embedding weight outside the embedding's forward
+            deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
+
+    attach_info(model, model_config, pipeline=state.pipeline_parallel > 1)  # saved with every checkpoint
+
+    if schedule is not None and "scheduler" in ds_config:
+        raise EngineConfigError("the DeepSpeed config has a \"scheduler\" section and a learning-rate schedule was "
+                                "given too; remove one of them")
+    lr_scheduler = (lambda opt: Scheduler(opt, schedule)) if schedule is not None else None
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=(param_groups_fn or param_groups)(model),
+                                           config=ds_config,
+                                           mpu=mpu, lr_scheduler=lr_scheduler)
+    safe_load.install(engine)  # loads weights only, hashes what it saves
+    engine.is_pipe = state.pipeline_parallel > 1
+    if not engine.is_pipe and zero_stage(ds_config) == 0 and state.data_parallel == 1:
+        # Without ZeRO, DeepSpeed flattens every gradient into buckets, all-reduces them over the
+        # data-parallel group and copies them back, even when that group is this one process.
+        engine.enable_backward_allreduce = False
+    return engine

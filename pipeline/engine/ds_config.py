@@ -1,0 +1,135 @@
+"""DeepSpeed configs checked and resolved before any work: precision, ZeRO stage, batch sizes from the
+layout, what the project's engine supports, the sequence-parallel settings. Errors name the JSON key.
+"""
+from __future__ import annotations
+
+import copy
+
+
+from models.config import read_json
+from models.parallel import ParallelState
+
+from pipeline.engine.ds_keys import unknown_key_errors
+from pipeline.job.errors import UserError
+
+
+class EngineConfigError(UserError, ValueError):
+    pass
+
+
+def load_ds_config(path_or_dict) -> dict:
+    if isinstance(path_or_dict, dict):
+        return copy.deepcopy(path_or_dict)
+    return read_json(path_or_dict, "DeepSpeed config", EngineConfigError)
+
+
+def _enabled(ds: dict, key: str) -> bool:
+    return bool(ds.get(key, {}).get("enabled", False))
+
+
+def precision(ds: dict) -> str:
+    return "fp16" if _enabled(ds, "fp16") else "bf16" if _enabled(ds, "bf16") else "fp32"
+
+
+def zero_stage(ds: dict) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def resolve_ds_config(ds: dict, *, data_parallel: int, pipeline_parallel: int = 1, micro_batch_size: int | None = None,
+                      global_batch_size: int | None = None, source: str = "DeepSpeed config") -> dict:
+    """Fill and check the batch sizes; refuse what DeepSpeed cannot do, before any work starts.
+
+    global batch = micro batch x gradient accumulation steps x data-parallel size.
+    """
+    ds = copy.deepcopy(ds)
+    unknown = unknown_key_errors(ds, source)
+    if unknown:
+        raise EngineConfigError(unknown[0] + (f" ({len(unknown) - 1} more unknown key(s) follow it)"
+                                              if len(unknown) > 1 else ""))
+    if micro_batch_size is not None:
+        ds["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if global_batch_size is not None:
+        ds["train_batch_size"] = global_batch_size
+        if micro_batch_size is not None or "train_micro_batch_size_per_gpu" in ds:
+            ds.pop("gradient_accumulation_steps", None)
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    glob = ds.get("train_batch_size")
+    gas = ds.get("gradient_accumulation_steps")
+    if micro is None:
+        if glob is None:
+            raise EngineConfigError(f"{source}: set train_micro_batch_size_per_gpu (or --micro-batch-size) "
+                                    f"and/or train_batch_size (or --global-batch-size)")
+        micro = glob // (data_parallel * (gas or 1))
+    if glob is None:
+        glob = micro * (gas or 1) * data_parallel
+    if micro < 1 or glob % (micro * data_parallel):
+        raise EngineConfigError(
+            f"{source}: the global batch {glob} is not a multiple of micro batch {micro} x data-parallel size "
+            f"{data_parallel} = {micro * data_parallel}; choose a global batch that is a multiple of "
+            f"{micro * data_parallel} or another micro batch")
+    if gas is not None and gas != glob // (micro * data_parallel):
+        raise EngineConfigError(
+            f"{source}: train_batch_size {glob} != micro batch {micro} x gradient_accumulation_steps {gas} x "
+            f"data-parallel size {data_parallel}; drop one of the three so the others determine it")
+    ds.update(train_batch_size=glob, train_micro_batch_size_per_gpu=micro,
+              gradient_accumulation_steps=glob // (micro * data_parallel))
+    check_supported(ds, pipeline_parallel, source)
+    _prefer_fused_torch_adam(ds)
+    return ds
+
+
+def _prefer_fused_torch_adam(ds: dict) -> None:
+    """``torch_adam`` makes DeepSpeed build ``torch.optim.AdamW`` with torch's default implementation, which
+    for CPU tensors is a Python loop of one kernel per operation; unless the config chooses ``foreach`` or
+    ``fused`` itself, take torch's fused kernel (CPU and CUDA alike: one pass over each tensor)."""
+    params = ds.get("optimizer", {}).get("params", {})
+    if (ds.get("optimizer", {}).get("type", "").lower() in ("adam", "adamw") and params.get("torch_adam")
+            and "fused" not in params and "foreach" not in params):
+        params["fused"] = True
+
+
+def check_supported(ds: dict, pipeline_parallel: int, source: str = "DeepSpeed config") -> None:
+    if _enabled(ds, "fp16") and _enabled(ds, "bf16"):
+        raise EngineConfigError(f"{source}: fp16 and bf16 are both enabled; enable one of them (set the other's "
+                                f"\"enabled\" to false)")
+    if _enabled(ds, "fp16") and zero_stage(ds) == 0 and pipeline_parallel == 1:
+        # Measured with DeepSpeed 0.19.8: engine.backward scales the loss only for ZeRO optimizers,
+        # so its ZeRO-0 fp16 optimizer unscales gradients that were never scaled (updates / 2^16).
+        raise EngineConfigError(f"{source}: fp16 needs ZeRO stage 1 or 2 here (DeepSpeed's ZeRO-0 fp16 optimizer "
+                                f"does not apply the loss scale in engine.backward); set zero_optimization.stage "
+                                f"to 1, or use bf16")
+    if pipeline_parallel > 1 and zero_stage(ds) > 1:
+        raise EngineConfigError(
+            f"{source}: ZeRO stage {zero_stage(ds)} cannot be combined with pipeline parallelism "
+            f"(pipeline_parallel={pipeline_parallel}); use ZeRO stage 0 or 1 with pipelines, or --pipeline-parallel 1")
+    if (pipeline_parallel > 1 and zero_stage(ds) == 0 and precision(ds) == "fp32"
+            and float(ds.get("gradient_clipping", 0.0)) > 0):
+        # DeepSpeed's plain fp32 pipeline path clips with a norm that counts tied weights on every
+        # stage that holds them; its ZeRO-1 and mixed-precision optimizers count them once.
+        raise EngineConfigError(f"{source}: gradient clipping with pipeline parallelism in fp32 needs ZeRO stage 1 "
+                                f"(set zero_optimization.stage to 1), bf16/fp16, or gradient_clipping 0")
+    if pipeline_parallel > 1 and ds.get("zero_optimization", {}).get("offload_optimizer"):
+        raise EngineConfigError(f"{source}: optimizer offload is not supported with pipeline parallelism")
+
+
+def sequence_parallel_ds_config(ds: dict, state: ParallelState, source: str = "DeepSpeed config") -> dict:
+    """The DeepSpeed config for a sequence-parallel model; refuses what would mix up the ranks' chunks.
+
+    DeepSpeed's pipeline engine by default splits each activation sent between stages (and its gradient)
+    across the TP ranks and joins the pieces on arrival, assuming every TP rank holds the same tensor;
+    its activation checkpointing can do the same with ``partition_activations``. Under sequence
+    parallelism each rank holds its own chunk (already 1/tp of the tensor), so both must be off.
+    """
+    ds = copy.deepcopy(ds)
+    if ds.get("activation_checkpointing", {}).get("partition_activations"):
+        raise EngineConfigError(f"{source}: activation_checkpointing.partition_activations splits activations "
+                                f"that sequence parallelism has already split across the TP ranks; set it to false")
+    if state.pipeline_parallel > 1:
+        pipe = ds.setdefault("pipeline", {})
+        for key in ("pipe_partitioned", "grad_partitioned"):
+            if pipe.get(key):
+                raise EngineConfigError(f"{source}: pipeline.{key} is true, but under sequence parallelism each TP "
+                                        f"rank sends its own sequence chunk between stages; set it to false "
+                                        f"(or leave it out)")
+            pipe[key] = False
+    return ds

@@ -1,0 +1,97 @@
+"""One optimizer step and one evaluation pass on a built engine, at any layout: a plain engine takes its
+micro-batches by ``forward``/``backward``/``step``, a pipeline engine by ``train_batch``/``eval_batch``; losses
+are averaged over data-parallel ranks only.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+
+
+def lm_batches(loader):
+    """(inputs, labels) pairs from batches of packed token sequences [b, s + 1]; (inputs, labels,
+    {"reset": ...}) for the streams of truncated BPTT."""
+    for batch in loader:
+        tokens = batch["tokens"]
+        pair = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        yield (*pair, {"reset": batch["reset"]}) if "reset" in batch else pair
+
+
+def lm_forward(engine, batch) -> torch.Tensor:
+    """The loss of one (inputs, labels[, extra kwargs]) micro-batch of ``lm_batches``."""
+    inputs, labels, *extra = batch
+    kwargs = {k: v.to(engine.device) for k, v in (extra[0] if extra else {}).items()}
+    return engine(inputs.to(engine.device), labels.to(engine.device), **kwargs)
+
+
+def data_parallel_mean(engine, values: torch.Tensor, *, summed: torch.Tensor | None = None) -> torch.Tensor:
+    """``values`` averaged over the data-parallel group (in place; one all-reduce). Where the boolean mask
+    ``summed`` is true the entry is summed instead (counts such as tokens)."""
+    mpu = engine.mpu
+    if mpu is not None and mpu.get_data_parallel_world_size() > 1:
+        dist.all_reduce(values, group=mpu.get_data_parallel_group())
+        scale = torch.full_like(values, 1.0 / mpu.get_data_parallel_world_size())
+        if summed is not None:
+            scale[summed] = 1.0
+        values *= scale
+    return values
+
+
+def optimizer_step(engine, batches, forward: Callable = lm_forward, *, counts: Sequence[str] = ()) -> dict:
+    """One optimizer step over all micro-batches of the global batch (non-pipeline engines).
+
+    ``forward(engine, batch)`` returns the loss, or a dict with the loss under "loss" and other scalars to
+    log. Each is averaged over the micro-batches and the data-parallel ranks, except the ``counts``
+    (summed). Returns floats, after one device sync.
+    """
+    gas = engine.gradient_accumulation_steps()
+    totals, keys = None, None
+    for _ in range(gas):
+        out = forward(engine, next(batches))
+        parts = out if isinstance(out, dict) else {"loss": out}
+        engine.backward(parts["loss"])
+        engine.step()
+        keys = keys or list(parts)
+        values = torch.stack([torch.as_tensor(parts[k], device=engine.device).detach().double().reshape(())
+                              for k in keys])
+        totals = values if totals is None else totals + values
+    summed = torch.tensor([k in counts for k in keys], device=engine.device)
+    totals = torch.where(summed, totals, totals / gas)
+    totals = data_parallel_mean(engine, totals, summed=summed).cpu()
+    return {k: float(v) for k, v in zip(keys, totals)}
+
+
+def train_step(engine, batches) -> float:
+    """One optimizer step (all micro-batches of the global batch); the mean loss over them and over DP."""
+    if engine.is_pipe:
+        return float(engine.train_batch(data_iter=batches))
+    return optimizer_step(engine, batches)["loss"]
+
+
+def eval_loss(engine, batches, num_batches: int) -> float:
+    """Mean loss over ``num_batches`` global batches, without gradients."""
+    total = 0.0
+    if engine.is_pipe:
+        for _ in range(num_batches):
+            total += float(engine.eval_batch(data_iter=batches))
+        return total / num_batches
+    engine.eval()
+    with torch.no_grad():
+        for _ in range(num_batches * engine.gradient_accumulation_steps()):
+            total += float(lm_forward(engine, next(batches)))
+    engine.train()
+    total = torch.tensor(total / (num_batches * engine.gradient_accumulation_steps()), device=engine.device)
+    return float(data_parallel_mean(engine, total.reshape(1)))
+
+
+def loss_scale(engine) -> float:
+    opt = engine.optimizer
+    for attr in ("cur_scale", "loss_scale"):
+        value = getattr(opt, attr, None)
+        if value is not None and not callable(value):
+            return float(value)
+    return 1.0

@@ -1,0 +1,68 @@
+"""The arguments every training command shares (engine layout, batch sizes, run settings) and the
+``EngineOptions`` they become.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.job.errors import add_debug_arg
+
+DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+
+
+def default_ds_config() -> str:
+    return str(DS_CONFIGS / ("bf16_zero1.json" if torch.cuda.is_available() else "cpu.json"))
+
+
+# -- argument groups ---------------------------------------------------------------------------------------------------
+
+def add_engine_args(parser: argparse.ArgumentParser, *, pipeline_parallel: bool = True):
+    g = parser.add_argument_group("parallelism and engine")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
+                   help="DeepSpeed JSON config (default: ds_configs/cpu.json without a GPU, bf16_zero1.json with)")
+    g.add_argument("--tensor-parallel", type=int, default=1)
+    if pipeline_parallel:
+        g.add_argument("--pipeline-parallel", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence parallelism (Korthikanti et al. 2022): norms, dropout and residuals on 1/TP of "
+                        "the sequence per tensor-parallel rank; needs --tensor-parallel > 1 and a sequence length "
+                        "divisible by it")
+    g.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
+    g.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return g
+
+
+def add_run_args(parser: argparse.ArgumentParser, group=None, *, log_interval: int = 1):
+    g = group or parser.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=log_interval)
+    g.add_argument("--verbose", action="store_true", help="DeepSpeed's INFO logs")
+    add_debug_arg(g)
+    return g
+
+
+# -- setup -------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class EngineOptions:
+    """What travels from the command line to the engine (``add_engine_args`` + ``add_run_args``)."""
+    deepspeed_config: str | None = None
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int | None = None
+    global_batch_size: int | None = None
+    seed: int = 1234
+    verbose: bool = False
+    save: str | None = None  # the run directory: DeepSpeed's monitor writes inside it
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> EngineOptions:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**values, **overrides})

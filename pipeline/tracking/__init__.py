@@ -1,0 +1,1 @@
+"""Tracking: metrics.jsonl beside DeepSpeed's monitor, and the plots of a run's curves."""
