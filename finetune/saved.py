@@ -178,8 +178,8 @@ def load_base_state(directory: str | Path) -> tuple[GPTConfig | MLSTMConfig, dic
     """(model config, full TP=1 state dict, tokenizer directory or None) of a base model directory:
 
     * a project pretraining run (``config.json``, ``tokenizer/``, ``latest`` -> ``global_stepN/``) saved at any
-      TP/PP layout, GPT or mLSTM (``pipeline.checkpoints.checkpoint.read_full_model_state``); a ``global_stepN`` directory
-      picks that step;
+      TP/PP layout, GPT or mLSTM (``pipeline.checkpoints.checkpoint.read_full_model_state``); a
+      ``global_stepN`` directory picks that step;
     * ``config.json`` + ``model.safetensors`` (a full state dict: what ``pipeline.import_hf`` or
       ``models.save_mlstm`` writes; tokenizer files beside them or in tokenizer/);
     * a finetuned classifier directory (its encoder).

@@ -5,9 +5,9 @@
     tokenizer_dir_of(path)                                           # where a directory's tokenizer is, or None
 
 What ``pipeline.import_hf`` and ``models.save_mlstm`` write. A pretraining run (DeepSpeed checkpoints) is read by
-``pipeline.checkpoints.checkpoint.read_full_checkpoint``, which falls back to this module for such a directory; a finetuned
-classifier by ``finetune.saved``. The tokenizer rule, for all of them: ``<dir>/tokenizer/`` when it holds
-tokenizer files, else ``<dir>`` itself when it does, else none.
+``pipeline.checkpoints.checkpoint.read_full_checkpoint``, which falls back to this module for such a directory;
+a finetuned classifier by ``finetune.saved``. The tokenizer rule, for all of them: ``<dir>/tokenizer/`` when it
+holds tokenizer files, else ``<dir>`` itself when it does, else none.
 """
 from __future__ import annotations
 

@@ -6,13 +6,14 @@ import hashlib
 import logging
 import math
 import os
+from pathlib import Path
 
 import datasets
 import torch.distributed as dist
 
 from pipeline.data.packing import PackedSequences, StreamingSequences, tokenize_dataset, work_dir
 from pipeline.data.sources import DataSourceError, explain_read_error, load_documents, resolve
-from pipeline.data.tokenizer import Tokenizer
+from pipeline.data.tokenizer import Tokenizer, check_same_tokenizer, load_saved_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +179,19 @@ def main_process_first():
             dist.barrier()
         elif bars:
             datasets.enable_progress_bars()
+
+
+def run_tokenizer(load_dir: Path | None, spec: str | None, default: str, *, corpus=None,
+                  vocab_size: int | None = None) -> Tokenizer:
+    """A training run's tokenizer: the one saved with ``load_dir`` (a resumed run keeps it), else ``spec`` (or
+    the family's ``default``) built on rank 0 first; a ``spec`` given with ``load_dir`` must match the saved one."""
+    saved = None
+    if load_dir is not None:
+        saved = load_dir / "tokenizer" if (load_dir / "tokenizer").is_dir() else load_dir
+    if saved is not None and spec is None:
+        return load_saved_tokenizer(saved)
+    with main_process_first():
+        tokenizer = load_tokenizer(spec or default, corpus=corpus, vocab_size=vocab_size)
+    if saved is not None:
+        check_same_tokenizer(saved, tokenizer)
+    return tokenizer

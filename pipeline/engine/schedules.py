@@ -82,3 +82,26 @@ class Scheduler:
     def load_state_dict(self, state):
         self.last_step = int(state["last_step"])
         self._apply()
+
+
+def add_lr_args(parser) -> None:
+    """The learning-rate arguments of a training command (its "optimization" group)."""
+    g = parser.add_argument_group("optimization")
+    g.add_argument("--train-steps", type=int, default=100)
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the DS config's optimizer lr)")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-steps", type=int, default=None, help="default: 1%% of --train-steps")
+    g.add_argument("--lr-decay-style", choices=list(STYLES), default="cosine")
+    g.add_argument("--lr-scale-base-batch", type=int, default=None,
+                   help="large-batch recipe: the lr is --lr x global batch / this batch, capped at --lr-max")
+    g.add_argument("--lr-max", type=float, default=None, help="cap of the batch-scaled learning rate")
+
+
+def schedule_from_args(args, ds: dict) -> LRSchedule | None:
+    """The schedule ``add_lr_args`` describes (None when the DeepSpeed config brings its own scheduler)."""
+    base_lr = args.lr or ds.get("optimizer", {}).get("params", {}).get("lr", 3e-4)
+    if args.lr_scale_base_batch:
+        base_lr = scaled_lr(base_lr, ds["train_batch_size"], args.lr_scale_base_batch, args.lr_max)
+    warmup = args.lr_warmup_steps if args.lr_warmup_steps is not None else max(1, args.train_steps // 100)
+    return None if "scheduler" in ds else LRSchedule(base_lr, warmup, args.train_steps, args.lr_decay_style,
+                                                     args.min_lr)

@@ -4,12 +4,11 @@ are averaged over data-parallel ranks only.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-
-
 
 
 def lm_batches(loader):
@@ -95,3 +94,29 @@ def loss_scale(engine) -> float:
         if value is not None and not callable(value):
             return float(value)
     return 1.0
+
+
+def grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
+def lm_step_record(engine, r, *, tokens_per_step: int, flops_per_step: float, world_size: int,
+                   peak_tflops: float | None) -> dict:
+    """What a language model's training step logs: loss, lr, loss scale, gradient norm, speed and MFU."""
+    tflops = flops_per_step / r.seconds / world_size / 1e12
+    return {"step": r.step, "loss": r.out, "lr": engine.get_lr()[0], "loss_scale": loss_scale(engine),
+            "grad_norm": grad_norm(engine), "skipped_steps": int(engine.skipped_steps),
+            "tokens_per_s": tokens_per_step / r.seconds, "tflops_per_device": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops else None, "step_seconds": r.seconds}
+
+
+def lm_validation_record(engine, batches, num_batches: int, step: int, *, streams: bool) -> dict:
+    """Validation loss with perplexity, or bits per character for a recurrent model trained on streams (whose
+    training streams' state survives the pass)."""
+    if streams:
+        with engine.module.isolated_state(carry=True):
+            val = eval_loss(engine, batches, num_batches)
+        return {"step": step, "valid_loss": val, "valid_bpc": val / math.log(2)}
+    val = eval_loss(engine, batches, num_batches)
+    return {"step": step, "valid_loss": val, "valid_perplexity": math.exp(min(val, 700.0))}

@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from models.parallel import ParallelState, initialize_model_parallel, model_parallel_seed
 from pipeline.engine.distributed import init_distributed
-from pipeline.engine.ds_config import EngineConfigError, load_ds_config, resolve_ds_config, sequence_parallel_ds_config
+from pipeline.engine.ds_config import (EngineConfigError, load_ds_config, precision, resolve_ds_config,
+                                       sequence_parallel_ds_config, zero_stage)
 from pipeline.tracking.metrics import StepTimer, place_monitor_outputs
 from pipeline.job.options import EngineOptions, default_ds_config
 
@@ -57,6 +58,13 @@ class Job:
     @property
     def global_batch(self) -> int:
         return self.ds["train_batch_size"]
+
+    def layout(self, model_type: str) -> dict:
+        """What a checkpoint records of the run's layout (``checkpoint.same_layout`` compares it on resume)."""
+        return {"tensor_parallel": self.state.tensor_parallel, "pipeline_parallel": self.state.pipeline_parallel,
+                "data_parallel": self.state.data_parallel, "model_type": model_type, "precision": precision(self.ds),
+                "sequence_parallel": self.options.sequence_parallel, "zero_stage": zero_stage(self.ds),
+                "universal_info": True}
 
 
 def quiet_deepspeed(verbose: bool) -> None:

@@ -66,3 +66,19 @@ class EngineOptions:
     def from_args(cls, args: argparse.Namespace, **overrides) -> EngineOptions:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         return cls(**{**values, **overrides})
+
+
+def add_checkpoint_args(p):
+    """--save, --load and the intervals of a pretraining job; returns the group (add_run_args adds to it)."""
+    g = p.add_argument_group("checkpoints and logging")
+    g.add_argument("--save", default=None, help="directory for checkpoints and metrics.jsonl")
+    g.add_argument("--save-interval", type=int, default=None, help="steps between checkpoints (default: at the end)")
+    g.add_argument("--load", default=None,
+                   help="resume from this run directory's latest complete checkpoint (any TP/PP/DP layout), or "
+                        "start from the weights of a config.json + model.safetensors directory (pipeline.import_hf)")
+    g.add_argument("--load-tag", default=None, help="resume from this tag (e.g. global_step200) instead of latest")
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-iters", type=int, default=2)
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-device peak TFLOP/s for MFU (no MFU without it; 989 for H100/H200 dense bf16)")
+    return g

@@ -1,0 +1,69 @@
+"""Model configs as a user names them: a JSON file or a preset of ``models/configs/``, resolved to the family's
+config class, its vocabulary following the tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from models import ConfigError
+from pipeline.job.errors import UserError
+from pipeline.job.families import family_named, family_of_dict
+
+PRESETS = Path(__file__).resolve().parents[2] / "models" / "configs"
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.json"))
+
+
+def read_model_config(spec: str) -> dict:
+    path = Path(spec)
+    if not path.is_file() and (PRESETS / f"{spec}.json").is_file():
+        path = PRESETS / f"{spec}.json"
+    if not path.is_file():
+        raise ConfigError(f"model config {spec!r} is neither a file nor a preset ({', '.join(presets())})")
+    return {"_source": str(path), **json.loads(path.read_text())}
+
+
+def choose_model_config(spec: str | None, model_type: str | None, load_dir: Path | None):
+    """(raw config, family) of ``--model-config`` (default: the loaded run's config, else the family's preset),
+    checked against ``--model-type``."""
+    if spec is None:
+        spec = (str(load_dir / "config.json") if load_dir is not None
+                else family_named(model_type or "gpt").default_preset)
+    raw = read_model_config(spec)
+    family = family_of_dict(raw, raw["_source"])
+    if model_type is not None and model_type != family.name:
+        raise UserError(f"--model-type {model_type} but {raw['_source']} is a {family.name} config; "
+                        f"drop --model-type or choose another config")
+    return raw, family
+
+
+def make_model_config(raw: dict, vocab_size: int, seq_length: int | None):
+    """The family's config class (by the config's model_type), its vocabulary following the tokenizer."""
+    raw = dict(raw)
+    source = raw.pop("_source", "model config")
+    family = family_of_dict(raw, source)
+    if raw.get("vocab_size", vocab_size) != vocab_size:
+        raise ConfigError(f"{source}: vocab_size {raw['vocab_size']} differs from the tokenizer's {vocab_size}; "
+                          f"drop vocab_size from the config (it follows the tokenizer) or use the matching tokenizer")
+    raw["vocab_size"] = vocab_size
+    if seq_length is not None:
+        raw["seq_length"] = seq_length
+    return family.config_class.from_dict(raw, source=source)
+
+
+def add_model_args(p) -> None:
+    """The model arguments of the pretraining job (its "model" group)."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model-type", choices=["gpt", "mlstm"], default=None,
+                   help="gpt (default) or mlstm (the character-level multiplicative LSTM, trained by truncated "
+                        "BPTT on contiguous byte streams; default: the model config's model_type)")
+    g.add_argument("--model-config", default=None,
+                   help=f"a JSON file, or a preset name from {PRESETS.name}/ ({', '.join(presets())}); default: "
+                        f"the checkpoint's config with --load, else gpt2-tiny")
+    g.add_argument("--seq-length", type=int, help="training sequence length (default: the config's seq_length)")
+    g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (DeepSpeed's engine.compile(); pipeline-parallel 1 only); "
+                        "bench/train_step.py --systems deepspeed,deepspeed+compile measures what it gains")
