@@ -38,9 +38,9 @@ from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from finetune.data import LabeledTexts, load_semeval_ec  # noqa: E402
-from finetune.metrics import evaluate_probabilities, format_comparison, plot_per_class_f1, write_eval_json  # noqa: E402
+from finetune.scoring.metrics import evaluate_probabilities, format_comparison, plot_per_class_f1, write_eval_json  # noqa: E402
 from finetune.normalize import TweetNormalizer  # noqa: E402
-from finetune.thresholds import tune_thresholds  # noqa: E402
+from finetune.scoring.thresholds import tune_thresholds  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "semeval2018-ec"
 

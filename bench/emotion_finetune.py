@@ -36,20 +36,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from emotion_baseline import run_baseline  # noqa: E402
 
 from finetune.data import load_semeval_ec  # noqa: E402
-from finetune.metrics import (  # noqa: E402
-    PUBLISHED_EC_TEST_F1,
-    evaluate_probabilities,
-    format_comparison,
-    plot_per_class_f1,
-    write_eval_json,
-)
+from finetune.scoring.metrics import PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison, plot_per_class_f1, write_eval_json
 from finetune.recipes import EC_RECIPE, LINEAR_PROBE  # noqa: E402
-from finetune.thresholds import bagged_thresholds, tune_thresholds  # noqa: E402
+from finetune.scoring.thresholds import bagged_thresholds, tune_thresholds  # noqa: E402
 from finetune.train import main as finetune  # noqa: E402
 import torch  # noqa: E402
 
 from finetune.saved import load_classifier  # noqa: E402
-from finetune.train import holdout_split  # noqa: E402
+from finetune.job.inputs import holdout_split  # noqa: E402
 from pipeline.hf.importer import import_hf  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "semeval2018-ec"

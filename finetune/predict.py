@@ -11,28 +11,25 @@ each text's probabilities (TSV: ID then one column per label).
 """
 from __future__ import annotations
 
-import csv
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the project root, not finetune/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import json
 
 import numpy as np
 
 from finetune._io import atomic_write_text
-from finetune.data import DataFormatError, load_labeled_file, load_semeval_ec
-from finetune.metrics import evaluate_probabilities, format_comparison, single_label_scores, write_eval_json
-from finetune.predictions import write_predictions
+from finetune.data import read_texts
 from finetune.saved import load_classifier
-from finetune.thresholds import apply_thresholds
+from finetune.scoring.metrics import evaluate_probabilities, format_comparison, single_label_scores, write_eval_json
+from finetune.scoring.predictions import write_predictions
+from finetune.scoring.thresholds import apply_thresholds
+from pipeline.hf.convert import add_dtype_arg, parse_dtype
 from pipeline.job.errors import ArgumentParser, add_debug_arg, command
 from pipeline.job.files import check_output_file, refuse_overlap
-from pipeline.hf.convert import add_dtype_arg, parse_dtype
 
 
 def parse_args(argv=None):
@@ -69,57 +66,6 @@ def check_outputs(args) -> None:
     for i, (flag, path) in enumerate(outputs):
         refuse_overlap(path, inputs + outputs[:i], flag)
         check_output_file(path, args.force, flag)
-
-
-def read_texts(path: str, label_names, text_column: str | None, id_column: str | None):
-    """The file's texts, with the model's label columns when it has them all (else unlabelled)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataFormatError(p, "no such file")
-    with open(p, encoding="utf-8-sig", errors="replace") as f:
-        header = f.readline().rstrip("\r\n").split("\t")
-    if text_column is None and header[:2] == ["ID", "Tweet"]:
-        data = load_semeval_ec(p, labels=None, require_labels=False)
-        if data.labels is not None and all(name in data.label_names for name in label_names):
-            return data.select_labels(label_names)
-        _note_partial_labels(p, data.label_names if data.labels is not None else [], label_names)
-        return _unlabelled(data)  # labelled with other columns than the model's: predictions only
-    columns = _columns(p)
-    kwargs = {"text_column": text_column or "text", "id_column": id_column}
-    if all(name in columns for name in label_names):
-        kwargs["label_columns"] = list(label_names)
-    else:
-        _note_partial_labels(p, columns, label_names)
-    return load_labeled_file(p, **kwargs)
-
-
-def _note_partial_labels(path: Path, columns, label_names) -> None:
-    """A file with some but not all of the model's label columns is read as unlabelled: say so."""
-    present = [n for n in label_names if n in columns]
-    if present:
-        missing = [n for n in label_names if n not in columns]
-        print(f"note: {path}: has the label column(s) {', '.join(present)} but not {', '.join(missing)} of the "
-              f"model's labels; it is read as unlabelled (predictions only, no scores); add the missing columns "
-              f"to have it scored", file=sys.stderr)
-
-
-def _unlabelled(data):
-    return replace(data, labels=None)
-
-
-def _columns(path: Path) -> list[str]:
-    suffix = path.suffix.lower()
-    if suffix in (".json", ".jsonl", ".ndjson"):
-        with open(path, encoding="utf-8") as f:
-            first = next((line for line in f if line.strip()), "{}")
-        try:
-            record = json.loads(first)
-            return list(record) if isinstance(record, dict) else []
-        except ValueError:
-            return []
-    sep = "," if suffix == ".csv" else "\t"
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        return next(csv.reader(f, delimiter=sep), [])
 
 
 @command

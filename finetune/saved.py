@@ -38,7 +38,7 @@ from .batching import encode_texts, predict_encoded
 from .heads import MULTILABEL, HeadConfig
 from .model import ENCODER_PREFIX, BaseModelError, build_classifier
 from .normalize import TweetNormalizer
-from .thresholds import THRESHOLDS_FILE, apply_thresholds, load_thresholds, save_thresholds
+from finetune.scoring.thresholds import THRESHOLDS_FILE, apply_thresholds, load_thresholds, save_thresholds
 
 CLASSIFIER_FILE = "classifier.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -13,11 +13,11 @@ from sklearn.metrics import f1_score
 from test_finetune_train import FP32_DS, ec_slice, run, write_base
 from transformers import pipeline
 
-from finetune.metrics import multilabel_scores
+from finetune.scoring.metrics import multilabel_scores
 from finetune.normalize import TweetNormalizer
-from finetune.predictions import read_predictions
+from finetune.scoring.predictions import read_predictions
 from finetune.recipes import EC_RECIPE as RECIPE
-from finetune.thresholds import DEFAULT_GRID, apply_thresholds, tune_thresholds
+from finetune.scoring.thresholds import DEFAULT_GRID, apply_thresholds, tune_thresholds
 
 
 @pytest.fixture(scope="module")

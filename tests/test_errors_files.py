@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from finetune.data import DataFormatError
-from finetune.train import FinetuneError
+from finetune.job.args import FinetuneError
 from models.config import ConfigError
 from pipeline.checkpoints.checkpoint import CheckpointError
 from pipeline.engine.ds_config import EngineConfigError

@@ -4,10 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from finetune.metrics import (evaluate_probabilities, format_comparison, jaccard_accuracy, multilabel_scores,
-                              plot_per_class_f1, single_label_scores, write_eval_json)
-from finetune.thresholds import (THRESHOLDS_FILE, apply_thresholds, bagged_thresholds, load_thresholds,
-                                 save_thresholds, tune_thresholds)
+from finetune.scoring.metrics import evaluate_probabilities, format_comparison, jaccard_accuracy, multilabel_scores, plot_per_class_f1, single_label_scores, write_eval_json
+from finetune.scoring.thresholds import THRESHOLDS_FILE, apply_thresholds, bagged_thresholds, load_thresholds, save_thresholds, tune_thresholds
 
 # Tiny example, computed by hand:
 #   class 0: tp 2 fp 0 fn 0 -> P 1, R 1, F1 1     class 1: tp 0 fp 1 fn 1 -> 0     class 2: tp 0 fp 1 fn 1 -> 0

@@ -5,8 +5,8 @@ import pytest
 
 from conftest import shared_data
 from finetune.data import PLUTCHIK_LABELS, SEMEVAL_EC_LABELS, load_semeval_ec
-from finetune.metrics import multilabel_scores
-from finetune.predictions import read_predictions, write_labeled_predictions, write_predictions
+from finetune.scoring.metrics import multilabel_scores
+from finetune.scoring.predictions import read_predictions, write_labeled_predictions, write_predictions
 
 
 def test_dev_file_round_trip_is_byte_exact(tmp_path):

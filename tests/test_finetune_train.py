@@ -15,11 +15,11 @@ from safetensors.torch import save_file
 
 from finetune.data import load_semeval_ec
 from finetune.heads import HeadConfig
-from finetune.metrics import multilabel_scores
+from finetune.scoring.metrics import multilabel_scores
 from finetune.model import build_classifier
-from finetune.predictions import read_predictions
+from finetune.scoring.predictions import read_predictions
 from finetune.saved import load_classifier, load_full_gpt_state, read_classifier_dir
-from finetune.thresholds import apply_thresholds, load_thresholds, tune_thresholds
+from finetune.scoring.thresholds import apply_thresholds, load_thresholds, tune_thresholds
 from models import GPT, MLSTM, GPTConfig, MLSTMConfig, save_mlstm
 from models.parallel import full_state_dict
 from pipeline.data import byte_tokenizer, load_tokenizer

@@ -9,7 +9,8 @@ import torch
 from conftest import shared_data
 from transformers import pipeline
 
-from finetune.export_hf import ExportError, compare_with_project, export_classifier, main
+from finetune.hf_export import ExportError, compare_with_project, export_classifier
+from finetune.export_hf import main
 from finetune.heads import HeadConfig
 from finetune.model import build_classifier
 from finetune.normalize import TweetNormalizer

@@ -26,7 +26,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from finetune.export_hf import compare_with_project
+from finetune.hf_export import compare_with_project
 from finetune.train import main
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict, initialize_model_parallel

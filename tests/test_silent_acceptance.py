@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from conftest import shared_data
 
-from finetune.predict import read_texts
+from finetune.data import read_texts
 from pipeline.data.build import parse_weights
 from pipeline.data.sources import DataSourceError, load_documents, resolve
 from pipeline.engine.ds_keys import unknown_key_errors

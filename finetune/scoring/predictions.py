@@ -16,8 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ._io import atomic_write_text
-from .data import EC_ID_COLUMN, EC_TEXT_COLUMN, SEMEVAL_EC_LABELS, LabeledTexts, load_semeval_ec
+from finetune._io import atomic_write_text
+from finetune.data import EC_ID_COLUMN, EC_TEXT_COLUMN, SEMEVAL_EC_LABELS, LabeledTexts, load_semeval_ec
 
 _LINE_BREAKING = re.compile(r"[\t\r\n\v\f\x1c-\x1e\x85\u2028\u2029]")  # what would split a field or a line
 

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ._io import atomic_write_text
+from finetune._io import atomic_write_text
 
 DEFAULT_GRID = np.round(np.arange(0.01, 1.0, 0.01), 2)  # 0.01 .. 0.99
 THRESHOLDS_FILE = "thresholds.json"

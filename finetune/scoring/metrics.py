@@ -22,8 +22,8 @@ from typing import Mapping, Sequence
 import numpy as np
 from sklearn.metrics import accuracy_score, f1_score, jaccard_score, precision_recall_fscore_support
 
-from ._io import atomic_write_bytes, atomic_write_text
-from .thresholds import apply_thresholds
+from finetune._io import atomic_write_bytes, atomic_write_text
+from finetune.scoring.thresholds import apply_thresholds
 
 AT_HALF, TUNED = "at_0.5", "tuned"
 

@@ -1,0 +1,136 @@
+"""The end of a finetuning job: thresholds tuned (on dev or a held-out part of train), scores at 0.5 and at
+the thresholds, predictions in the E-c format, the per-class chart, the saved classifier and its Hugging Face
+export.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+
+from finetune.data import SEMEVAL_EC_LABELS
+from finetune.hf_export import ExportError, export_classifier
+from finetune.job.loop import full_fp32_state
+from finetune.job.providers import Base, Head, Splits
+from finetune.model import encoder_type_of
+from finetune.saved import save_classifier_dir
+from finetune.scoring.metrics import (
+    PUBLISHED_EC_TEST_F1,
+    evaluate_probabilities,
+    format_comparison,
+    plot_per_class_f1,
+    single_label_scores,
+    write_eval_json,
+)
+from finetune.scoring.predictions import write_predictions
+from finetune.scoring.thresholds import apply_thresholds, bagged_thresholds, tune_thresholds
+from pipeline.job.loop import is_rank0
+from pipeline.tracking.metrics import MetricsWriter
+
+
+@dataclass
+class FinetuneRun:
+    """What the end of the job (thresholds, scores, predictions, the saved classifier) works from."""
+    args: argparse.Namespace
+    base: Base
+    data: Splits
+    head: Head
+    engine: object
+    predict: Callable
+    save: Path | None
+    metrics: MetricsWriter
+    settings: dict
+
+
+def finish(r: FinetuneRun) -> dict:
+    args, engine, predict, save, metrics, settings = r.args, r.engine, r.predict, r.save, r.metrics, r.settings
+    train, dev, tune_on, test, multilabel = r.data.train, r.data.dev, r.data.tune_on, r.data.test, r.data.multilabel
+    config, head_config, tokenizer, max_length = r.base.config, r.head.config, r.base.tokenizer, r.base.max_length
+    normalizer = r.data.normalizer
+
+    dev_probs = predict("dev", progress=True)
+    tune_probs = dev_probs if tune_on is dev else predict("tune", progress=True)
+    test_probs = predict("test", progress=True) if test is not None else None
+    refine = None if args.threshold_objective == "macro" else args.threshold_objective
+    thresholds = None
+    if multilabel and args.threshold_bagging:
+        thresholds = bagged_thresholds(tune_on.labels, tune_probs, refine=refine, resamples=args.threshold_bagging,
+                                       seed=args.seed)
+    elif multilabel:
+        thresholds = tune_thresholds(tune_on.labels, tune_probs, refine=refine)
+    results = {}
+
+    def scores(data, probs):
+        if multilabel:
+            return evaluate_probabilities(data.labels, probs, data.label_names, thresholds)
+        return {"single_label": single_label_scores(data.class_indices(), probs.argmax(1), data.label_names)}
+
+    def decide(probs):
+        if multilabel:
+            return apply_thresholds(probs, thresholds)
+        return np.eye(probs.shape[1], dtype=np.int8)[probs.argmax(1)]
+
+    results["dev"] = scores(dev, dev_probs)
+    if test is not None and test.labels is not None:
+        results["test"] = scores(test, test_probs)
+    metrics.write({"step": settings["steps"], **final_dev_record(results["dev"], multilabel)})
+    state = full_fp32_state(engine)  # collective: every rank takes part
+    out = {"dev": results["dev"], "thresholds": None if thresholds is None else thresholds.tolist(),
+           "dev_probabilities": dev_probs, "test_probabilities": test_probs,
+           "tune_probabilities": tune_probs, "tune_labels": tune_on.labels}
+    if save is None or not is_rank0():
+        _barrier()
+        return out
+    if multilabel:
+        systems = {"threshold 0.5": results["dev"]["at_0.5"],
+                   f"tuned on {settings['thresholds_tuned_on']}": results["dev"]["tuned"]}
+        print(f"dev ({len(dev)} texts):\n" + format_comparison(systems))
+        published = PUBLISHED_EC_TEST_F1 if set(train.label_names) <= set(SEMEVAL_EC_LABELS) else None
+        plot_per_class_f1(save / "per_class_f1.png", results["dev"], reference=published,
+                          reference_label="Kant et al. 2018, E-c test (the values the paper gives)",
+                          title=f"Per-class F1 on dev ({Path(dev.source).name})")
+    else:
+        s = results["dev"]["single_label"]
+        print(f"dev ({len(dev)} texts): accuracy {s['accuracy']:.4f}, macro-F1 {s['macro_f1']:.4f}")
+    write_eval_json(save / "eval.json", results, settings=settings)
+    write_predictions(save / "dev_predictions.txt", dev.ids, dev.texts, decide(dev_probs), train.label_names)
+    if test is not None:
+        write_predictions(save / "test_predictions.txt", test.ids, test.texts, decide(test_probs), train.label_names)
+    training = {k: v for k, v in settings.items() if k not in ("examples",)}
+    save_classifier_dir(save, full_state=state, encoder_type=encoder_type_of(config), encoder_config=config,
+                        head_config=head_config, tokenizer=tokenizer, max_length=max_length, normalizer=normalizer,
+                        thresholds=thresholds, training=training)
+    metrics.write({"saved": str(save), **({"dev_tuned_micro_f1": results["dev"]["tuned"]["micro_f1"]}
+                                          if multilabel else {})})
+    if args.hf_export == "auto":
+        out["hf_export"] = _export(save)
+    _barrier()
+    return out
+
+
+def final_dev_record(dev: dict, multilabel: bool) -> dict:
+    """The last step's dev scores (at 0.5 and with the tuned thresholds), for metrics.jsonl and the monitor."""
+    if not multilabel:
+        s = dev["single_label"]
+        return {"dev_accuracy": s["accuracy"], "dev_macro_f1": s["macro_f1"]}
+    return {f"dev{tag}_{k}": dev[key][k] for tag, key in (("", "at_0.5"), ("_tuned", "tuned"))
+            for k in ("micro_f1", "macro_f1", "jaccard")}
+
+
+def _export(save: Path):
+    try:
+        path = export_classifier(save, save / "hf", force=True)
+    except ExportError as e:
+        print(f"Hugging Face export skipped: {e}")
+        return None
+    print(f"Hugging Face classifier written to {path}")
+    return str(path)
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()

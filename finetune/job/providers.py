@@ -1,0 +1,182 @@
+"""The finetuning job's providers, as Megatron's ``pretrain(...)`` takes them: the base encoder (family,
+config, weights, tokenizer), the splits as token ids, the head, and the DeepSpeed engine with its schedule.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from finetune.batching import encode_texts
+from finetune.heads import MULTILABEL, HeadConfig
+from finetune.job.args import FinetuneError
+from finetune.job.inputs import (
+    check_encoder_options,
+    first_layers,
+    holdout_split,
+    label_subset,
+    load_split,
+    parse_pos_weight,
+)
+from finetune.model import build_classifier
+from finetune.normalize import TweetNormalizer
+from finetune.saved import load_base_state
+from pipeline.data import load_tokenizer
+from pipeline.engine.build import build_engine
+from pipeline.engine.ds_config import precision
+from pipeline.engine.schedules import LRSchedule
+from pipeline.job.families import ModelFamily, family_of
+from pipeline.job.loop import Job
+
+# ------------------------------------------------------------------------------------------ providers
+
+@dataclass
+class Base:
+    """The base model provider's result: the encoder's family, config and full weights, and its tokenizer."""
+    family: ModelFamily
+    config: object
+    state: dict
+    tokenizer: object
+    max_length: int
+    pad_id: int
+
+
+def provide_base(args) -> Base:
+    """Inputs are read and checked before any process group exists: a bad file fails at once, on every rank."""
+    config, base_state, tokenizer_dir = load_base_state(args.base)
+    family = family_of(config)
+    check_encoder_options(args, family)
+    if args.tokenizer is None and tokenizer_dir is None:
+        raise FinetuneError(f"{args.base} holds no tokenizer; pass --tokenizer")
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or str(tokenizer_dir))
+    except ValueError as e:
+        raise FinetuneError(f"tokenizer: {e}") from None
+    if tokenizer.vocab_size > config.vocab_size:
+        raise FinetuneError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model in {args.base} only "
+                            f"{config.vocab_size}: it is not this model's tokenizer")
+    if args.encoder_dropout is not None:
+        for name in ("hidden_dropout", "attention_dropout", "dropout"):  # the GPT's two, the mLSTM's one
+            if hasattr(config, name):
+                setattr(config, name, args.encoder_dropout)
+    if args.encoder_layers is not None:
+        config, base_state = first_layers(config, base_state, args.encoder_layers, args.base)
+    family.check_layout(config, args.tensor_parallel, 1)
+    max_length = min(args.max_length, getattr(config, "max_sequence_length", args.max_length))
+    pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
+    pad_id = tokenizer.eod_id if pad_id is None or pad_id >= config.vocab_size else pad_id
+    return Base(family, config, base_state, tokenizer, max_length, pad_id)
+
+
+@dataclass
+class Splits:
+    """The data provider's result: the splits, and their texts as token ids."""
+    train: object
+    dev: object
+    tune_on: object  # where the thresholds are tuned: dev, or a held-out part of train
+    test: object | None
+    encoded: dict
+    truncated: int
+    normalizer: TweetNormalizer | None
+
+    @property
+    def multilabel(self) -> bool:
+        return self.train.task == MULTILABEL
+
+
+def provide_data(args, base: Base) -> Splits:
+    subset = label_subset(args.labels)
+    train, dev = load_split(args.train, args), load_split(args.dev, args)
+    test = load_split(args.test, args, require_labels=False) if args.test else None
+    if subset is not None:
+        try:
+            train, dev = train.select_labels(subset), dev.select_labels(subset)
+            test = test.select_labels(subset) if test is not None and test.labels is not None else test
+        except ValueError as e:
+            raise FinetuneError(f"--labels: {e}") from None
+    for name, split in (("dev", dev), ("test", test)):
+        if split is not None and split.labels is not None and split.label_names != train.label_names:
+            raise FinetuneError(f"{name} labels {list(split.label_names)} differ from train labels "
+                                f"{list(train.label_names)} (choose a common subset with --labels)")
+    normalizer = None if args.no_normalize else TweetNormalizer(lowercase=args.lowercase)
+    norm = (lambda texts: [normalizer(t) for t in texts]) if normalizer else list
+    tune_on = dev
+    if args.holdout:
+        keep, held = holdout_split(len(train), args.holdout, args.seed)
+        train, tune_on = train.subset(keep), train.subset(held)
+    encoded = {name: encode_texts(base.tokenizer, norm(split.texts), base.max_length)
+               for name, split in (("train", train), ("dev", dev), ("tune", tune_on), ("test", test))
+               if split is not None}
+    truncated = sum(len(ids) == base.max_length for ids in encoded["train"])
+    return Splits(train, dev, tune_on, test, encoded, truncated, normalizer)
+
+
+@dataclass
+class Head:
+    config: HeadConfig
+    pos_weight: torch.Tensor | None
+    priors: np.ndarray
+
+
+def provide_head(args, base: Base, data: Splits) -> Head:
+    config = base.config
+    head_bias = {"yes": True, "no": False, "auto": getattr(config, "variant", None) != "llama"}[args.head_bias]
+    pooling = args.pooling or base.family.get("encoder").default_pooling
+    try:
+        head_config = HeadConfig(config.hidden_size, data.train.num_labels, pooling=pooling,
+                                 mlp_hidden=args.mlp_hidden, dropout=args.dropout, problem_type=data.train.task,
+                                 label_names=data.train.label_names, output_bias=head_bias)
+    except ValueError as e:
+        raise FinetuneError(str(e)) from None
+    if args.pos_weight != "none" and not data.multilabel:
+        raise FinetuneError("--pos-weight is for multilabel data")
+    pos_weight = parse_pos_weight(args.pos_weight, data.train.labels, args.pos_weight_max) if data.multilabel else None
+    return Head(head_config, pos_weight, data.train.labels.mean(axis=0))
+
+
+def provide_engine(args, base: Base, data: Splits, head: Head, job: Job):
+    """(engine, LR schedule, steps per epoch, total steps)."""
+    def builder(cfg, init_seed):
+        return build_classifier(cfg, head.config, encoder_state=base.state, init_seed=init_seed,
+                                aux_lm_weight=args.aux_lm_weight, pos_weight=head.pos_weight,
+                                freeze_encoder=args.freeze_encoder, freeze_embeddings=args.freeze_embeddings,
+                                label_priors=head.priors, source=str(args.base))
+
+    def groups(model):
+        return model.param_groups(weight_decay=args.weight_decay, layer_lr_decay=args.layer_lr_decay,
+                                  head_lr_mult=args.head_lr_mult)
+
+    steps_per_epoch = len(data.train) // job.global_batch
+    if steps_per_epoch < 1:
+        raise FinetuneError(f"{len(data.train)} training examples are fewer than one global batch "
+                            f"({job.global_batch}); use a smaller --global-batch-size")
+    total_steps = args.train_steps or max(1, math.ceil(args.epochs * steps_per_epoch))
+    schedule = LRSchedule(args.lr, int(args.warmup * total_steps), total_steps, args.lr_decay_style, args.min_lr)
+    engine = build_engine(base.config, job.ds, job.state, init_seed=args.seed, schedule=schedule,
+                          model_builder=builder, param_groups_fn=groups)
+    base.state = None  # the engine holds the weights now
+    return engine, schedule, steps_per_epoch, total_steps
+
+
+def run_settings(args, base: Base, data: Splits, head: Head, job: Job, steps: tuple[int, int], cached: bool) -> dict:
+    steps_per_epoch, total_steps = steps
+    return {"base": str(args.base), "train": data.train.source, "dev": data.dev.source,
+            "labels": list(data.train.label_names),
+            "examples": {"train": len(data.train), "dev": len(data.dev), "threshold_tuning": len(data.tune_on)},
+            "thresholds_tuned_on": "holdout" if args.holdout else "dev",
+            "threshold_objective": args.threshold_objective, "threshold_bagging": args.threshold_bagging,
+            "max_length": base.max_length,
+            "truncated_train_texts": data.truncated, "global_batch": job.global_batch, "micro_batch": job.micro_batch,
+            "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
+            "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
+            "pos_weight": None if head.pos_weight is None else head.pos_weight.tolist(),
+            "aux_lm_weight": args.aux_lm_weight,
+            "freeze_encoder": args.freeze_encoder, "freeze_embeddings": args.freeze_embeddings,
+            "features_computed_once": cached,
+            "encoder": base.family.name, "encoder_layers": base.config.num_layers, "pooling": head.config.pooling,
+            "mlp_hidden": list(args.mlp_hidden),
+            "precision": precision(job.ds), "tensor_parallel": job.state.tensor_parallel,
+                "sequence_parallel": bool(getattr(base.config, "sequence_parallel", False)),
+            "data_parallel": job.state.data_parallel, "seed": args.seed}
