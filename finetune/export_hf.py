@@ -24,7 +24,7 @@ import sys
 
 from finetune.hf_export import compare_with_project, export_classifier
 from pipeline.hf.convert import add_dtype_arg
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command
+from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
 
 
 @command
@@ -46,6 +46,8 @@ def main(argv=None) -> int:
         print(f"max |p_hf - p_project| = {result['max_abs_diff']:.2e}; same tokens: {result['tokens_equal']}")
     return 0
 
+
+cli = console_script(main)  # the console script (pyproject.toml)
 
 if __name__ == "__main__":
     sys.exit(main())

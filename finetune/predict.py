@@ -28,7 +28,7 @@ from finetune.scoring.metrics import evaluate_probabilities, format_comparison, 
 from finetune.scoring.predictions import write_predictions
 from finetune.scoring.thresholds import apply_thresholds
 from pipeline.hf.convert import add_dtype_arg, parse_dtype
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command
+from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
 from pipeline.job.files import check_output_file, refuse_overlap
 
 
@@ -110,6 +110,8 @@ def main(argv=None) -> dict:
         result["scores"] = scores
     return result
 
+
+cli = console_script(main)  # the console script (pyproject.toml)
 
 if __name__ == "__main__":
     main()

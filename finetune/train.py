@@ -32,7 +32,7 @@ from finetune.job.finish import FinetuneRun, finish
 from finetune.job.inputs import check_save
 from finetune.job.loop import finetune_step, loop_hooks
 from finetune.job.providers import provide_base, provide_data, provide_engine, provide_head, run_settings
-from pipeline.job.errors import command
+from pipeline.job.errors import command, console_script
 from pipeline.job.loop import apply_sequence_parallel, is_rank0, quiet_deepspeed, setup, train_loop
 from pipeline.job.options import EngineOptions
 from pipeline.tracking.metrics import MetricsWriter
@@ -95,6 +95,8 @@ def run(args) -> dict:
     metrics.close()
     return result
 
+
+cli = console_script(main)  # the console script (pyproject.toml)
 
 if __name__ == "__main__":
     main()

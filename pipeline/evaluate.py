@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from pipeline.job.errors import ArgumentParser, InputError, add_debug_arg, command
+from pipeline.job.errors import ArgumentParser, InputError, add_debug_arg, command, console_script
 from pipeline.job.files import atomic_write_json
 from pipeline.hf.convert import add_dtype_arg, short_dtype_name
 from pipeline.evaluation.lm_scoring import evaluate_bpc, evaluate_lambada, evaluate_wikitext
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(summary(record), file=sys.stderr)
     return record
 
+
+cli = console_script(main)  # the console script (pyproject.toml)
 
 if __name__ == "__main__":
     command(main)()

@@ -18,7 +18,7 @@ import sys
 
 
 from models.config import GPTConfig
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command
+from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
 from pipeline.hf.convert import add_dtype_arg, dtype_name, hf_family, num_parameters_message, parse_dtype
 from pipeline.checkpoints.checkpoint import read_full_checkpoint
 from pipeline.job.files import check_output_dir, refuse_overlap
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     return 0
 
+
+cli = console_script(main)  # the console script (pyproject.toml)
 
 if __name__ == "__main__":
     sys.exit(main())

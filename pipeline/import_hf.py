@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command
+from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
 from pipeline.hf.convert import add_dtype_arg, num_parameters_message
 from pipeline.hf.importer import import_hf
 
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
           f"fits --tensor-parallel {args.tensor_parallel} --pipeline-parallel {args.pipeline_parallel}")
     return 0
 
+
+cli = console_script(main)  # the console script (pyproject.toml)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command
+from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
 from pipeline.job.files import check_output_file, refuse_overlap
 from pipeline.tracking.plot import plot_runs
 
@@ -30,6 +30,8 @@ def main(argv=None) -> Path:
     print(f"wrote {out}")
     return out
 
+
+cli = console_script(main)  # the console script (pyproject.toml)
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,7 @@ from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import EngineConfigError
 from pipeline.engine.schedules import add_lr_args, schedule_from_args
 from pipeline.engine.steps import lm_batches, lm_step_record, lm_validation_record, train_step
-from pipeline.job.errors import ArgumentParser, command
+from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.families import ModelFamily
 from pipeline.job.loop import Job, StepResult, apply_sequence_parallel, every, is_rank0, setup, train_loop, when
 from pipeline.job.model_configs import add_model_args, choose_model_config, make_model_config
@@ -141,6 +141,8 @@ def main(argv=None) -> dict:
     metrics.close()
     return last
 
+
+cli = console_script(main)  # the console script (pyproject.toml)
 
 if __name__ == "__main__":
     command(main)()

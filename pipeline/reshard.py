@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command
+from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
 from pipeline.checkpoints.reshard import reshard
 
 
@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     print(f"wrote {out}: resume it at any layout with --load {out}")
     return 0
 
+
+cli = console_script(main)  # the console script (pyproject.toml)
 
 if __name__ == "__main__":
     sys.exit(main())

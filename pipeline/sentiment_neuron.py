@@ -61,5 +61,11 @@ def main(argv=None) -> dict:
     return r
 
 
+
+def cli() -> int:
+    """The console script (pyproject.toml)."""
+    return 0 if main() else 1
+
+
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(cli())

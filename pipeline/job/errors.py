@@ -109,6 +109,17 @@ def command(main: Callable) -> Callable:
     return wrapper
 
 
+def console_script(main: Callable) -> Callable[[], int]:
+    """The entry point of a command's console script (pyproject's ``[project.scripts]``): user errors reported
+    as by ``command``, the result as the exit status (an int is one; a result dict or path means success)."""
+    run = main if hasattr(main, "__wrapped__") else command(main)
+
+    def entry() -> int:
+        result = run()
+        return result if type(result) is int else 0
+    return entry
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (a missing or malformed flag) are user errors like any other: one line
     ``error: <prog>: <what>; see --help``, exit 2, through ``command``'s handler, without the usage block.
