@@ -3,7 +3,7 @@ restarted (weights only, the behaviour before them), against the uninterrupted r
 
     python bench/universal_resume.py [--work DIR]
 
-The transitions, model and configs are those of tests/test_universal.py (fp32, dropout 0, a tiny GPT,
+The transitions, model and configs are those of tests/pipeline/checkpoints/test_universal.py (fp32, dropout 0, a tiny GPT,
 4 steps; resumed from step 2). Prints one line per transition: relative loss differences at steps 3 and 4.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _run_once(work: Path, name: str, make) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default=None, help="directory for the runs, reused when given again (default: a "
-                                                "temporary one); pytest's directory of tests/test_universal.py "
+                                                "temporary one); pytest's directory of tests/pipeline/checkpoints/test_universal.py "
                                                 "(ref_*, resumed_*) works too")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,6 @@ from run_utils import ds_config
 from pipeline.job.files import OutputError, atomic_dir
 from pipeline.pretrain import main
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
          "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
 DS = ds_config(stage=1)

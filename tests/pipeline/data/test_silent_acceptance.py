@@ -1,9 +1,8 @@
 """Nothing is silently accepted: misspelled DeepSpeed keys, non-finite data weights, null texts, partial labels."""
 import json
-from pathlib import Path
 
 import pytest
-from conftest import shared_data
+from conftest import ROOT, shared_data
 
 from finetune.data import read_texts
 from pipeline.data.build import parse_weights
@@ -11,7 +10,6 @@ from pipeline.data.sources import DataSourceError, load_documents, resolve
 from pipeline.engine.ds_keys import unknown_key_errors
 from pipeline.engine.ds_config import EngineConfigError, resolve_ds_config
 
-ROOT = Path(__file__).resolve().parents[1]
 BASE = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
 

@@ -3,7 +3,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,8 @@ from pipeline.checkpoints.checkpoint import CheckpointError
 from pipeline.engine.ds_config import EngineConfigError
 from pipeline.job.errors import InputError, UserError, command, format_user_error
 from pipeline.job.files import atomic_dir, atomic_path, atomic_write_json, atomic_write_text
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @command

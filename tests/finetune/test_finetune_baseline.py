@@ -8,7 +8,7 @@ from conftest import shared_data
 from finetune.data import load_semeval_ec
 from finetune.scoring.metrics import format_comparison, multilabel_scores
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from emotion_baseline import run_baseline  # noqa: E402
 
 

@@ -5,7 +5,6 @@ No timings are asserted here (speed is measured in bench/); these check what the
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,8 @@ from models.gpt import RotaryEmbedding, _rotate_half
 from models.parallel import vocab_parallel_cross_entropy
 from pipeline.engine.ds_config import EngineConfigError
 from pipeline.pretrain import main
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import common  # noqa: E402  (bench/common.py, on the path from here)

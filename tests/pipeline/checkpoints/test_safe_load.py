@@ -21,7 +21,6 @@ from pipeline.checkpoints import checkpoint, safe_load, universal
 from pipeline.pretrain import main
 from pipeline.checkpoints.reshard import reshard
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
          "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
 
