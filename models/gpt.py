@@ -103,8 +103,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin(q.shape[-2], q.device, q.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None):
+        """``positions`` [b, s]: each row's token positions (decoding with a KV cache); default 0..s-1."""
+        if positions is None:
+            cos, sin = self.cos_sin(q.shape[-2], q.device, q.dtype)
+        else:
+            cos, sin = self.cos_sin(int(positions.max()) + 1, q.device, q.dtype)
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -138,7 +143,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        """``cache``: a ``models.kv_cache.LayerCache`` (decoding): the new tokens attend to it and join it."""
         qkv = self.qkv(x)  # the whole sequence (gathered under sequence parallelism)
         b, s, _ = qkv.shape
         q, k, v = qkv.split(self.qkv.local_output_sizes, dim=-1)
@@ -149,7 +155,12 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
-            q, k = self.rotary(q, k)
+            q, k = self.rotary(q, k, None if cache is None else cache.positions)
+        if cache is not None:
+            k, v = cache.update(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask,
+                                               enable_gqa=self.local_kv_heads != self.local_heads)
+            return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
         dropout = self.dropout if self.training else 0.0
         with tensor_parallel_rng() if dropout else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
@@ -192,9 +203,9 @@ class TransformerLayer(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.sequence_parallel = config.sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         sp = self.sequence_parallel
-        x = x + _dropout(self.dropout, self.attention(self.input_norm(x)), sp)
+        x = x + _dropout(self.dropout, self.attention(self.input_norm(x), cache), sp)
         return x + _dropout(self.dropout, self.mlp(self.post_attention_norm(x)), sp)
 
 
@@ -227,8 +238,9 @@ class Embedding(nn.Module):
         split = self.config.sequence_parallel if sequence_split is None else sequence_split
         return parallel_lm_logits(hidden, self.word_embeddings.weight, split)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        s = input_ids.shape[1]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` [b, s]: each row's token positions (decoding with a KV cache); default 0..s-1."""
+        s = input_ids.shape[1] if positions is None else int(positions.max()) + 1
         if s > self.config.max_sequence_length:
             limit = self.config.max_sequence_length
             raise ValueError(f"sequence of {s} tokens is longer than " + (
@@ -237,7 +249,8 @@ class Embedding(nn.Module):
         h = self.word_embeddings(input_ids)  # [b, s / tp, h] under sequence parallelism
         if self.position_embeddings is not None:
             start = tp_rank() * h.shape[1] if self.config.sequence_parallel else 0
-            positions = torch.arange(start, start + h.shape[1], device=input_ids.device)
+            if positions is None:
+                positions = torch.arange(start, start + h.shape[1], device=input_ids.device)
             table = self.position_embeddings.weight
             if self.config.sequence_parallel:
                 table = sequence_parallel_parameter(table)
@@ -309,19 +322,25 @@ class GPT(nn.Module):
             h = gather_from_sequence_parallel_region(h, 1, tensor_parallel_output_grad=False)
         return h
 
-    def _local_hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _local_hidden_states(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
         """Final-normed hidden states: [b, s, h], or this rank's [b, s / tp, h] under sequence parallelism."""
-        h = self.embedding(input_ids)
-        for layer in self.layers:
-            if self.checkpoint_fn is not None and self.training:
+        h = self.embedding(input_ids, None if cache is None else cache.positions)
+        for i, layer in enumerate(self.layers):
+            if cache is not None:
+                h = layer(h, cache.layer(i))
+            elif self.checkpoint_fn is not None and self.training:
                 h = self.checkpoint_fn(layer, h)
             else:
                 h = layer(h)
         return self.final_norm(h)
 
-    def parallel_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits [b, s, padded_vocab / tp]."""
-        h = self._local_hidden_states(input_ids)
+    def parallel_logits(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits [b, s, padded_vocab / tp]. With a ``models.kv_cache.KVCache``
+        (on which ``read`` was called for these tokens): the tokens continue the cached ones, and only the last
+        position's logits [b, 1, padded_vocab / tp] come back (what decoding reads)."""
+        h = self._local_hidden_states(input_ids, cache)
+        if cache is not None:
+            h = h[:, -1:]
         return self.embedding.logits(h) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, label_smoothing: float = 0.0,

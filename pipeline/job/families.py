@@ -37,7 +37,7 @@ class ModelFamily:
     stream_data: bool               # truncated BPTT over contiguous streams (else shuffled packed sequences)
     pipeline_capable: bool          # trains with pipeline parallelism (pipeline/engine/pipe_model.py)
     tensor_parallel_capable: bool
-    # "hf_exporter", "hf_verifier", "scorer", "encoder", "hf_classifier" (a finetuned classifier -> transformers)
+    # "hf_exporter", "hf_verifier", "scorer", "encoder", "decoder", "hf_classifier" (a finetuned classifier -> HF)
     refs: dict[str, str] = field(default_factory=dict)
 
     def get(self, what: str) -> Any:
@@ -105,6 +105,7 @@ register(ModelFamily(
     pipeline_capable=True, tensor_parallel_capable=True,
     refs={"hf_exporter": "pipeline.hf.export:export_gpt", "hf_verifier": "pipeline.hf.export:gpt_logits",
           "scorer": "pipeline.evaluation.lm_scoring.scoring:GPTScorer", "encoder": "finetune.model:GPTEncoder",
+          "decoder": "pipeline.generation.decoders:GPTDecoder",
           "hf_classifier": "finetune.export_hf:classifier_to_hf"}))
 
 register(ModelFamily(
@@ -112,7 +113,8 @@ register(ModelFamily(
     layouts="data parallelism (and ZeRO)", build_module=_build_mlstm, stream_data=True,
     pipeline_capable=False, tensor_parallel_capable=False,
     refs={"hf_exporter": "pipeline.hf.export:export_mlstm", "hf_verifier": "pipeline.hf.export:mlstm_logits",
-          "scorer": "pipeline.evaluation.lm_scoring.scoring:MLSTMScorer", "encoder": "finetune.model:MLSTMEncoder"}))
+          "scorer": "pipeline.evaluation.lm_scoring.scoring:MLSTMScorer", "encoder": "finetune.model:MLSTMEncoder",
+          "decoder": "pipeline.generation.decoders:MLSTMDecoder"}))
 
 
 def family_named(name: str, source: str = "model config") -> ModelFamily:

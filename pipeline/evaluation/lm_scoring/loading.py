@@ -64,7 +64,7 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
     return scorer, info
 
 
-def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1):
+def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1, tokenizer: str | Path | None = None):
     """A project model directory -> (the model with this rank's shards, tokenizer).
 
     Any directory ``pipeline.checkpoints.checkpoint.read_full_checkpoint`` reads: a pretraining run (DeepSpeed
@@ -73,6 +73,7 @@ def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1):
     (pipeline stages are not needed to score); the data-parallel size is what is left of the launched world.
     The model family (``pipeline.job.families``) builds the model, and refuses a TP size it lacks; its scorer is
     ``project_scorer(model)``.
+    ``tokenizer``: a tokenizer directory or .gguf file to use instead of the directory's own.
     Called on every rank after ``pipeline.engine.distributed.init_distributed()``.
     """
     # the parallel state first: reading a checkpoint builds a meta-device model for its ShardSpecs, which
@@ -81,6 +82,7 @@ def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1):
     config, full, tokenizer_dir = read_full_checkpoint(checkpoint_dir, lazy=True)
     family = family_of(config)
     family.check_layout(config, tensor_parallel, 1)
+    tokenizer_dir = tokenizer or tokenizer_dir
     if tokenizer_dir is None:
         raise FileNotFoundError(f"{checkpoint_dir} has no tokenizer; pass --tokenizer")
     return build_filled(family, config, full, str(checkpoint_dir)).eval(), load_hf_tokenizer(tokenizer_dir)
