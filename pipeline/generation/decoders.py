@@ -47,20 +47,21 @@ class GPTDecoder:
 
 class MLSTMDecoder:
     """Each prompt is read alone from a zero state (a padding token would change the state); the rows' states
-    are then stacked and decoded together. The mLSTM reads any length (``max_positions`` None)."""
+    are then stacked and decoded together. The mLSTM reads any length (``max_positions`` None). Without the
+    cache, every row is re-read from a zero state at every step."""
 
     def __init__(self, model, use_cache: bool = True):
         self.model = model
         self.max_positions = None
+        self.use_cache = use_cache
         self.device = next(model.parameters()).device
-        self.state = None
+        self.state = self.rows = None
 
-    @torch.no_grad()
-    def start(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _read_rows(self, rows: list[torch.Tensor]) -> torch.Tensor:
         logits, hs, cs = [], [], []
         with self.model.isolated_state():  # a training stream's carried state survives the sampling
-            for row, keep in zip(ids, mask.bool()):
-                out, (h, c) = self.model(row[keep][None])
+            for row in rows:
+                out, (h, c) = self.model(row[None])
                 logits.append(out[:, -1])
                 hs.append(h)
                 cs.append(c)
@@ -68,7 +69,15 @@ class MLSTMDecoder:
         return torch.cat(logits).float()
 
     @torch.no_grad()
+    def start(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.rows = [row[keep] for row, keep in zip(ids, mask.bool())]
+        return self._read_rows(self.rows)
+
+    @torch.no_grad()
     def next(self, tokens: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        if not self.use_cache:
+            self.rows = [torch.cat([row, t[None]]) for row, t in zip(self.rows, tokens)]
+            return self._read_rows(self.rows)
         with self.model.isolated_state():
             out, self.state = self.model(tokens[:, None], state=self.state)
         return out[:, -1].float()

@@ -40,17 +40,26 @@ def completion_text(tokenizer, g: Generation) -> str:
 
 
 class Streamer:
-    """Prints a row's new text as it grows (the tokens of a single prompt, on rank 0)."""
+    """Prints a row's new text as it grows (the tokens of a single prompt, on rank 0); a character whose bytes
+    have not all come yet (a trailing replacement character) waits for them, or for ``finish``."""
 
     def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out, self.shown = tokenizer, out, ""
+        self.tokenizer, self.out, self.shown, self.text = tokenizer, out, "", ""
 
-    def __call__(self, row: int, new_ids: list[int]) -> None:
-        text = self.tokenizer.tokenizer.decode(new_ids, skip_special_tokens=True)
-        if text.startswith(self.shown):
+    def _show(self, text: str) -> None:
+        if text.startswith(self.shown) and len(text) > len(self.shown):
             self.out.write(text[len(self.shown):])
             self.out.flush()
             self.shown = text
+
+    def __call__(self, row: int, new_ids: list[int]) -> None:
+        self.text = self.tokenizer.tokenizer.decode(new_ids, skip_special_tokens=True)
+        self._show(self.text.rstrip("\ufffd"))
+
+    def finish(self) -> None:
+        self._show(self.text)
+        self.out.write("\n")
+        self.out.flush()
 
 
 def check_args(args) -> None:
@@ -84,7 +93,7 @@ def run_generation(args) -> list[dict]:
                             on_token=stream, progress=is_main and stream is None and not args.quiet)
     elapsed = time.perf_counter() - start
     if stream is not None:
-        print(file=sys.stdout, flush=True)
+        stream.finish()
     records = [{"index": i, "prompt": text, "completion": completion_text(tokenizer, g), "prompt_ids": g.prompt_ids,
                 "new_ids": g.new_ids, "finish_reason": g.finish_reason, "settings": settings.to_dict()}
                for i, (text, g) in enumerate(zip(prompts, results))]
