@@ -196,6 +196,10 @@ def load_semeval_ec(path: str | os.PathLike, labels: Sequence[str] | None = SEME
         text = fields[text_col]
         if not text.strip():
             raise DataFormatError(path, "empty text", line=lineno, column=EC_TEXT_COLUMN)
+        if "\x00" in text:
+            raise DataFormatError(path, f"a NUL byte in the text (at character {text.index(chr(0)) + 1}): the line "
+                                        f"is damaged or binary; remove the NUL byte or the line", line=lineno,
+                                  column=EC_TEXT_COLUMN)
         cells = [fields[c].strip() for c in label_cols]
         if all(cell == EC_UNLABELED for cell in cells):
             if require_labels:
@@ -346,17 +350,32 @@ def load_data(path: str | os.PathLike, **kwargs) -> LabeledTexts:
         return load_semeval_ec(path, **kwargs)
     if header == ["sentence", "label"] and not kwargs:
         return load_sst2(path)
+    if header and not kwargs and "text" not in header:
+        _check_ec_layout(path, header)  # a comma-separated E-c file, or one without its header
     return load_labeled_file(path, **kwargs)
 
 
 def _header_line(path: Path) -> str:
+    """The first line, decoded alone (a bad byte further on is reported at its own line, by the reader)."""
+    if path.is_dir():
+        raise DataFormatError(path, "is a directory; give a data file")
     try:
-        with open(path, encoding="utf-8-sig", newline="") as f:
-            return f.readline().rstrip("\r\n")
+        with open(path, "rb") as f:
+            raw = f.readline()
     except FileNotFoundError:
         raise DataFormatError(path, "no such file") from None
+    try:
+        return raw.decode("utf-8-sig").rstrip("\r\n")
     except UnicodeDecodeError as e:
-        raise DataFormatError(path, f"not UTF-8 ({e.reason})", line=1) from None
+        raise DataFormatError(path, f"not UTF-8 ({e.reason} at byte {e.start} of the line); save it as UTF-8",
+                              line=1) from None
+
+
+def require_rows(data: "LabeledTexts", path, what: str = "texts") -> "LabeledTexts":
+    """Refuse a file that holds a header and nothing else."""
+    if len(data) == 0:
+        raise DataFormatError(path, f"holds no {what} (a header and no rows); give a file with at least one row")
+    return data
 
 
 def from_hf_dataset(dataset, *, text_column: str = "text", id_column: str | None = None,
@@ -570,10 +589,16 @@ def _first_nonblank(path: Path) -> str:
 def read_texts(path: str, label_names, text_column: str | None, id_column: str | None):
     """The file's texts, with the model's label columns when it has them all (else unlabelled)."""
     p = Path(path)
-    if not p.is_file():
+    if not p.is_file() and not p.is_dir():
         raise DataFormatError(p, "no such file")
-    with open(p, encoding="utf-8-sig", errors="replace") as f:
-        header = f.readline().rstrip("\r\n").split("\t")
+    header = _header_line(p).split("\t")
+    if text_column is None and header[:2] != ["ID", "Tweet"] and "text" not in header \
+            and p.suffix.lower() not in _JSON:
+        _check_ec_layout(p, header)
+    return require_rows(_read_texts(p, header, label_names, text_column, id_column), p)
+
+
+def _read_texts(p: Path, header: list[str], label_names, text_column: str | None, id_column: str | None):
     if text_column is None and header[:2] == ["ID", "Tweet"]:
         data = load_semeval_ec(p, labels=None, require_labels=False)
         if data.labels is not None and all(name in data.label_names for name in label_names):
@@ -604,6 +629,13 @@ def _unlabelled(data):
 
 
 def _columns(path: Path) -> list[str]:
+    try:
+        return _first_columns(path)
+    except UnicodeDecodeError as e:
+        raise DataFormatError(path, f"not UTF-8 ({e.reason}); save it as UTF-8") from None
+
+
+def _first_columns(path: Path) -> list[str]:
     suffix = path.suffix.lower()
     if suffix in (".json", ".jsonl", ".ndjson"):
         with open(path, encoding="utf-8") as f:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import finetune.data as data
-from finetune.data import load_data, load_labeled_file, load_semeval_ec
+from finetune.data import load_data, load_labeled_file, load_semeval_ec, require_rows
 from finetune.heads import pos_weight_from_labels
 from finetune.job.args import FinetuneError
 from finetune.saved import CLASSIFIER_FILE
@@ -41,12 +41,12 @@ def load_split(path: str, args, require_labels: bool = True):
     if require_labels and data.labels is None:
         raise FinetuneError(f"{path} has no labels (name the label columns: --label-columns, --label-list-column or "
                             f"--label-column)")
-    return data
+    return require_rows(data, path, "examples")
 
 
 def _is_ec(path) -> bool:
-    with open(path, encoding="utf-8-sig") as f:
-        return f.readline().split("\t")[:2] == ["ID", "Tweet"]
+    with open(path, "rb") as f:  # bytes: a file that is not UTF-8 is reported by its reader, at its line
+        return f.readline().removeprefix(b"\xef\xbb\xbf").split(b"\t")[:2] == [b"ID", b"Tweet"]
 
 
 def _names(spec: str) -> list[str]:

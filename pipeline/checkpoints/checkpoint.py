@@ -149,7 +149,10 @@ def _crash_point(where: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def resolve_tag(load_dir, tag: str | None = None) -> str:
+LOAD_TAG = "with --load-tag"
+
+
+def resolve_tag(load_dir, tag: str | None = None, *, choose: str = LOAD_TAG) -> str:
     load_dir = Path(load_dir)
     if not load_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {load_dir} does not exist")
@@ -159,13 +162,27 @@ def resolve_tag(load_dir, tag: str | None = None) -> str:
             tags = complete_tags(load_dir)
             raise CheckpointError(f"{latest} does not exist: no complete checkpoint in {load_dir}"
                                   + (f" (complete tags: {', '.join(tags)})" if tags else ""))
-        tag = latest.read_text().strip()
+        tag = _read_latest(latest, load_dir)
         source = f"{latest} names"
     else:
         source = "--load-tag"
     _check_inside(load_dir, tag, source)
-    verify(load_dir / tag)
+    verify(load_dir / tag, choose)
     return tag
+
+
+def _read_latest(latest: Path, load_dir: Path) -> str:
+    """The tag ``latest`` names: one line of text, else refused naming the file and the complete tags."""
+    raw = latest.read_bytes()
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\n" in text or "\x00" in text or len(text) > 255:
+        tags = complete_tags(load_dir)
+        raise CheckpointError(f"{latest}: holds {len(raw)} bytes that are not a tag name (it is damaged); write the "
+                              f"tag of a complete checkpoint into it ({', '.join(tags) or 'none in ' + str(load_dir)})")
+    return text
 
 
 def _check_inside(load_dir: Path, tag: str, source: str) -> None:
@@ -182,24 +199,24 @@ def complete_tags(load_dir) -> list[str]:
     return sorted(tags, key=lambda t: int(t.removeprefix("global_step")))
 
 
-def verify(tag_dir: Path) -> dict:
+def verify(tag_dir: Path, choose: str = LOAD_TAG) -> dict:
     """Every file COMPLETE.json lists is there with its size and sha256, and pickles nothing but tensors and
-    DeepSpeed's own types; else refuse, naming the file."""
+    DeepSpeed's own types; else refuse, naming the file. ``choose``: how the command picks another tag."""
     marker = tag_dir / COMPLETE
     others = ", ".join(complete_tags(tag_dir.parent)) or "none"
     if not tag_dir.is_dir():
         raise CheckpointError(f"checkpoint {tag_dir} does not exist (complete checkpoints: {others})")
     if not marker.is_file():
         raise CheckpointError(f"checkpoint {tag_dir} is incomplete (no {COMPLETE}: its save was interrupted); "
-                              f"choose another with --load-tag (complete checkpoints: {others})")
+                              f"choose another {choose} (complete checkpoints: {others})")
     try:
         manifest = json.loads(marker.read_text())
         entries = {name: entry if isinstance(entry, dict) else {"size": entry}  # size-only: saved before sha256
                    for name, entry in manifest["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{marker}: not a valid {COMPLETE} ({e}); choose another checkpoint with --load-tag "
+        raise CheckpointError(f"{marker}: not a valid {COMPLETE} ({e}); choose another checkpoint {choose} "
                               f"(complete checkpoints: {others})") from None
-    damaged = f"; choose another with --load-tag (complete checkpoints: {others})"
+    damaged = f"; choose another {choose} (complete checkpoints: {others})"
     for name, entry in entries.items():
         path = tag_dir / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
@@ -249,7 +266,8 @@ def read_full_model_state(load_dir, tag: str | None = None):
     weights themselves: those runs are read with DeepSpeed's zero_to_fp32 (TP=1 only).
     """
     load_dir = Path(load_dir)
-    tag = resolve_tag(load_dir, tag)
+    # the commands that read a whole model (export_hf, evaluate, finetune --base) take the tag latest names
+    tag = resolve_tag(load_dir, tag, choose=f"by passing {load_dir}/<tag> in place of {load_dir}")
     tag_dir = load_dir / tag
     tokenizer_dir = load_dir / "tokenizer"
     tokenizer_dir = tokenizer_dir if tokenizer_dir.is_dir() else None

@@ -50,5 +50,10 @@ def restore(engine, start: StartPoint, model_config, loader) -> int:
     else:
         step, data_state = checkpoint.restore_after_reshard(engine, start.load_dir, start.tag)
     if data_state is not None:
-        loader.load_state_dict(data_state)
+        try:
+            loader.load_state_dict(data_state)
+        except ValueError as e:  # the loader's own words say what differs
+            raise checkpoint.CheckpointError(
+                f"--load {start.load_dir} ({start.tag}): {e}; resume with the --data, --seq-length, tokenizer and "
+                f"--seed the run was trained with, or start a new run from its weights with a new --save") from None
     return step

@@ -22,6 +22,7 @@ import hashlib
 import os
 import pickle
 import re
+import zipfile
 from pathlib import Path
 
 import torch
@@ -74,10 +75,34 @@ def scan(path: str | Path) -> None:
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception:
-        return  # not a zip-format torch file (legacy format, damage): the weights-only load decides
+        if not zipfile.is_zipfile(path):
+            _check_legacy(path)  # torch's pre-1.6 format: only a weights-only load can tell
+        return  # damage: the weights-only load decides
     bad = set(found) - ALLOWED
     if bad:
         raise _refusal(path, bad)
+
+
+def _check_legacy(path: Path) -> None:
+    try:
+        safe_torch_load(path, map_location="cpu")
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable torch file ({type(e).__name__}: {str(e)[:200]}); replace "
+                              f"it, or convert the model to safetensors") from None
+
+
+def scan_weight_files(directory: str | Path) -> None:
+    """Refuse a Hugging Face model directory whose torch weight files (``pytorch_model*.bin``, what transformers
+    reads when there is no safetensors file) pickle anything beyond tensors, naming the file, before
+    transformers reads them (its refusal does not name the file and suggests ``weights_only=False``)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith("pytorch_model") and path.suffix == ".bin" and path.is_file():
+            scan(path)
 
 
 def safe_torch_load(path: str | Path, map_location=None, **kwargs):

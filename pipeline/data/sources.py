@@ -258,7 +258,8 @@ def _text_only(ds, text_field: str, where: str):
         feature = features[text_field]
         dtype = getattr(feature, "dtype", None)
         if dtype not in ("string", "large_string"):
-            raise DataSourceError(f"{where}: field {text_field!r} holds {feature}, not text")
+            raise DataSourceError(f"{where}: {_first_non_text(ds, text_field)}; make every record's "
+                                  f"{text_field!r} a string (or choose another field with --text-field)")
     _refuse_null_text(ds, text_field, where)
     ds = ds.select_columns([text_field])
     if text_field != "text":
@@ -266,6 +267,38 @@ def _text_only(ds, text_field: str, where: str):
     if features is not None and features[text_field].dtype == "large_string":
         ds = ds.cast_column("text", datasets.Value("string"))
     return ds
+
+
+def _first_non_text(ds, text_field: str) -> str:
+    """What the field holds, and which record first (a loaded dataset; a stream is named by its type only)."""
+    feature = ds.features[text_field]
+    kind = f"{getattr(feature, 'dtype', None) or type(feature).__name__} values"
+    if isinstance(ds, datasets.Dataset):
+        for i, value in enumerate(ds[text_field]):
+            if not isinstance(value, str):
+                return (f"field {text_field!r} holds {kind}, not text: record {i + 1} is {type(value).__name__} "
+                        f"{str(value)[:40]!r}")
+    return f"field {text_field!r} holds {kind}, not text"
+
+
+def _bad_json_line(files) -> str | None:
+    """The first line of a JSON-lines file that is not one JSON value, as 'FILE: line N: ...'."""
+    for path in files:
+        f = _open(path)
+        if f is None:
+            continue
+        with f:
+            if f.read(1 << 16).lstrip()[:1] != b"{":
+                continue  # one JSON document (an array): datasets' own message stands
+            f.seek(0)
+            for n, raw in enumerate(f, 1):
+                try:
+                    if raw.strip():
+                        json.loads(raw)
+                except ValueError as e:
+                    return (f"{path}: line {n}: not one JSON record ({e}); JSON-lines files hold one object a "
+                            f"line: fix or remove the line")
+    return None
 
 
 def _refuse_null_text(ds, text_field: str, where: str) -> None:
@@ -362,7 +395,8 @@ def explain_read_error(error: BaseException, files, where: str) -> Exception:
     """A clear error for a failure while reading ``files``: bad UTF-8 located exactly, else the root cause."""
     if isinstance(error, (DataSourceError, FileNotFoundError)):
         return error
-    bad = find_bad_utf8(files)
+    bad = find_bad_utf8(files) or (_bad_json_line(files) if "Trailing data" in _root_cause(error)
+                                   or "JSON" in _root_cause(error) else None)
     if bad is not None:
         return DataSourceError(bad)
     if "corresponds to no data" in _root_cause(error):  # datasets' words for a split with 0 rows

@@ -21,6 +21,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from pipeline.job.errors import InputError
 from pipeline.job.files import atomic_write_text
 
 from pipeline.data.sources import iter_texts
@@ -277,7 +278,7 @@ def check_same_tokenizer(saved_dir, tokenizer: Tokenizer) -> None:
     """Refuse to resume or evaluate a checkpoint with a tokenizer other than the one it was trained with."""
     saved = load_saved_tokenizer(saved_dir)
     if saved.fingerprint() != tokenizer.fingerprint():
-        raise ValueError(
+        raise InputError(
             f"tokenizer mismatch: {saved_dir} was trained with tokenizer {saved.name!r} (vocab_size "
             f"{saved.vocab_size}, eod_id {saved.eod_id}, fingerprint {saved.fingerprint()[:12]}) but this run "
             f"uses {tokenizer.name!r} (vocab_size {tokenizer.vocab_size}, eod_id {tokenizer.eod_id}, fingerprint "

@@ -14,6 +14,7 @@ from models.config import ConfigError, GPTConfig
 from pipeline.job.files import check_output_dir, refuse_overlap
 from pipeline.hf.convert import (ConversionError, config_from_hf, from_hf, load_hf_config, parallel_sizes, parse_dtype,
                                  resolve_hf_source)
+from pipeline.checkpoints import safe_load
 from pipeline.checkpoints.model_dir import has_tokenizer, write_model_dir
 
 
@@ -38,6 +39,7 @@ def import_hf(model: str | Path, out: str | Path, *, tensor_parallel: int = 1, p
     """Convert a Hugging Face model directory or GGUF file into the project's model directory ``out``."""
     refuse_overlap(out, [("--model", model)])
     source = resolve_hf_source(model, gguf_file)
+    safe_load.scan_weight_files(source.directory)
     config = config_from_hf(load_hf_config(source), str(source))
     check_layout(config, tensor_parallel, pipeline_parallel, str(source))
     check_output_dir(out, force)  # before spending minutes on the weights

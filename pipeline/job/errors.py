@@ -34,9 +34,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
 import re
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 
@@ -93,11 +95,32 @@ def reported_errors(argv: Sequence[str] | None = None) -> Iterator[None]:
     try:
         yield
     except user_error_types() as e:
-        if _is_rank0():
+        rank0 = _is_rank0()
+        if rank0:
             if _debug(argv):
                 traceback.print_exc()
             print(format_user_error(e), file=sys.stderr, flush=True)
+        _leave_launcher_a_line(format_user_error(e), rank0)
         raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def _leave_launcher_a_line(line: str, rank0: bool) -> None:
+    """Under torchrun: the worker's one line in its error file (the agent's failure summary shows it in
+    place of "To enable traceback see ..."), the process group left, and a rank other than 0 waits a moment
+    so that rank 0's line is out before the agent stops the other workers. torchrun itself still raises its
+    ``ChildFailedError`` summary whenever a worker exits non-zero (its ``main`` re-raises it: nothing a worker
+    does avoids that; the deepspeed launcher prints one line instead)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and not os.path.exists(error_file):
+        data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        with contextlib.suppress(OSError):
+            with open(error_file, "w") as f:
+                json.dump(data, f)
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    if not rank0 and os.environ.get("LOCAL_RANK") is not None:
+        time.sleep(1.0)
 
 
 def command(main: Callable) -> Callable:

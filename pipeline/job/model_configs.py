@@ -28,6 +28,12 @@ def read_model_config(spec: str) -> dict:
 def choose_model_config(spec: str | None, model_type: str | None, load_dir: Path | None):
     """(raw config, family) of ``--model-config`` (default: the loaded run's config, else the family's preset),
     checked against ``--model-type``."""
+    if load_dir is not None and not (load_dir / "config.json").is_file():
+        if not load_dir.exists():
+            raise UserError(f"--load {load_dir}: no such directory; give the --save directory of an earlier run")
+        raise UserError(f"--load {load_dir}: not a run directory (no config.json, latest or global_step*/ in it); "
+                        f"give the --save directory of an earlier run, or a model directory (config.json + "
+                        f"model.safetensors, e.g. from pipeline.import_hf)")
     if spec is None:
         spec = (str(load_dir / "config.json") if load_dir is not None
                 else family_named(model_type or "gpt").default_preset)

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models.hf_mlstm  # noqa: F401  (registers the project's mLSTM with the Auto classes, for --hf of its export)
 from models.parallel import initialize_model_parallel
+from pipeline.checkpoints import safe_load
 from pipeline.checkpoints.checkpoint import read_full_checkpoint
 from pipeline.job.errors import InputError
 from pipeline.job.families import family_of
@@ -52,6 +53,7 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     directory, gguf = _split_gguf(Path(path))
+    safe_load.scan_weight_files(directory)
     dev = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=DTYPES[dtype],
                                                  trust_remote_code=trust_remote_code, local_files_only=True)
