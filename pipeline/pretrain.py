@@ -25,6 +25,7 @@ from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import EngineConfigError
 from pipeline.engine.schedules import add_lr_args, schedule_from_args
 from pipeline.engine.steps import lm_batches, lm_step_record, lm_validation_record, train_step
+from pipeline.generation.training import add_sample_args, sample_hooks
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.families import ModelFamily
 from pipeline.job.loop import Job, StepResult, apply_sequence_parallel, every, is_rank0, setup, train_loop, when
@@ -42,8 +43,8 @@ def parse_args(argv=None):
     add_engine_args(p)
     add_data_args(p)
     add_lr_args(p)
-    g = add_checkpoint_args(p)
-    add_run_args(p, g)
+    add_run_args(p, add_checkpoint_args(p))
+    add_sample_args(p)
     return p.parse_args(argv)
 
 
@@ -132,7 +133,7 @@ def main(argv=None) -> dict:
     def save(r: StepResult) -> None:
         checkpoint.save(engine, save_dir, r.step, data_state=train.state_dict(), layout=layout)
 
-    hooks = [every(args.log_interval, log),
+    hooks = [every(args.log_interval, log), *sample_hooks(args, engine, m.tokenizer, job, save_dir),
              every(args.eval_interval if make_valid is not None else None, evaluate),
              when(lambda r: save_dir is not None and (r.last or bool(args.save_interval)
                                                       and r.step % args.save_interval == 0), save)]
