@@ -84,12 +84,13 @@ def run(args) -> dict:
 
     losses, t0 = [], time.perf_counter()
     hooks = loop_hooks(args, engine, data, predict, metrics, schedule, steps_per_epoch, job.global_batch, losses)
-    train_loop(lambda: finetune_step(engine, batches), first=1, last=total_steps, desc="finetune", hooks=hooks)
+    steps = train_loop(lambda: finetune_step(engine, batches), first=1, last=total_steps, desc="finetune",
+                       hooks=hooks)  # fewer than total_steps when a stop signal ended it
     train_seconds = time.perf_counter() - t0
 
     # thresholds, scores, predictions
     result = finish(FinetuneRun(args, base, data, head, engine, predict, save, metrics, settings))
-    result.update(losses=losses, train_seconds=train_seconds, feature_seconds=feature_seconds, steps=total_steps,
+    result.update(losses=losses, train_seconds=train_seconds, feature_seconds=feature_seconds, steps=steps,
                   sequence_parallel=settings["sequence_parallel"],
                   group_lrs=[(g.get("lr_mult", 1.0), g["lr"]) for g in engine.optimizer.param_groups])
     metrics.close()

@@ -14,6 +14,7 @@ from finetune.data import load_data, load_labeled_file, load_semeval_ec, require
 from finetune.heads import pos_weight_from_labels
 from finetune.job.args import FinetuneError
 from finetune.saved import CLASSIFIER_FILE
+from pipeline.job.faults import LOCK_FILE
 from pipeline.job.files import OutputError, refuse_overlap
 
 LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
@@ -121,7 +122,7 @@ def check_save(args) -> None:
     refuse_overlap(args.save, [("--base", args.base), ("--train", args.train), ("--dev", args.dev),
                                ("--test", args.test), ("--tokenizer", args.tokenizer)], "--save")
     save = Path(args.save)
-    if save.is_dir() and any(save.iterdir()):
+    if save.is_dir() and any(p.name != LOCK_FILE for p in save.iterdir()):  # a crashed run's lock: not content
         if not args.force:
             raise OutputError(f"--save {save} is not empty; choose a new directory or pass --force to replace "
                               f"the classifier in it")

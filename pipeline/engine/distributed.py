@@ -1,6 +1,7 @@
 """Process-group start-up for every entry point (deepspeed launcher, torchrun, or one plain process)."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -15,11 +16,13 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: str | None = None) -> None:
+def init_distributed(backend: str | None = None, *, timeout_minutes: float | None = None) -> None:
     """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
 
     A plain ``python -m ...`` run has none of these: it becomes a one-rank group on
     loopback, so the same code path (DeepSpeed engine, groups) runs everywhere.
+    ``timeout_minutes``: how long a collective waits for a dead or stuck rank before it fails (torch's
+    default, 10 minutes for NCCL and 30 for gloo, when None).
     """
     if dist.is_initialized():
         return
@@ -30,7 +33,8 @@ def init_distributed(backend: str | None = None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         _skip_shared_memory_all_reduce()
-    deepspeed.init_distributed(dist_backend=backend or default_backend(), verbose=False)
+    timeout = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
+    deepspeed.init_distributed(dist_backend=backend or default_backend(), verbose=False, **timeout)
 
 
 def _skip_shared_memory_all_reduce() -> None:

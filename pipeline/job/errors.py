@@ -1,6 +1,8 @@
 """User errors and the one top-level handler every command uses.
 
-A user error is reported as one line on stderr, by rank 0 only, and the process exits with code 2:
+A user error is reported as one line on stderr, by rank 0 only, and the process exits with code 2 (a fault of
+the run rather than of its inputs, e.g. ``faults.NonFiniteLossError``, sets ``exit_code = 1``; one that any rank
+may be the only one to see, ``faults.PeerFailure``, sets ``every_rank``):
 
     error: <file/line/field>: <what>; <what to do>
 
@@ -96,12 +98,12 @@ def reported_errors(argv: Sequence[str] | None = None) -> Iterator[None]:
         yield
     except user_error_types() as e:
         rank0 = _is_rank0()
-        if rank0:
+        if rank0 or getattr(e, "every_rank", False):
             if _debug(argv):
                 traceback.print_exc()
             print(format_user_error(e), file=sys.stderr, flush=True)
         _leave_launcher_a_line(format_user_error(e), rank0)
-        raise SystemExit(EXIT_USER_ERROR) from None
+        raise SystemExit(getattr(e, "exit_code", EXIT_USER_ERROR)) from None
 
 
 def _leave_launcher_a_line(line: str, rank0: bool) -> None:

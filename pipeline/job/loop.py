@@ -17,6 +17,7 @@ forward_step)``: ``pipeline/pretrain.py`` and ``finetune/train.py`` are provider
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from pipeline.engine.distributed import init_distributed
 from pipeline.engine.ds_config import (EngineConfigError, load_ds_config, precision, resolve_ds_config,
                                        sequence_parallel_ds_config, zero_stage)
 from pipeline.tracking.metrics import StepTimer, place_monitor_outputs
+from pipeline.job import faults
 from pipeline.job.options import EngineOptions, default_ds_config
 
 
@@ -79,7 +81,7 @@ def setup(options: EngineOptions) -> Job:
                                 "nothing with --tensor-parallel 1; drop it or use --tensor-parallel 2 or more")
     if not options.verbose:
         quiet_deepspeed(False)
-    init_distributed()
+    init_distributed(timeout_minutes=options.distributed_timeout_minutes)
     state = initialize_model_parallel(options.tensor_parallel, options.pipeline_parallel)
     model_parallel_seed(options.seed)
     source = options.deepspeed_config or default_ds_config()
@@ -89,6 +91,8 @@ def setup(options: EngineOptions) -> Job:
                            source=source)
     if options.sequence_parallel:
         sequence_parallel_ds_config(ds, state, source)  # its refusals, before any work
+    faults.configure(options.save, exit_signal_handler=options.exit_signal_handler,
+                     max_bad_steps=options.max_bad_steps, fp16=precision(ds) == "fp16")
     ds = place_monitor_outputs(ds, Path(options.save) if options.save else None)
     return Job(options, state, ds, source)
 
@@ -128,17 +132,44 @@ def when(predicate: Callable[[StepResult], bool], hook: Hook) -> Hook:
 
 
 def train_loop(step_fn: Callable[[], Any], *, first: int, last: int, desc: str,
-               hooks: Sequence[Hook] = ()) -> None:
+               hooks: Sequence[Hook] = ()) -> int:
     """Steps ``first`` .. ``last`` of ``step_fn`` (one optimizer step each), timed, with a progress bar on rank 0;
-    after each step every hook runs, in order."""
+    after each step every hook runs, in order. Returns the last step run.
+
+    The run's ``faults.Guard`` is asked after each step (every rank agrees): a stop signal makes that step the
+    last (``StepResult.last``: the save hooks write a complete checkpoint) and ends the loop; a step with a
+    non-finite loss runs no hook (nothing of its state is saved), and too many of them raise
+    ``NonFiniteLossError``."""
+    guard = faults.current()
     timer = StepTimer()
     bar = tqdm(total=last, initial=first - 1, desc=desc, disable=not is_rank0(), dynamic_ncols=True)
-    for step in range(first, last + 1):
-        timer.start()
+    step = first - 1
+    try:
+        for step in range(first, last + 1):
+            if _run_step(step_fn, step, step == last, hooks, guard, timer, bar):
+                if is_rank0():
+                    bar.write(guard.stopped_message(step, last), file=sys.stderr)
+                break
+    finally:
+        bar.close()  # its line ends before an error's line
+        guard.uninstall()
+    return step
+
+
+def _run_step(step_fn, step: int, last: bool, hooks, guard, timer, bar) -> bool:
+    """One step and its hooks (none when its loss is not finite); whether a stop signal ends the loop here."""
+    timer.start()
+    try:
         out = step_fn()
         seconds = timer.stop()
         bar.update(1)
-        result = StepResult(step, out, seconds, step == last, bar)
-        for hook in hooks:
-            hook(result)
-    bar.close()
+        stop, bad = guard.after_step(step, out)
+        if not bad:
+            result = StepResult(step, out, seconds, last or stop, bar)
+            for hook in hooks:
+                hook(result)
+    except Exception as e:
+        if faults.is_peer_failure(e):
+            raise guard.peer_failure(step, e) from e
+        raise
+    return stop

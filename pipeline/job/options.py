@@ -44,7 +44,20 @@ def add_run_args(parser: argparse.ArgumentParser, group=None, *, log_interval: i
     g.add_argument("--log-interval", type=int, default=log_interval)
     g.add_argument("--verbose", action="store_true", help="DeepSpeed's INFO logs")
     add_debug_arg(g)
+    add_fault_args(g)
     return g
+
+
+def add_fault_args(g) -> None:
+    """What the job does on a stop signal, a non-finite loss, a dead or stuck rank (docs/faults.md)."""
+    g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=True,
+                   help="on SIGTERM or SIGUSR1 to any rank: finish the step, save a checkpoint (with --save), "
+                        "exit 0 (default: on)")
+    g.add_argument("--max-bad-steps", type=int, default=1,
+                   help="stop after this many steps with a NaN/Inf loss, none of them saved (bf16/fp32; fp16 "
+                        "skips them by loss scaling); 0: never stop")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a collective waits for a dead or stuck rank before the job fails (default 10)")
 
 
 # -- setup -------------------------------------------------------------------------------------------------------------
@@ -61,6 +74,9 @@ class EngineOptions:
     seed: int = 1234
     verbose: bool = False
     save: str | None = None  # the run directory: DeepSpeed's monitor writes inside it
+    exit_signal_handler: bool = True  # add_fault_args
+    max_bad_steps: int = 1
+    distributed_timeout_minutes: float | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> EngineOptions:
