@@ -1,0 +1,84 @@
+"""The layout planner: for a model on N GPUs of a named server type, every feasible (TP, PP, DP, ZeRO stage,
+sequence parallelism, recomputation, micro-batch), its memory per GPU and predicted step time, fastest first.
+No GPU is needed (docs/performance.md: the model, its assumptions, its validation).
+
+    python -m pipeline.plan --model-config llama-8b --gpus 64 --hardware h200-dgx --seq-length 4096 \\
+        --global-batch-size 1024 [--tp 8 --pp 1 --zero 1 --recompute selective --micro-batch 1] [--top 10]
+    python -m pipeline.plan --validate       # against Megatron-LM (2019) and the mLSTM paper (2018); exit 1 if off
+    python -m pipeline.plan --list-hardware
+"""
+from __future__ import annotations
+
+from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
+from pipeline.job.files import atomic_write_json, check_output_file
+from pipeline.planning.hardware import profiles
+from pipeline.planning.layouts import DEFAULT_BUCKET
+from pipeline.planning.memory import POLICIES, PRECISION_BYTES
+from pipeline.planning.planner import PlanError, format_plan, format_validation, make_job, rank_layouts
+from pipeline.planning.validation import validation_rows
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m pipeline.plan", description=__doc__)
+    p.add_argument("--model-config", help="a JSON file or a preset of models/configs/ (gpt or mlstm)")
+    p.add_argument("--gpus", type=int, help="how many GPUs")
+    p.add_argument("--hardware", default="h100-dgx", help="a profile of pipeline/planning/hardware.json")
+    p.add_argument("--seq-length", type=int, help="tokens per sequence (default: the config's)")
+    p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step (default: max(gpus, 8))")
+    p.add_argument("--precision", default="bf16", choices=sorted(PRECISION_BYTES))
+    p.add_argument("--sustained-tflops", type=float, help="the matmul rate per GPU (default: the profile's)")
+    p.add_argument("--bucket", type=float, default=DEFAULT_BUCKET, help="DeepSpeed's reduce_bucket_size (elements)")
+    g = p.add_argument_group("pin a part of the layout")
+    g.add_argument("--tp", type=int)
+    g.add_argument("--pp", type=int)
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    g.add_argument("--sp", choices=["on", "off"])
+    g.add_argument("--recompute", choices=POLICIES)
+    g.add_argument("--micro-batch", type=int)
+    p.add_argument("--top", type=int, default=10, help="how many layouts to print")
+    p.add_argument("--json", help="also write the ranked predictions to this file")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file")
+    p.add_argument("--validate", action="store_true", help="the table against the papers; exit 1 if a row is off")
+    p.add_argument("--list-hardware", action="store_true")
+    add_debug_arg(p)
+    return p
+
+
+def pinned_fields(args) -> dict:
+    pinned = {k: getattr(args, k) for k in ("tp", "pp", "zero", "recompute", "micro_batch")
+              if getattr(args, k) is not None}
+    if args.sp is not None:
+        pinned["sp"] = args.sp == "on"
+    return pinned
+
+
+@command
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.list_hardware:
+        for name, d in profiles().items():
+            print(f"{name}: {d['description']}")
+        return 0
+    if args.validate:
+        rows = validation_rows()
+        print(format_validation(rows))
+        return 0 if all(r.ok for r in rows) else 1
+    if args.model_config is None or args.gpus is None:
+        raise PlanError("--model-config and --gpus are required (or --validate, --list-hardware); see --help")
+    if args.json:
+        check_output_file(args.json, args.force, flag="--json")
+    job = make_job(args.model_config, args.gpus, args.hardware, args.seq_length, args.global_batch_size,
+                   args.precision, args.sustained_tflops, args.bucket)
+    feasible, tried = rank_layouts(job, pinned_fields(args))
+    print(format_plan(job, feasible, tried, args.top))
+    if args.json:
+        atomic_write_json(args.json, [{"layout": p.layout.__dict__, "memory_bytes": p.memory, "times_s": p.times,
+                                       "step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu}
+                                      for p in feasible[:args.top]], indent=1)
+    return 0
+
+
+cli = console_script(main)  # the console script (pyproject.toml)
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""The collectives of one optimizer step, analytically, and their time on a link.
+
+Per micro-batch of ``b`` sequences of ``s`` tokens, ``M = b s h`` activation elements:
+
+    TP, per layer:  forward 2 all-reduces of M (Megatron's two g), backward 2 (its two f); full
+                    recomputation repeats the forward's. The embedding adds one in the forward (first stage),
+                    the output layer one in the backward (last stage), the vocab-parallel cross-entropy
+                    all-reduces its per-token max and sums (b s fp32 values, twice).
+    TP + SP:        each all-reduce becomes an all-gather (out M) or a reduce-scatter (in M); the backward
+                    all-gathers the two column-parallel inputs again for the weight gradients.
+    PP:             per micro-batch and stage boundary a send of the activation (M, or M/t under SP) forward
+                    and of its gradient backward.
+    DP:             ZeRO-0 all-reduces the gradients once per step; ZeRO-1/2 reduce-scatter them every
+                    micro-batch and all-gather the updated weights once; ZeRO-3 all-gathers the weights in
+                    every forward and backward and reduce-scatters the gradients every micro-batch.
+
+A ring over ``n`` ranks sends ``2 (n-1)/n`` of the message per rank for an all-reduce and ``(n-1)/n`` for an
+all-gather or reduce-scatter, in ``2 (n-1)`` or ``n-1`` steps of the link's latency.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Link
+
+
+@dataclass(frozen=True)
+class Collective:
+    group: str          # "tp", "pp", "dp"
+    op: str             # "all_reduce", "all_gather", "reduce_scatter", "send"
+    what: str
+    bytes: float        # the message: the all-reduced tensor, the gathered output, the scattered input
+    count: float        # per optimizer step, on one GPU
+    per: str = "step"   # "micro-batch-layer", "micro-batch", "step": what the time model repeats it over
+
+    @property
+    def total_bytes(self) -> float:
+        return self.bytes * self.count
+
+
+def ring_time(op: str, nbytes: float, n: int, link: Link) -> float:
+    if op == "send":
+        return nbytes / link.bytes_per_s + link.latency_s
+    if n <= 1:
+        return 0.0
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    return steps / n * nbytes / link.bytes_per_s + steps * link.latency_s
+
+
+def tp_collectives(b: int, s: int, h: int, act_bytes: int, layers: int, micro_batches: int, sp: bool,
+                   recompute_full: bool, first_stage: bool = True, last_stage: bool = True) -> list[Collective]:
+    """TP collectives of one step on one GPU of a stage holding ``layers`` layers."""
+    M = b * s * h * act_bytes
+    n = layers * micro_batches
+    fwd_passes = 2 if recompute_full else 1
+    out = []
+    if sp:
+        out += [Collective("tp", "all_gather", "layer inputs to QKV and MLP (forward)", M, 2 * fwd_passes * n),
+                Collective("tp", "reduce_scatter", "attention and MLP outputs (forward)", M, 2 * fwd_passes * n),
+                Collective("tp", "reduce_scatter", "input gradients of QKV and MLP (backward)", M, 2 * n),
+                Collective("tp", "all_gather", "output gradients (backward)", M, 2 * n),
+                Collective("tp", "all_gather", "QKV and MLP inputs again for the weight gradients", M, 2 * n)]
+    else:
+        out += [Collective("tp", "all_reduce", "attention and MLP outputs (forward g)", M, 2 * fwd_passes * n),
+                Collective("tp", "all_reduce", "input gradients (backward f)", M, 2 * n)]
+    if first_stage:
+        out.append(Collective("tp", "reduce_scatter" if sp else "all_reduce", "vocab-parallel embedding",
+                              M, micro_batches))
+    if last_stage:
+        if sp:
+            out += [Collective("tp", "all_gather", "hidden states into the output layer", M, micro_batches),
+                    Collective("tp", "reduce_scatter", "their gradient", M, micro_batches)]
+        else:
+            out.append(Collective("tp", "all_reduce", "output layer input gradient", M, micro_batches))
+        out.append(Collective("tp", "all_reduce", "cross-entropy max and sums (fp32)", 4 * b * s,
+                              2 * micro_batches))
+    return out
+
+
+def pp_collectives(b: int, s: int, h: int, act_bytes: int, micro_batches: int, tp: int, sp: bool,
+                   stages: int) -> list[Collective]:
+    """Sends of one step on one GPU of a middle stage (both directions)."""
+    if stages <= 1:
+        return []
+    M = b * s * h * act_bytes / (tp if sp else 1)
+    return [Collective("pp", "send", "activations forward", M, micro_batches),
+            Collective("pp", "send", "their gradients backward", M, micro_batches)]
+
+
+def dp_collectives(psi: float, zero: int, micro_batches: int, weight_bytes: int, grad_bytes: int,
+                   dp: int) -> list[Collective]:
+    """Data-parallel collectives of one step on one GPU holding ``psi`` parameters (after TP and PP)."""
+    if dp <= 1:
+        return []
+    if zero == 0:
+        return [Collective("dp", "all_reduce", "gradients", psi * grad_bytes, 1)]
+    if zero in (1, 2):
+        return [Collective("dp", "reduce_scatter", "gradients", psi * grad_bytes, micro_batches),
+                Collective("dp", "all_gather", "updated weights", psi * weight_bytes, 1)]
+    return [Collective("dp", "all_gather", "weights (forward)", psi * weight_bytes, micro_batches),
+            Collective("dp", "all_gather", "weights (backward)", psi * weight_bytes, micro_batches),
+            Collective("dp", "reduce_scatter", "gradients", psi * grad_bytes, micro_batches)]

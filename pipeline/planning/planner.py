@@ -1,0 +1,108 @@
+"""What ``python -m pipeline.plan`` does: read the model, check what the user pinned, rank the layouts that fit,
+and format the table (or the validation against the papers)."""
+from __future__ import annotations
+
+from pipeline.job.errors import UserError
+from pipeline.job.families import family_of_dict
+from pipeline.job.model_configs import read_model_config
+
+from .hardware import hardware
+from .layouts import Job, Prediction, candidate_layouts, divisors, fits, predict
+from .shapes import ModelShape, model_shape
+from .validation import Row
+
+GIB = 2**30
+
+
+class PlanError(UserError, ValueError):
+    pass
+
+
+def load_shape(spec: str, seq: int | None) -> ModelShape:
+    raw = read_model_config(spec)
+    source = raw.pop("_source")
+    family = family_of_dict(raw, source)
+    if seq is not None:
+        raw["seq_length"] = seq
+        if family.name == "gpt":
+            raw["max_position_embeddings"] = max(seq, raw.get("max_position_embeddings", seq))
+    return model_shape(family.config_class.from_dict(raw, source=source), spec, seq)
+
+
+def check_pinned(job: Job, pinned: dict) -> None:
+    """One line for a pinned size that cannot work, before any search."""
+    m, n = job.model, job.gpus
+    for flag in ("tp", "pp"):
+        v = pinned.get(flag)
+        if v is not None and (v < 1 or n % v):
+            raise PlanError(f"--{flag} {v}: does not divide --gpus {n}; choose one of "
+                            f"{', '.join(map(str, divisors(n)))}")
+    tp, pp = pinned.get("tp", 1), pinned.get("pp", 1)
+    if n % (tp * pp):
+        raise PlanError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {n}; choose sizes whose "
+                        f"product divides {n}")
+    if m.kind == "gpt":
+        for name, value in (("num_heads", m.heads), ("num_kv_heads", m.kv_heads), ("ffn_hidden_size", m.ffn)):
+            if value % tp:
+                raise PlanError(f"--tp {tp}: {name} {value} of {m.name} is not divisible by {tp}; choose a "
+                                f"TP size that divides it")
+    if pp > m.layers:
+        raise PlanError(f"--pp {pp}: more stages than the {m.layers} layers of {m.name}; choose --pp <= {m.layers}")
+    dp = n // (tp * pp)
+    if "tp" in pinned and "pp" in pinned and job.global_batch % dp:
+        raise PlanError(f"--global-batch-size {job.global_batch}: not divisible by the {dp} data-parallel "
+                        f"replicas of TP {tp} x PP {pp} on {n} GPUs; choose a multiple of {dp}")
+
+
+def rank_layouts(job: Job, pinned: dict) -> tuple[list[Prediction], int]:
+    """(the predictions of the layouts that fit, fastest first; how many were tried)."""
+    check_pinned(job, pinned)
+    candidates = candidate_layouts(job, pinned)
+    if not candidates:
+        raise PlanError(f"--gpus {job.gpus}, --global-batch-size {job.global_batch}: no layout of {job.model.name} "
+                        f"divides them (with the sizes pinned); choose a batch that is a multiple of the GPU count")
+    preds = [predict(job, lay) for lay in candidates]
+    feasible = sorted((p for p in preds if fits(job, p)), key=lambda p: (round(p.step_s, 6), p.memory_total))
+    if not feasible:
+        least = min(preds, key=lambda p: p.memory_total)
+        raise PlanError(f"{job.model.name}: no layout fits in {job.hardware.hbm_bytes / GIB:.0f} GiB per GPU of "
+                        f"{job.hardware.name} on {job.gpus} GPUs; the smallest, {least.layout.label()}, needs "
+                        f"{least.memory_total / GIB:.1f} GiB; use more GPUs, a shorter sequence or a larger GPU")
+    return feasible, len(candidates)
+
+
+def format_plan(job: Job, feasible: list[Prediction], tried: int, top: int) -> str:
+    m, hw = job.model, job.hardware
+    lines = [f"# {m.name}: {m.params / 1e9:.2f}B parameters, {m.seq} tokens x {job.global_batch} sequences per step, "
+             f"{job.precision}, on {job.gpus} x {hw.name} ({hw.description}); {len(feasible)} of {tried} layouts fit",
+             f"# matmuls at {hw.sustained_flops / 1e12:.0f} TFLOP/s per GPU (peak {hw.peak_flops / 1e12:.0f}); "
+             f"memory: weights + gradients + optimizer + activations, GiB per GPU of the fullest stage",
+             "| rank | layout | memory GiB (w + g + o + act) | step s | compute | TP comm | PP comm | bubble | "
+             "DP exposed | tokens/s | MFU |", "| --- " * 11 + "|"]
+    for i, p in enumerate(feasible[:top], 1):
+        mem, t = p.memory, p.times
+        lines.append(f"| {i} | {p.layout.label()} | {p.memory_total / GIB:.1f} ({mem['weights'] / GIB:.1f} + "
+                     f"{mem['gradients'] / GIB:.1f} + {mem['optimizer'] / GIB:.1f} + {mem['activations'] / GIB:.1f}) "
+                     f"| {p.step_s:.3f} | {t['compute']:.3f} | {t['tp_comm']:.3f} | {t['pp_comm']:.3f} | "
+                     f"{t['bubble']:.3f} | {t['dp_exposed']:.3f} | {p.tokens_per_s:,.0f} | {100 * p.mfu:.1f}% |")
+    return "\n".join(lines)
+
+
+def format_validation(rows: list[Row]) -> str:
+    lines = ["| published result | published | predicted | difference | tolerance | within |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r.name} | {r.published:.1f}{r.unit} | {r.predicted:.1f}{r.unit} | {r.difference:+.1f}"
+                     f"{r.unit} | +-{r.tolerance:.1f}{r.unit} | {'yes' if r.ok else 'NO'} |")
+    return "\n".join(lines)
+
+
+def make_job(spec: str, gpus: int, hardware_name: str, seq: int | None, global_batch: int | None,
+             precision: str, sustained_tflops: float | None, bucket: float) -> Job:
+    if gpus < 1:
+        raise PlanError(f"--gpus {gpus}: must be at least 1")
+    hw = hardware(hardware_name).with_sustained(sustained_tflops)
+    shape = load_shape(spec, seq)
+    batch = global_batch or max(gpus, 8)
+    return Job(shape, hw, gpus=gpus, global_batch=batch, precision=precision, bucket=bucket,
+               overlap_dp=shape.kind == "gpt")

@@ -1,0 +1,87 @@
+"""What the planner needs of a model: its parameters by where they live and its FLOPs per token.
+
+Built from the project's own config classes (``models.GPTConfig``, ``models.MLSTMConfig``), so that a preset or
+a JSON file plans exactly what ``pipeline.pretrain`` would build (the vocabulary padded as the model pads it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models import GPTConfig, MLSTMConfig
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    kind: str                 # "gpt" or "mlstm"
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int                # padded, as the model allocates it
+    seq: int
+    gated_mlp: bool           # SwiGLU (llama): three matrices, two [s, b, f] inputs saved
+    hidden_dropout: bool
+    attention_dropout: bool
+    layer_params: int         # one transformer layer (or one mLSTM layer)
+    embedding_params: int     # the input side: token (and position) embeddings
+    head_params: int          # the output layer when it is not tied (else 0), final norm included
+    flops_per_token: float    # training, forward + backward, no recomputation (PaLM's count)
+    attention_flops_per_token: float  # of which the scores and values (recomputed by the selective policy)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params + self.head_params
+
+    def stage_params(self, tp: int, pp: int) -> float:
+        """Parameters on one GPU of the fullest pipeline stage (the first, or the last when the output layer
+        is heavier); TP splits matrices and embeddings (norms and biases are counted as split too)."""
+        per_stage = -(-self.layers // pp) * self.layer_params
+        if pp == 1:
+            return (per_stage + self.embedding_params + self.head_params) / tp
+        tied_copy = self.embedding_params if self.head_params < self.hidden * self.vocab else 0
+        last = per_stage + max(self.head_params, tied_copy)
+        return max(per_stage + self.embedding_params, last) / tp
+
+
+def gpt_shape(c: GPTConfig, name: str = "gpt", seq: int | None = None) -> ModelShape:
+    s = seq or c.seq_length
+    vocab = _pad(c.vocab_size, c.make_vocab_size_divisible_by)
+    q = c.num_heads * c.head_dim
+    full = c.num_parameters()
+    embedding = vocab * c.hidden_size + (c.max_position_embeddings * c.hidden_size if c.variant == "gpt2" else 0)
+    final_norm = (2 if c.variant == "gpt2" else 1) * c.hidden_size
+    head = (0 if c.tie_embeddings else vocab * c.hidden_size) + final_norm
+    unpadded_rest = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
+    layer = (full - unpadded_rest - (embedding - vocab * c.hidden_size) - final_norm) // c.num_layers
+    return ModelShape(
+        name=name, kind="gpt", hidden=c.hidden_size, layers=c.num_layers, heads=c.num_heads,
+        kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn=c.ffn_hidden_size, vocab=vocab, seq=s,
+        gated_mlp=c.variant == "llama", hidden_dropout=c.hidden_dropout > 0,
+        attention_dropout=c.attention_dropout > 0, layer_params=layer, embedding_params=embedding,
+        head_params=head, flops_per_token=c.flops_per_token(s),
+        attention_flops_per_token=12.0 * c.num_layers * q * s)
+
+
+def mlstm_shape(c: MLSTMConfig, name: str = "mlstm", seq: int | None = None) -> ModelShape:
+    full = c.num_parameters()
+    head = c.hidden_size * c.vocab_size + c.vocab_size
+    embedding = c.vocab_size * c.embed_dim
+    return ModelShape(
+        name=name, kind="mlstm", hidden=c.hidden_size, layers=c.num_layers, heads=1, kv_heads=1,
+        head_dim=c.hidden_size, ffn=0, vocab=c.vocab_size, seq=seq or c.seq_length, gated_mlp=False,
+        hidden_dropout=c.dropout > 0, attention_dropout=False,
+        layer_params=(full - head - embedding) // c.num_layers, embedding_params=embedding, head_params=head,
+        flops_per_token=c.flops_per_token(), attention_flops_per_token=0.0)
+
+
+def model_shape(config, name: str, seq: int | None = None) -> ModelShape:
+    if isinstance(config, MLSTMConfig):
+        return mlstm_shape(config, name, seq)
+    return gpt_shape(config, name, seq)
