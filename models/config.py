@@ -136,8 +136,10 @@ class GPTConfig:
         """The longest sequence the model computes: its positions, and a sliding window if it has one."""
         return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
-    def check_parallel(self, tensor_parallel: int, pipeline_parallel: int = 1) -> None:
+    def check_parallel(self, tensor_parallel: int, pipeline_parallel: int = 1, context_parallel: int = 1) -> None:
         """Raise ConfigError if the model cannot be split this way."""
+        if context_parallel > 1:
+            self.check_context_parallel(tensor_parallel, context_parallel)
         checks = [("num_heads", self.num_heads, tensor_parallel, "tensor-parallel size"),
                   ("num_kv_heads", self.num_kv_heads, tensor_parallel, "tensor-parallel size"),
                   ("ffn_hidden_size", self.ffn_hidden_size, tensor_parallel, "tensor-parallel size")]
@@ -153,6 +155,21 @@ class GPTConfig:
         if pipeline_parallel > self.num_layers:
             raise ConfigError(f"pipeline_parallel={pipeline_parallel} is more than num_layers {self.num_layers}: "
                               f"every pipeline stage needs at least one transformer layer")
+
+    def check_context_parallel(self, tensor_parallel: int, context_parallel: int) -> None:
+        """Context parallelism (DeepSpeed-Ulysses) splits the sequence into ``context_parallel`` chunks (each split
+        again by TP under sequence parallelism) and each TP rank's heads across the context group."""
+        where = f"invalid model config for context_parallel={context_parallel}, tensor_parallel={tensor_parallel}"
+        chunks = context_parallel * (tensor_parallel if self.sequence_parallel else 1)
+        if self.seq_length % chunks:
+            what = (f"context_parallel x tensor_parallel = {chunks} (sequence parallelism)"
+                    if chunks != context_parallel else f"context_parallel {context_parallel}")
+            raise ConfigError(f"{where}: seq_length {self.seq_length} is not divisible by {what}; choose a "
+                              f"--seq-length that is a multiple of {chunks}")
+        if self.num_heads % tensor_parallel == 0 and (self.num_heads // tensor_parallel) % context_parallel:
+            raise ConfigError(f"{where}: the {self.num_heads // tensor_parallel} attention heads of each tensor-"
+                              f"parallel rank are not divisible by context_parallel {context_parallel}; choose a "
+                              f"context-parallel size that divides num_heads / tensor_parallel")
 
     # -- (de)serialisation ----------------------------------------------------
     def to_dict(self) -> dict:

@@ -29,11 +29,12 @@ from torch import nn
 
 from .config import GPTConfig
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, RowParallelLinear, SequenceParallelLayerNorm,
-                       SequenceParallelRMSNorm, VocabParallelEmbedding, copy_to_tensor_parallel_region,
-                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
-                       mark_sequence_parallel, normal_init, sequence_gather_linear, sequence_parallel_parameter,
-                       tensor_parallel_rng, tp_rank, tp_world_size, vocab_parallel_cross_entropy,
-                       vocab_parallel_parameter)
+                       SequenceParallelRMSNorm, UlyssesAttention, VocabParallelEmbedding, chunk_start, context_chunk,
+                       copy_to_tensor_parallel_region, cp_world_size, gather_from_context_parallel_region,
+                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region, global_count,
+                       mark_sequence_parallel, normal_init, reduce_from_context_parallel_region,
+                       sequence_gather_linear, sequence_parallel_parameter, tensor_parallel_rng, tp_rank,
+                       tp_world_size, vocab_parallel_cross_entropy, vocab_parallel_parameter)
 
 
 @contextlib.contextmanager
@@ -142,6 +143,16 @@ class Attention(nn.Module):
             self.k_norm = HeadRMSNorm(d, eps=config.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # context parallelism: DeepSpeed-Ulysses around the same core (models/parallel/context.py)
+        self.context = (UlyssesAttention(self._core, self.local_heads, self.local_kv_heads)
+                        if cp_world_size() > 1 else None)
+
+    def _core(self, q, k, v):
+        """Causal attention of [b, heads, s, d] queries, keys and values over the whole sequence."""
+        dropout = self.dropout if self.training else 0.0
+        with tensor_parallel_rng() if dropout else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """``cache``: a ``models.kv_cache.LayerCache`` (decoding): the new tokens attend to it and join it."""
@@ -154,17 +165,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        if self.rotary is not None:
-            q, k = self.rotary(q, k, None if cache is None else cache.positions)
+        if self.rotary is not None:  # under context parallelism: the global positions of this rank's chunk
+            positions = cache.positions if cache is not None else (
+                None if self.context is None else torch.arange(s, device=q.device)[None] + chunk_start(s))
+            q, k = self.rotary(q, k, positions)
         if cache is not None:
             k, v = cache.update(k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask,
                                                enable_gqa=self.local_kv_heads != self.local_heads)
             return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
-        dropout = self.dropout if self.training else 0.0
-        with tensor_parallel_rng() if dropout else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                               enable_gqa=self.local_kv_heads != self.local_heads)
+        if self.context is not None:
+            return self.dense(self.context(q, k, v).reshape(b, s, self.local_heads * self.head_dim))
+        y = self._core(q, k, v)
         return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
@@ -246,9 +258,11 @@ class Embedding(nn.Module):
             raise ValueError(f"sequence of {s} tokens is longer than " + (
                 f"max_position_embeddings {limit}" if limit == self.config.max_position_embeddings else
                 f"sliding_window {limit} (full causal attention equals it only within the window)"))
-        h = self.word_embeddings(input_ids)  # [b, s / tp, h] under sequence parallelism
+        if positions is None:
+            input_ids = context_chunk(input_ids)  # this rank's [b, s / cp] under context parallelism
+        h = self.word_embeddings(input_ids)  # [b, s / cp / tp, h] under sequence parallelism
         if self.position_embeddings is not None:
-            start = tp_rank() * h.shape[1] if self.config.sequence_parallel else 0
+            start = chunk_start(input_ids.shape[1]) + (tp_rank() * h.shape[1] if self.config.sequence_parallel else 0)
             if positions is None:
                 positions = torch.arange(start, start + h.shape[1], device=input_ids.device)
             table = self.position_embeddings.weight
@@ -297,6 +311,24 @@ def gather_vocab_logits(local_logits: torch.Tensor, vocab_size: int) -> torch.Te
     return gather_from_tensor_parallel_region(local_logits)[..., :vocab_size]
 
 
+def context_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                                   label_smoothing: float = 0.0, reduction: str = "mean") -> torch.Tensor:
+    """The loss of this rank's chunk ([b, s/C, V/tp] logits, the whole [b, s] labels) as one process computes it
+    over the whole sequence: the chunks' sums added over the context group, divided by the whole sequence's count
+    of scored tokens; each rank's gradient is its own tokens' (``models/parallel/context.py``)."""
+    labels = context_chunk(labels)
+    loss = vocab_parallel_cross_entropy(logits, labels, vocab_size=vocab_size, label_smoothing=label_smoothing,
+                                        reduction="none")
+    if reduction == "none":
+        return gather_from_context_parallel_region(loss)
+    total = reduce_from_context_parallel_region(loss.sum())
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / global_count(labels != -100).clamp(min=1)
+    raise ValueError(f"unknown reduction {reduction!r}")
+
+
 class GPT(nn.Module):
     """``init_seed`` fixes the initial weights (each stage draws from ``init_seed + its index``);
     without it one seed is drawn from the default RNG."""
@@ -320,7 +352,7 @@ class GPT(nn.Module):
         h = self._local_hidden_states(input_ids)
         if self.config.sequence_parallel:
             h = gather_from_sequence_parallel_region(h, 1, tensor_parallel_output_grad=False)
-        return h
+        return gather_from_context_parallel_region(h)
 
     def _local_hidden_states(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
         """Final-normed hidden states: [b, s, h], or this rank's [b, s / tp, h] under sequence parallelism."""
@@ -338,6 +370,8 @@ class GPT(nn.Module):
         """This rank's vocabulary slice of the logits [b, s, padded_vocab / tp]. With a ``models.kv_cache.KVCache``
         (on which ``read`` was called for these tokens): the tokens continue the cached ones, and only the last
         position's logits [b, 1, padded_vocab / tp] come back (what decoding reads)."""
+        if cache is not None and cp_world_size() > 1:
+            raise ValueError("decoding with a KV cache is not implemented under context parallelism")
         h = self._local_hidden_states(input_ids, cache)
         if cache is not None:
             h = h[:, -1:]
@@ -348,7 +382,9 @@ class GPT(nn.Module):
         """Full logits [b, s, vocab] without labels; the cross-entropy with (shifted) labels."""
         logits = self.parallel_logits(input_ids)
         if labels is None:
-            return gather_vocab_logits(logits, self.config.vocab_size)
+            return gather_from_context_parallel_region(gather_vocab_logits(logits, self.config.vocab_size))
+        if cp_world_size() > 1:
+            return context_parallel_cross_entropy(logits, labels, self.config.vocab_size, label_smoothing, reduction)
         return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.config.vocab_size,
                                             label_smoothing=label_smoothing, reduction=reduction)
 

@@ -1,4 +1,7 @@
-"""Megatron-LM tensor-parallel primitives (2019) and sequence parallelism (2022). Nothing here knows about any model."""
+"""Megatron-LM tensor-parallel primitives (2019), sequence parallelism (2022) and context parallelism
+(DeepSpeed-Ulysses, 2023). Nothing here knows about any model."""
+from .context import (UlyssesAttention, chunk_start, context_chunk, gather_from_context_parallel_region, global_count,
+                      reduce_from_context_parallel_region)
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, normal_init,
                      sequence_gather_linear, sharded_parameter, vocab_parallel_parameter)
@@ -11,7 +14,7 @@ from .random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed, te
 from .sharding import (ShardSpec, divide, full_state_dict, gather_full, get_shard_spec, is_sequence_parallel,
                        mark_sequence_parallel, padded_size)
 from .state import (ParallelConfigError, ParallelState, destroy_model_parallel, get_parallel_state,
-                    initialize_model_parallel, tp_group, tp_rank, tp_world_size)
+                    cp_group, cp_rank, cp_world_size, initialize_model_parallel, tp_group, tp_rank, tp_world_size)
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "normal_init", "sharded_parameter",
@@ -27,4 +30,6 @@ __all__ = [
     "ShardSpec", "divide", "full_state_dict", "gather_full", "get_shard_spec", "padded_size",
     "ParallelConfigError", "ParallelState", "initialize_model_parallel", "get_parallel_state",
     "destroy_model_parallel", "tp_group", "tp_rank", "tp_world_size",
+    "UlyssesAttention", "chunk_start", "context_chunk", "gather_from_context_parallel_region", "global_count",
+    "reduce_from_context_parallel_region", "cp_group", "cp_rank", "cp_world_size",
 ]
