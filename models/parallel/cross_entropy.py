@@ -11,12 +11,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .state import tp_group, tp_rank, tp_world_size
 
 
 def _all_reduce(x, op=dist.ReduceOp.SUM):
     if tp_world_size() > 1:
-        dist.all_reduce(x, op=op, group=tp_group())
+        collectives.all_reduce(x, tp_group(), op=op)
     return x
 
 

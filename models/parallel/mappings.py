@@ -12,17 +12,14 @@ all-gather): same communication volume, activations split by TP in between.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-
+from . import collectives
 from .state import tp_group, tp_rank, tp_world_size
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     if tp_world_size() == 1:
         return x
-    x = x.contiguous()
-    dist.all_reduce(x, group=tp_group())
-    return x
+    return collectives.all_reduce(x.contiguous(), tp_group())
 
 
 def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +37,7 @@ def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=tp_group())
+    collectives.all_gather_list(parts, x, tp_group())
     return torch.cat(parts, dim=-1)
 
 
@@ -124,7 +121,7 @@ def gather_along(x: torch.Tensor, dim: int) -> torch.Tensor:
         return x
     local = x.movedim(dim, 0).contiguous()  # the collective joins along the leading dimension
     out = local.new_empty((world * local.shape[0], *local.shape[1:]))
-    dist.all_gather_single(out, local, group=tp_group())
+    collectives.all_gather_into(out, local, tp_group())
     return out.movedim(0, dim).contiguous()
 
 
@@ -138,7 +135,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int) -> torch.Tensor:
                          f"size {world}")
     full = x.movedim(dim, 0).contiguous()
     out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
-    dist.reduce_scatter_single(out, full, group=tp_group())
+    collectives.reduce_scatter_into(out, full, tp_group())
     return out.movedim(0, dim).contiguous()
 
 
@@ -147,7 +144,7 @@ def all_reduce_fp32(x: torch.Tensor) -> torch.Tensor:
     if tp_world_size() == 1:
         return x
     acc = x.float().contiguous() if x.dtype != torch.float32 else x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(acc, group=tp_group())
+    collectives.all_reduce(acc, tp_group())
     return acc.to(x.dtype)
 
 

@@ -48,32 +48,43 @@ def ring_time(op: str, nbytes: float, n: int, link: Link) -> float:
 
 
 def tp_collectives(b: int, s: int, h: int, act_bytes: int, layers: int, micro_batches: int, sp: bool,
-                   recompute_full: bool, first_stage: bool = True, last_stage: bool = True) -> list[Collective]:
-    """TP collectives of one step on one GPU of a stage holding ``layers`` layers."""
+                   recompute_full: bool, first_stage: bool = True, last_stage: bool = True,
+                   sp_param_grads: tuple[tuple[int, int], ...] = ()) -> list[Collective]:
+    """TP collectives of one step on one GPU of a stage holding ``layers`` layers. An all-gather's ``bytes`` is
+    its gathered output (DeepSpeed's comms logger records the local chunk, ``bytes / t``). ``sp_param_grads``:
+    (elements, count per micro-batch) of the replicated parameters whose fp32 gradients SP sums over TP
+    (norms, row-parallel biases, gpt2's positions): beyond the minimum."""
     M = b * s * h * act_bytes
     n = layers * micro_batches
     fwd_passes = 2 if recompute_full else 1
     out = []
     if sp:
-        out += [Collective("tp", "all_gather", "layer inputs to QKV and MLP (forward)", M, 2 * fwd_passes * n),
+        out += [Collective("tp", "all_gather", "QKV and MLP inputs (forward)", M, 2 * fwd_passes * n),
                 Collective("tp", "reduce_scatter", "attention and MLP outputs (forward)", M, 2 * fwd_passes * n),
                 Collective("tp", "reduce_scatter", "input gradients of QKV and MLP (backward)", M, 2 * n),
-                Collective("tp", "all_gather", "output gradients (backward)", M, 2 * n),
+                Collective("tp", "all_gather", "output gradients of the row-parallel layers (backward)", M, 2 * n),
                 Collective("tp", "all_gather", "QKV and MLP inputs again for the weight gradients", M, 2 * n)]
     else:
         out += [Collective("tp", "all_reduce", "attention and MLP outputs (forward g)", M, 2 * fwd_passes * n),
                 Collective("tp", "all_reduce", "input gradients (backward f)", M, 2 * n)]
     if first_stage:
-        out.append(Collective("tp", "reduce_scatter" if sp else "all_reduce", "vocab-parallel embedding",
+        out.append(Collective("tp", "reduce_scatter" if sp else "all_reduce", "vocab-parallel embedding (forward)",
                               M, micro_batches))
+        if sp:
+            out.append(Collective("tp", "all_gather", "its gradient (backward)", M, micro_batches))
     if last_stage:
         if sp:
-            out += [Collective("tp", "all_gather", "hidden states into the output layer", M, micro_batches),
+            out += [Collective("tp", "all_gather", "hidden states into the output layer, forward and again in the "
+                               "backward", M, 2 * micro_batches),
                     Collective("tp", "reduce_scatter", "their gradient", M, micro_batches)]
         else:
-            out.append(Collective("tp", "all_reduce", "output layer input gradient", M, micro_batches))
-        out.append(Collective("tp", "all_reduce", "cross-entropy max and sums (fp32)", 4 * b * s,
-                              2 * micro_batches))
+            out.append(Collective("tp", "all_reduce", "output layer input gradient (backward f)", M, micro_batches))
+        out += [Collective("tp", "all_reduce", "cross-entropy max (fp32)", 4 * b * s, micro_batches),
+                Collective("tp", "all_reduce", "cross-entropy sum of exp and target logit (fp32)", 8 * b * s,
+                           micro_batches)]
+    for elements, count in (sp_param_grads if sp else ()):
+        out.append(Collective("tp", "all_reduce", "fp32 gradient of a replicated parameter (SP)", 4 * elements,
+                              count * micro_batches))
     return out
 
 

@@ -104,8 +104,10 @@ def step_collectives(job: Job, lay: Layout) -> list[Collective]:
     act = w
     out = []
     if lay.tp > 1:
-        out += tp_collectives(lay.micro_batch, m.seq, m.hidden, act, -(-m.layers // lay.pp), mb, lay.sp,
-                              lay.recompute == "full", first_stage=lay.pp == 1, last_stage=True)
+        layers = -(-m.layers // lay.pp)
+        grads = tuple((e, layers) for e in m.replicated_per_layer) + tuple((e, 1) for e in m.replicated_outside)
+        out += tp_collectives(lay.micro_batch, m.seq, m.hidden, act, layers, mb, lay.sp, lay.recompute == "full",
+                              first_stage=lay.pp == 1, last_stage=True, sp_param_grads=grads)
     out += pp_collectives(lay.micro_batch, m.seq, m.hidden, act, mb, lay.tp, lay.sp, lay.pp)
     out += dp_collectives(m.stage_params(lay.tp, lay.pp), lay.zero, mb, w, job.reduce_bytes or g, lay.dp)
     return out

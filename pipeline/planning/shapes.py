@@ -34,6 +34,8 @@ class ModelShape:
     head_params: int          # the output layer when it is not tied (else 0), final norm included
     flops_per_token: float    # training, forward + backward, no recomputation (PaLM's count)
     attention_flops_per_token: float  # of which the scores and values (recomputed by the selective policy)
+    replicated_per_layer: tuple = ()  # element counts of a layer's parameters replicated across TP (norms, biases)
+    replicated_outside: tuple = ()    # the same outside the layers (final norm, gpt2's positions)
 
     @property
     def params(self) -> int:
@@ -66,7 +68,10 @@ def gpt_shape(c: GPTConfig, name: str = "gpt", seq: int | None = None) -> ModelS
         gated_mlp=c.variant == "llama", hidden_dropout=c.hidden_dropout > 0,
         attention_dropout=c.attention_dropout > 0, layer_params=layer, embedding_params=embedding,
         head_params=head, flops_per_token=c.flops_per_token(s),
-        attention_flops_per_token=12.0 * c.num_layers * q * s)
+        attention_flops_per_token=12.0 * c.num_layers * q * s,
+        replicated_per_layer=(c.hidden_size,) * ((4 if c.variant == "gpt2" else 2) + (2 if c.bias else 0)),
+        replicated_outside=(c.hidden_size,) * (2 if c.variant == "gpt2" else 1) + (
+            (c.max_position_embeddings * c.hidden_size,) if c.variant == "gpt2" else ()))
 
 
 def mlstm_shape(c: MLSTMConfig, name: str = "mlstm", seq: int | None = None) -> ModelShape:
