@@ -171,7 +171,7 @@ class Attention(nn.Module):
             q, k = self.rotary(q, k, positions)
         if cache is not None:
             k, v = cache.update(k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask,
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask, is_causal=cache.is_causal,
                                                enable_gqa=self.local_kv_heads != self.local_heads)
             return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
         if self.context is not None:

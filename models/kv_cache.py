@@ -16,7 +16,8 @@ class KVCache:
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.mask: torch.Tensor | None = None        # [b, t] every token read so far (True: real)
         self.positions: torch.Tensor | None = None   # [b, s] positions of the tokens being read
-        self.attn_mask: torch.Tensor | None = None   # [b, 1, s, t] which keys each new query sees
+        self.attn_mask: torch.Tensor | None = None   # [b, 1, s, t] which keys each new query sees, or None:
+        self.is_causal = False                       # no padding read: all keys (s = 1), or causal (s = t)
 
     @property
     def length(self) -> int:
@@ -28,6 +29,10 @@ class KVCache:
         self.mask = new_mask if self.mask is None else torch.cat([self.mask, new_mask], dim=1)
         s, t = new_mask.shape[1], self.mask.shape[1]
         self.positions = (self.mask.long().cumsum(-1) - 1).clamp(min=0)[:, t - s:]
+        if (s == 1 or s == t) and bool(self.mask.all()):  # SDPA's own causal kernels, no mask tensor
+            self.attn_mask, self.is_causal = None, s > 1
+            return
+        self.is_causal = False
         queries = torch.arange(t - s, t, device=new_mask.device)[:, None]
         keys = torch.arange(t, device=new_mask.device)[None, :]
         seen = (keys <= queries)[None] & self.mask[:, None, :]
@@ -57,8 +62,12 @@ class LayerCache:
         return self.cache.positions
 
     @property
-    def attn_mask(self) -> torch.Tensor:
+    def attn_mask(self) -> torch.Tensor | None:
         return self.cache.attn_mask
+
+    @property
+    def is_causal(self) -> bool:
+        return self.cache.is_causal
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.update(self.index, k, v)
