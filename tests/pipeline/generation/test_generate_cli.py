@@ -1,6 +1,6 @@
 """``python -m pipeline.generate`` as a user runs it: JSON lines equal to the library's decoding, a single prompt
 streamed; the mLSTM generates from its recurrent state (equal to re-reading the text from a zero state); bad input
-gets one line and exit status 2 (a prompt longer than the context, an empty prompts file, a tokenizer-less run)."""
+gets one line and exit status 2; two ranks launched by torchrun at --tensor-parallel 2 write what TP 1 samples (a prompt longer than the context, an empty prompts file, a tokenizer-less run)."""
 import json
 import sys
 
@@ -53,6 +53,18 @@ def test_prompts_file_to_json_lines(dirs, tmp_path):
     assert [r["new_ids"] for r in records] == _library(dirs["gpt"], ["Hello", "a\nb"], settings)
     assert all(len(r["new_ids"]) == 6 and r["finish_reason"] == "length" for r in records)
     assert records[0]["prompt_ids"] == list(b"Hello")
+
+
+def test_torchrun_tp2_writes_what_tp1_samples(dirs, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\nab\n")
+    out = tmp_path / "tp2.jsonl"
+    run_cli([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "pipeline.generate",
+             "--checkpoint", dirs["gpt"], "--tensor-parallel", "2", "--prompts", prompts, "--top-p", "0.9",
+             "--seed", "7", "--max-new-tokens", "6", "--quiet", "--out", out], ROOT)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    settings = SampleSettings(6, greedy=False, top_p=0.9, seed=7)
+    assert [r["new_ids"] for r in records] == _library(dirs["gpt"], ["Hello", "ab"], settings)
 
 
 def test_mlstm_generates_from_its_state_and_streams(dirs, tmp_path):
