@@ -27,8 +27,7 @@ from pipeline.hf.convert import add_dtype_arg
 from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
 
 
-@command
-def main(argv=None) -> int:
+def parse_args(argv=None):
     p = ArgumentParser(prog="python -m finetune.export_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="classifier directory (what finetune/train.py --save wrote)")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
@@ -36,7 +35,12 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--verify", action="store_true", help="reload with transformers and compare probabilities")
     add_debug_arg(p)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@command
+def main(argv=None) -> int:
+    args = parse_args(argv)
     out = export_classifier(args.model, args.out, dtype=args.dtype, force=args.force)
     print(f"exported {args.model} to {out}")
     if args.verify:

@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None):
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Score and write the result (a user error raises; ``python -m`` reports it in one line, exit 2)."""
     args = build_parser().parse_args(argv)

@@ -27,8 +27,7 @@ from pipeline.hf.export import compare_with_hf, export_hf
 
 # -- command line ------------------------------------------------------------------------------------------------------
 
-@command
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = ArgumentParser(prog="python -m pipeline.export_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint directory to export")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
@@ -38,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify", action="store_true",
                    help="reload the export with transformers and compare its logits with the project model's")
     add_debug_arg(p)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     refuse_overlap(args.out, [("--checkpoint", args.checkpoint), ("--tokenizer", args.tokenizer)])
     check_output_dir(args.out, args.force)  # before reading the checkpoint
     config, full_sd, tokenizer_dir = read_full_checkpoint(args.checkpoint, lazy=True)

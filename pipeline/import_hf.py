@@ -19,8 +19,7 @@ from pipeline.hf.convert import add_dtype_arg, num_parameters_message
 from pipeline.hf.importer import import_hf
 
 
-@command
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = ArgumentParser(prog="python -m pipeline.import_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory, or a .gguf file")
     p.add_argument("--gguf-file", help="name of the .gguf file inside --model (when it is a directory)")
@@ -30,7 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     add_dtype_arg(p, help="dtype of the saved weights (float32: the training master weights)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     add_debug_arg(p)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     config, out = import_hf(args.model, args.out, tensor_parallel=args.tensor_parallel,
                             pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
                             gguf_file=args.gguf_file, force=args.force)

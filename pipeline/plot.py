@@ -14,8 +14,7 @@ from pipeline.job.files import check_output_file, refuse_overlap
 from pipeline.tracking.plot import plot_runs
 
 
-@command
-def main(argv=None) -> Path:
+def parse_args(argv=None):
     parser = ArgumentParser(prog="python -m pipeline.plot", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or their metrics.jsonl)")
     parser.add_argument("--out", required=True, help="the picture to write (.png, .svg, .pdf)")
@@ -23,7 +22,12 @@ def main(argv=None) -> Path:
     parser.add_argument("--dpi", type=int, default=80)
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     add_debug_arg(parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@command
+def main(argv=None) -> Path:
+    args = parse_args(argv)
     refuse_overlap(args.out, [("RUN", run) for run in args.runs])
     check_output_file(args.out, args.force)
     out = plot_runs(args.runs, args.out, args.label, args.dpi)

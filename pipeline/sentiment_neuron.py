@@ -26,8 +26,7 @@ from pipeline.job.errors import ArgumentParser, add_debug_arg, command
 from pipeline.evaluation.sentiment_neuron import DEFAULT_CS, run_sentiment_neuron
 
 
-@command
-def main(argv=None) -> dict:
+def parse_args(argv=None):
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="directory with config.json + model.safetensors (save_mlstm)")
     ap.add_argument("--data-dir", required=True, help="directory with train.tsv, val.tsv, test.tsv")
@@ -40,7 +39,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-progress", action="store_true")
     add_debug_arg(ap)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+@command
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     if is_deepspeed_run_dir(args.model):  # a pretraining run of the main job (--model-type mlstm)
         config, state, _ = read_full_checkpoint(args.model)
         model = MLSTM(config)
