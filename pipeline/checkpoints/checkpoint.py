@@ -355,7 +355,10 @@ def same_layout(saved: dict, current: dict) -> bool:
     keys = ("tensor_parallel", "pipeline_parallel", "data_parallel", "precision")
     # checkpoints from before the ZeRO stage was recorded resume as they always did
     same_stage = "zero_stage" not in saved or saved["zero_stage"] == current.get("zero_stage")
-    return same_stage and all(saved.get(k) == current.get(k) for k in keys)
+    # ZeRO partitions over data x context: a run saved at another context-parallel size (recorded since CP; 1
+    # before) resumes through the universal path, as at another data-parallel size
+    same_cp = saved.get("context_parallel", 1) == current.get("context_parallel", 1)
+    return same_stage and same_cp and all(saved.get(k) == current.get(k) for k in keys)
 
 
 def restore_after_reshard(engine, load_dir, tag: str) -> tuple[int, dict | None]:

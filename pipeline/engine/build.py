@@ -1,8 +1,9 @@
 """The DeepSpeed engine for a model config at any (TP, PP, DP) layout.
 
 PP = 1: the GPT goes to ``deepspeed.initialize(mpu=...)``, so gradients are
-reduced over the data-parallel group only and the global gradient norm counts
-each tensor-parallel shard once. PP > 1: the GPT becomes a ``PipelineModule``
+reduced over the data-parallel group only (data x context under context parallelism: summed over the
+chunks, averaged over data) and the global gradient norm counts each tensor-parallel shard once.
+PP > 1: the GPT becomes a ``PipelineModule``
 on the same 3-D topology and trains with ``train_batch``.
 """
 from __future__ import annotations
@@ -88,8 +89,9 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
                                            mpu=mpu, lr_scheduler=lr_scheduler)
     safe_load.install(engine)  # loads weights only, hashes what it saves
     engine.is_pipe = state.pipeline_parallel > 1
-    if not engine.is_pipe and zero_stage(ds_config) == 0 and state.data_parallel == 1:
+    if not engine.is_pipe and zero_stage(ds_config) == 0 and state.get_sequence_data_parallel_world_size() == 1:
         # Without ZeRO, DeepSpeed flattens every gradient into buckets, all-reduces them over the
-        # data-parallel group and copies them back, even when that group is this one process.
+        # data-parallel group and copies them back, even when that group is this one process. (Under context
+        # parallelism the group is data x context: the chunks' gradients must be summed.)
         engine.enable_backward_allreduce = False
     return engine

@@ -112,6 +112,20 @@ def check_supported(ds: dict, pipeline_parallel: int, source: str = "DeepSpeed c
         raise EngineConfigError(f"{source}: optimizer offload is not supported with pipeline parallelism")
 
 
+def check_context_parallel_options(options) -> None:
+    """The refusals of ``--context-parallel`` before any work (``options``: ``job.options.EngineOptions``)."""
+    cp = options.context_parallel
+    if cp < 1:
+        raise EngineConfigError(f"--context-parallel {cp}: the context-parallel size must be 1 or more")
+    if cp > 1 and options.pipeline_parallel > 1:
+        # DeepSpeed's PipelineEngine builds its own grid from the module's topology and reduces gradients over
+        # its data-parallel axis only: it has no sequence-parallel (context) group.
+        raise EngineConfigError(f"--context-parallel {cp} with --pipeline-parallel {options.pipeline_parallel}: "
+                                f"DeepSpeed's pipeline engine has no context-parallel group (it would not sum the "
+                                f"gradients of the sequence chunks); use --pipeline-parallel 1 (or "
+                                f"--context-parallel 1)")
+
+
 def sequence_parallel_ds_config(ds: dict, state: ParallelState, source: str = "DeepSpeed config") -> dict:
     """The DeepSpeed config for a sequence-parallel model; refuses what would mix up the ranks' chunks.
 

@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from models.parallel import ParallelState, initialize_model_parallel, model_parallel_seed
 from pipeline.engine.distributed import init_distributed
-from pipeline.engine.ds_config import (EngineConfigError, load_ds_config, precision, resolve_ds_config,
-                                       sequence_parallel_ds_config, zero_stage)
+from pipeline.engine.ds_config import (EngineConfigError, check_context_parallel_options, load_ds_config, precision,
+                                       resolve_ds_config, sequence_parallel_ds_config, zero_stage)
 from pipeline.tracking.metrics import StepTimer, place_monitor_outputs
 from pipeline.job import faults
 from pipeline.job.options import EngineOptions, default_ds_config
@@ -66,6 +66,7 @@ class Job:
         return {"tensor_parallel": self.state.tensor_parallel, "pipeline_parallel": self.state.pipeline_parallel,
                 "data_parallel": self.state.data_parallel, "model_type": model_type, "precision": precision(self.ds),
                 "sequence_parallel": self.options.sequence_parallel, "zero_stage": zero_stage(self.ds),
+                "context_parallel": self.state.context_parallel,
                 "universal_info": True}
 
 
@@ -79,10 +80,11 @@ def setup(options: EngineOptions) -> Job:
     if options.sequence_parallel and options.tensor_parallel == 1:
         raise EngineConfigError("--sequence-parallel splits the sequence across the tensor-parallel ranks and does "
                                 "nothing with --tensor-parallel 1; drop it or use --tensor-parallel 2 or more")
+    check_context_parallel_options(options)
     if not options.verbose:
         quiet_deepspeed(False)
     init_distributed(timeout_minutes=options.distributed_timeout_minutes)
-    state = initialize_model_parallel(options.tensor_parallel, options.pipeline_parallel)
+    state = initialize_model_parallel(options.tensor_parallel, options.pipeline_parallel, options.context_parallel)
     model_parallel_seed(options.seed)
     source = options.deepspeed_config or default_ds_config()
     ds = load_ds_config(source)
@@ -99,11 +101,18 @@ def setup(options: EngineOptions) -> Job:
 
 def apply_sequence_parallel(config, job: Job) -> None:
     """Switch the model config to sequence parallelism when the job asks for it, and check the layout again
-    (the sequence length must divide by TP). Call after the family's ``check_layout``, which refuses the
+    (the sequence length must divide by TP, and by CP (x TP) under context parallelism, the heads by TP x CP).
+    Call after the family's ``check_layout``, which refuses the
     models that have no tensor parallelism at all."""
     if job.options.sequence_parallel:
         config.sequence_parallel = True
         config.check_parallel(job.state.tensor_parallel, job.state.pipeline_parallel)
+    if job.state.context_parallel > 1:  # the sequence and the heads must split into C (docs/long_context.md)
+        if not hasattr(config, "check_context_parallel"):
+            raise EngineConfigError(f"--context-parallel {job.state.context_parallel}: context parallelism splits "
+                                    f"the sequence of attention models (the GPT variants), not of "
+                                    f"{type(config).__name__}; drop --context-parallel")
+        config.check_context_parallel(job.state.tensor_parallel, job.state.context_parallel)
 
 
 # -- the training loop -------------------------------------------------------------------------------------------------

@@ -32,6 +32,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, pipeline_parallel: bool 
                    help="sequence parallelism (Korthikanti et al. 2022): norms, dropout and residuals on 1/TP of "
                         "the sequence per tensor-parallel rank; needs --tensor-parallel > 1 and a sequence length "
                         "divisible by it")
+    g.add_argument("--context-parallel", type=int, default=1,
+                   help="context parallelism (DeepSpeed-Ulysses): each sequence split into C chunks across C ranks, "
+                        "attention heads exchanged by all-to-all; world = TP x CP x PP x DP; needs a sequence length "
+                        "divisible by C (x TP with --sequence-parallel) and heads per TP rank divisible by C "
+                        "(docs/long_context.md)")
     g.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
     g.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -69,6 +74,7 @@ class EngineOptions:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
+    context_parallel: int = 1
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     seed: int = 1234
