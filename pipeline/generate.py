@@ -46,10 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None):
+    return build_parser().parse_args(argv)
+
+
 @command
 def main(argv: list[str] | None = None) -> list[dict]:
     """Generate and write the records (a user error raises; ``command`` reports it in one line, exit 2)."""
-    return run_generation(build_parser().parse_args(argv))
+    return run_generation(parse_args(argv))
 
 
 cli = console_script(main)  # the console script (pyproject.toml)
