@@ -2,7 +2,9 @@
 holds greedy and seeded samples at every N-th step, TensorBoard gets them as text, and the last step's samples
 equal what ``pipeline.generate`` decodes from the saved run at TP 1."""
 import json
+from types import SimpleNamespace
 
+import pytest
 from dist import run_distributed
 from run_utils import ds_config, pretrain_worker, write_corpus
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -11,7 +13,9 @@ from models.parallel import destroy_model_parallel
 from pipeline.generation.decode import generate
 from pipeline.generation.decoders import decoder_for
 from pipeline.generation.loading import load_generation_model
+from pipeline.generation.prompts import PromptError
 from pipeline.generation.sampling import SampleSettings
+from pipeline.generation.training import check_sample_args
 
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
          "hidden_dropout": 0.1, "attention_dropout": 0.1, "make_vocab_size_divisible_by": 8}
@@ -55,3 +59,19 @@ def test_samples_leave_the_losses_unchanged(tmp_path):
         ours = [g.new_ids for g in generate(decoder_for(model), ids, settings, eos_id=256, pad_id=256)]
         assert ours == [r["new_ids"] for r in records if r["step"] == 4 and r["kind"] == kind], kind
     destroy_model_parallel()
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"sample_prompts": "p.txt"}, "--sample-prompts without --sample-interval"),
+    ({"sample_interval": 0, "sample_prompts": "p.txt"}, "--sample-interval must be >= 1"),
+    ({"sample_interval": 5}, "--sample-interval needs --sample-prompts FILE"),
+    ({"sample_interval": 5, "sample_prompts": "p.txt", "pp": 2}, "for --pipeline-parallel 1 only"),
+    ({"sample_interval": 5, "sample_prompts": "p.txt", "sp": True}, "not for --sequence-parallel"),
+    ({"sample_interval": 5, "sample_prompts": "p.txt", "zero": 3}, "not for ZeRO stage 3"),
+])
+def test_sample_arguments_are_refused_in_one_line(given, message):
+    args = SimpleNamespace(sample_interval=given.get("sample_interval"), sample_prompts=given.get("sample_prompts"))
+    job = SimpleNamespace(state=SimpleNamespace(pipeline_parallel=given.get("pp", 1)),
+                          ds={"zero_optimization": {"stage": given.get("zero", 1)}})
+    with pytest.raises(PromptError, match=message):
+        check_sample_args(args, job, SimpleNamespace(sequence_parallel=given.get("sp", False)))
