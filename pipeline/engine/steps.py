@@ -8,7 +8,8 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
+
+from models.parallel import collectives
 
 
 def lm_batches(loader):
@@ -32,7 +33,7 @@ def data_parallel_mean(engine, values: torch.Tensor, *, summed: torch.Tensor | N
     ``summed`` is true the entry is summed instead (counts such as tokens)."""
     mpu = engine.mpu
     if mpu is not None and mpu.get_data_parallel_world_size() > 1:
-        dist.all_reduce(values, group=mpu.get_data_parallel_group())
+        collectives.all_reduce(values, mpu.get_data_parallel_group(), name="dp/loss_mean")  # the comms logger sees it
         scale = torch.full_like(values, 1.0 / mpu.get_data_parallel_world_size())
         if summed is not None:
             scale[summed] = 1.0

@@ -10,9 +10,12 @@ Per micro-batch of ``b`` sequences of ``s`` tokens, ``M = b s h`` activation ele
                     all-gathers the two column-parallel inputs again for the weight gradients.
     PP:             per micro-batch and stage boundary a send of the activation (M, or M/t under SP) forward
                     and of its gradient backward.
-    DP:             ZeRO-0 all-reduces the gradients once per step; ZeRO-1/2 reduce-scatter them every
-                    micro-batch and all-gather the updated weights once; ZeRO-3 all-gathers the weights in
-                    every forward and backward and reduce-scatters the gradients every micro-batch.
+    DP:             ZeRO-0 all-reduces the gradients once per step; ZeRO-1/2 (DeepSpeed 0.19.8) all-reduce
+                    them every micro-batch, bucket by bucket (a bucket that spans several ranks' partitions
+                    is all-reduced, not reduce-scattered: up to 2x the minimum), and all-gather the updated
+                    weights once; ZeRO-3 all-gathers the weights in
+                    every forward (and again in the backward once the stage holds more than DeepSpeed's
+                    ``stage3_max_live_parameters``, 1e9) and reduce-scatters the gradients every micro-batch.
 
 A ring over ``n`` ranks sends ``2 (n-1)/n`` of the message per rank for an all-reduce and ``(n-1)/n`` for an
 all-gather or reduce-scatter, in ``2 (n-1)`` or ``n-1`` steps of the link's latency.
@@ -99,15 +102,17 @@ def pp_collectives(b: int, s: int, h: int, act_bytes: int, micro_batches: int, t
 
 
 def dp_collectives(psi: float, zero: int, micro_batches: int, weight_bytes: int, grad_bytes: int,
-                   dp: int) -> list[Collective]:
+                   dp: int, max_live: float = 1e9) -> list[Collective]:
     """Data-parallel collectives of one step on one GPU holding ``psi`` parameters (after TP and PP)."""
     if dp <= 1:
         return []
     if zero == 0:
         return [Collective("dp", "all_reduce", "gradients", psi * grad_bytes, 1)]
-    if zero in (1, 2):
-        return [Collective("dp", "reduce_scatter", "gradients", psi * grad_bytes, micro_batches),
+    if zero in (1, 2):  # DeepSpeed all-reduces a bucket that spans several ranks' partitions (a minimum: RS)
+        return [Collective("dp", "all_reduce", "gradients", psi * grad_bytes, micro_batches),
                 Collective("dp", "all_gather", "updated weights", psi * weight_bytes, 1)]
-    return [Collective("dp", "all_gather", "weights (forward)", psi * weight_bytes, micro_batches),
-            Collective("dp", "all_gather", "weights (backward)", psi * weight_bytes, micro_batches),
-            Collective("dp", "reduce_scatter", "gradients", psi * grad_bytes, micro_batches)]
+    out = [Collective("dp", "all_gather", "weights (forward)", psi * weight_bytes, micro_batches),
+           Collective("dp", "reduce_scatter", "gradients", psi * grad_bytes, micro_batches)]
+    if psi > max_live:  # DeepSpeed keeps gathered weights for the backward while they fit in max_live
+        out.append(Collective("dp", "all_gather", "weights again (backward)", psi * weight_bytes, micro_batches))
+    return out

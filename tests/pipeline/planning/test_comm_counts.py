@@ -1,50 +1,34 @@
-"""Every TP collective of one optimizer step counted by DeepSpeed's comms logger (the project's collectives go
-through deepspeed.comm, named ``tp/...``) equals the planner's analytic list exactly, in count and bytes:
-TP 2 and TP 2 + SP, gloo CPU ranks, fp32, one micro-batch."""
+"""Every collective of one optimizer step counted by DeepSpeed's comms logger (the project's own go through
+deepspeed.comm as ``tp/...``) against the planner's analytic list, with bench/comm_volume.py's method (the log
+after two steps less the log after one): TP 2 and TP 2 + SP equal it call for call (count and bytes of each
+message), PP 2 and DP 2 at ZeRO 1 and 3 in bytes per group and operation (DeepSpeed splits its buckets by
+parameter group). gloo CPU ranks, the tiny fp32 GPT, one micro-batch."""
+import sys
 from collections import Counter
 
+from conftest import ROOT
 from dist import run_distributed
-from engine_utils import BASE_DS, SEQ, TINY
 
-from models import GPTConfig
+sys.path.insert(0, str(ROOT / "bench"))
+import comm_volume  # noqa: E402
 
-OPS = {"tp/all_reduce": "all_reduce", "tp/all_gather_into_tensor": "all_gather", "tp/all_gather": "all_gather",
-       "tp/reduce_scatter_tensor": "reduce_scatter"}
+LAYOUTS = ["tp2", "tp2-sp", "pp2", "dp2-z1", "dp2-z3"]
 
 
-def _logged(rank):
-    import deepspeed.comm as dc
-    from engine_utils import train_worker
-    out = {}
-    for sp in (False, True):
-        dc.reset_log()
-        train_worker(rank, tp=2, ds_overrides={"comms_logger": {"enabled": True, "prof_all": True}},
-                     model_overrides={"sequence_parallel": sp}, steps=1)
-        out[sp] = {name: {size: v[0] for size, v in d.items()} for name, d in dc.comms_logger.comms_dict.items()}
+def _bytes(counts: Counter) -> Counter:
+    out = Counter()
+    for (kind, size), count in counts.items():
+        out[kind] += size * count
     return out
 
 
-def _analytic(sp: bool) -> Counter:
-    from pipeline.planning.hardware import hardware
-    from pipeline.planning.layouts import Job, Layout, step_collectives
-    from pipeline.planning.shapes import gpt_shape
-    shape = gpt_shape(GPTConfig(**TINY), "tiny")
-    job = Job(shape, hardware("h100-dgx"), gpus=2, global_batch=BASE_DS["train_batch_size"], precision="fp32")
-    counts = Counter()
-    for c in step_collectives(job, Layout(2, 1, 1, 0, sp, "none", BASE_DS["train_batch_size"])):
-        logged = c.bytes / 2 if c.op == "all_gather" else c.bytes
-        counts[(c.op, int(logged))] += c.count
-    return counts
-
-
-def test_tp_collectives_equal_the_analytic_formulas():
-    logged = run_distributed(_logged, 2)
-    assert SEQ == TINY["max_position_embeddings"]
-    for rank in logged:
-        for sp in (False, True):
-            measured = Counter()
-            for name, sizes in rank[sp].items():
-                if name in OPS:
-                    for size, count in sizes.items():
-                        measured[(OPS[name], size)] += count
-            assert measured == _analytic(sp), (sp, sorted(measured.items()), sorted(_analytic(sp).items()))
+def test_collectives_equal_the_analytic_formulas():
+    ranks = run_distributed(comm_volume.worker, 2, LAYOUTS, env={"OMP_NUM_THREADS": "1"})
+    for name in LAYOUTS:
+        modeled, _ = comm_volume.measured_by_kind(name, ranks[0][name])
+        want = comm_volume.analytic(name)
+        assert want, name
+        if name.startswith("tp"):
+            assert modeled == want, (name, sorted(modeled.items()), sorted(want.items()))
+        else:
+            assert _bytes(modeled) == _bytes(want), (name, sorted(modeled.items()), sorted(want.items()))
