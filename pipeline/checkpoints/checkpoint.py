@@ -37,7 +37,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from models.parallel import get_rng_tracker
 from pipeline.job.families import family_of_dict
-from pipeline.job.files import atomic_dir, atomic_write_text
+from pipeline.job.files import atomic_dir, atomic_write_text, disk_full, disk_full_cause, tree_size
 from pipeline.checkpoints.model_dir import read_model_dir
 
 from pipeline.checkpoints import safe_load
@@ -92,7 +92,23 @@ def save_run_files(save_dir: Path, model_config, tokenizer) -> None:
 
 
 def save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, extra_client_state=None) -> Path:
-    """Collective: every rank calls it. Returns the tag directory."""
+    """Collective: every rank calls it. Returns the tag directory. A full disk (or file-size limit) removes the
+    partial tag and leaves ``latest`` and the earlier tags as they were (``DiskFullError``, naming the bytes)."""
+    try:
+        return _save(engine, save_dir, step, data_state=data_state, layout=layout,
+                     extra_client_state=extra_client_state)
+    except OSError as e:
+        if disk_full_cause(e) is None:
+            raise
+        tag_dir = Path(save_dir) / tag_for_step(step)
+        shutil.rmtree(tag_dir, ignore_errors=True)  # never complete (no COMPLETE.json): this save's own files
+        tags = complete_tags(save_dir)
+        needed = tree_size(Path(save_dir) / tags[-1]) if tags else sum(
+            p.numel() * (p.element_size() + 12) for p in engine.module.parameters())  # + fp32 Adam state
+        raise disk_full(disk_full_cause(e), tag_dir, f"the checkpoint of step {step}", needed) from None
+
+
+def _save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, extra_client_state=None) -> Path:
     save_dir = Path(save_dir)
     tag = tag_for_step(step)
     tag_dir = save_dir / tag

@@ -124,11 +124,15 @@ def refused_globals(message: str) -> set[str]:
 
 class _HashingWriter:
     def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
+        self.f, self.sha, self.error = f, hashlib.sha256(), None
 
     def write(self, data) -> int:
         self.sha.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:  # torch's zip writer turns it into "unexpected pos": keep the OS's words
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -138,7 +142,12 @@ def save_hashed(obj, path: str | Path, *, zipfile_serialization: bool = True) ->
     """``torch.save`` to ``path`` (fsynced); returns the sha256 of the bytes written."""
     with open(path, "wb") as f:
         writer = _HashingWriter(f)
-        torch.save(obj, writer, _use_new_zipfile_serialization=zipfile_serialization)
+        try:
+            torch.save(obj, writer, _use_new_zipfile_serialization=zipfile_serialization)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
     return writer.sha.hexdigest()

@@ -15,6 +15,7 @@ usual permissions (``0666 & ~umask``), not ``mkstemp``'s 0600.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -24,8 +25,43 @@ from pathlib import Path
 
 from pipeline.job.errors import InputError, UserError
 
-__all__ = ["read_utf8_text", "atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
+__all__ = ["DiskFullError", "DISK_FULL", "disk_full", "disk_full_cause", "tree_size",
+           "read_utf8_text", "atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
            "atomic_dir", "check_output_dir", "check_output_file", "refuse_overlap", "OutputError", "fsync_tree"]
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class DiskFullError(UserError, OSError):
+    """An output that did not fit: no space left, a quota, or the process's file-size limit."""
+    exit_code = 1
+    every_rank = True  # the rank whose write failed may not be rank 0
+
+    def __init__(self, message: str, cause: OSError | None = None):
+        super().__init__(message)
+        self.cause = cause  # the OS's error (an outer output names itself with it)
+
+
+def disk_full_cause(error: BaseException) -> OSError | None:
+    """The OS error of a write that did not fit (raw, or inside an inner output's ``DiskFullError``), else None."""
+    cause = error.cause if isinstance(error, DiskFullError) else error
+    return cause if isinstance(cause, OSError) and cause.errno in DISK_FULL else None
+
+
+def disk_full(error: OSError, target: Path, what: str, needed: int | None = None) -> DiskFullError:
+    """The one line of a write that did not fit: the path, what filled, the bytes needed and free."""
+    reason = ("a file reached the process's file-size limit (ulimit -f)" if error.errno == errno.EFBIG
+              else "no space left on the device" if error.errno == errno.ENOSPC else "the disk quota is exceeded")
+    free = shutil.disk_usage(target.parent if not target.exists() else target).free
+    need = f"it needs about {needed} bytes, {free} are free there" if needed else f"{free} bytes are free there"
+    return DiskFullError(f"{target}: {reason} while writing {what} ({need}); nothing that was there before is "
+                         f"changed and the partial files are removed; free space or choose another path, then run "
+                         f"the same command again", error)
+
+
+def tree_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 class OutputError(UserError, FileExistsError):
@@ -84,6 +120,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
         _fsync(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if disk_full_cause(e):
+            raise disk_full(disk_full_cause(e), path, "it") from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -172,6 +213,12 @@ def atomic_dir(out: str | os.PathLike, *, force: bool = False) -> Iterator[Path]
         _fsync(out.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        written = tree_size(tmp) if tmp.is_dir() else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        if disk_full_cause(e):
+            raise disk_full(disk_full_cause(e), out, f"the output directory (after {written} bytes)") from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
