@@ -44,3 +44,12 @@ def pretrain_worker(rank, argv, fp16: bool = False):
         get_accelerator().is_fp16_supported = lambda: True
     pretrain_main(argv)
     return 0
+
+
+def write_job_files(directory: Path, model: dict, corpus: str, ds: dict | None = None) -> Path:
+    """corpus.txt, model.json and ds.json (default ``ds_config(stage=1)``) of a tiny CLI job in ``directory``."""
+    directory = Path(directory)
+    (directory / "corpus.txt").write_text(corpus)
+    (directory / "model.json").write_text(json.dumps(model))
+    (directory / "ds.json").write_text(json.dumps(ds or ds_config(stage=1)))
+    return directory

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from cli import cli_env, run_cli
-from run_utils import ds_config
+from run_utils import write_job_files
 
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
          "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
@@ -43,9 +43,7 @@ def one_line(proc) -> str:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     d = tmp_path_factory.mktemp("disk_full")
-    (d / "corpus.txt").write_text(json.__doc__ * 10)
-    (d / "model.json").write_text(json.dumps(MODEL))
-    (d / "ds.json").write_text(json.dumps(ds_config(stage=1)))
+    write_job_files(d, MODEL, json.__doc__ * 10)
     run_cli([sys.executable, *pretrain(d, 2, "--save-interval", "1")], d)
     return d
 

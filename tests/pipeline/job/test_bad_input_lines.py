@@ -9,7 +9,7 @@ import pytest
 import torch
 from cli import run_cli
 from conftest import ROOT, shared_data
-from run_utils import ds_config
+from run_utils import write_job_files
 
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
          "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
@@ -41,9 +41,7 @@ def predict(d, data):
 def work(tmp_path_factory):
     """A two-step pretraining run, a classifier finetuned from it, and the doctored inputs."""
     d = tmp_path_factory.mktemp("bad_input")
-    (d / "corpus.txt").write_text(json.__doc__ * 20)
-    (d / "model.json").write_text(json.dumps(MODEL))
-    (d / "ds.json").write_text(json.dumps(ds_config(stage=1)))
+    write_job_files(d, MODEL, json.__doc__ * 20)
     lines = (shared_data("semeval2018-ec") / "dev.tsv").read_text(encoding="utf-8").splitlines()[:21]
     (d / "dev.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     run_cli([sys.executable, *pretrain(d, "--save", str(d / "run"))], d)

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from cli import cli_env, run_cli
 from conftest import ROOT, shared_data
-from run_utils import ds_config
+from run_utils import ds_config, write_job_files
 
 from pipeline.engine.distributed import free_port
 
@@ -24,9 +24,7 @@ PRETRAIN = ROOT / "pipeline" / "pretrain.py"
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
-    (d / "corpus.txt").write_text((ROOT / "pipeline" / "job" / "loop.py").read_text() * 3)
-    (d / "model.json").write_text(json.dumps(MODEL))
-    (d / "ds.json").write_text(json.dumps(ds_config(stage=1, lr=1e-3)))
+    write_job_files(d, MODEL, (ROOT / "pipeline" / "job" / "loop.py").read_text() * 3, ds_config(stage=1, lr=1e-3))
     return d
 
 
