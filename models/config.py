@@ -58,6 +58,8 @@ class GPTConfig:
     sliding_window: int | None = None      # llama: Mistral's window; only as long as seq_length or longer (see below)
     hf_model_type: str | None = None       # the Hugging Face family exports write (None: by variant and options)
     sequence_parallel: bool = False        # split norms/dropout/residuals along the sequence across TP ranks
+    tiled_mlp: int = 1                     # ALST: the MLP on this many sequence tiles (models/tiling.py)
+    tiled_loss: int = 1                    # ALST: output layer + loss on this many sequence tiles
     extra: dict = field(default_factory=dict)  # free-form metadata (e.g. where an import came from)
 
     def __post_init__(self):
@@ -108,6 +110,13 @@ class GPTConfig:
             return llama_only
         if not isinstance(self.sequence_parallel, bool):
             return f"sequence_parallel must be true or false, got {self.sequence_parallel!r}"
+        for name in ("tiled_mlp", "tiled_loss"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                return f"{name} must be a positive integer (the number of sequence tiles), got {getattr(self, name)!r}"
+        if self.tiled_mlp > 1 and self.sequence_parallel:
+            # DeepSpeed's TiledMLP recomputes its tiles as [b x s / N, h] rows, which a sequence-parallel MLP
+            # (an all-gather along the sequence dimension) cannot take
+            return "tiled_mlp (--tiled-mlp) and sequence_parallel (--sequence-parallel) exclude each other"
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 return f"{name} must be in [0, 1), got {getattr(self, name)}"
@@ -176,7 +185,8 @@ class GPTConfig:
         # sequence_parallel is how one run lays out its activations (like its TP size), not part of the
         # model: saved configs leave it out, so a checkpoint loads at any layout, with or without it.
         d = dataclasses.asdict(self)
-        d.pop("sequence_parallel")
+        for layout_only in ("sequence_parallel", "tiled_mlp", "tiled_loss"):  # so is the tiling of the compute
+            d.pop(layout_only)
         return {"model_type": "gpt", **d}
 
     @classmethod

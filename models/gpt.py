@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
+from .tiling import tiled_cross_entropy, tiled_mlp
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, RowParallelLinear, SequenceParallelLayerNorm,
                        SequenceParallelRMSNorm, UlyssesAttention, VocabParallelEmbedding, chunk_start, context_chunk,
                        copy_to_tensor_parallel_region, cp_world_size, gather_from_context_parallel_region,
@@ -191,8 +192,14 @@ class MLP(nn.Module):
                                           sequence_parallel=sp)
         self.fc_out = RowParallelLinear(f, config.hidden_size, bias=config.bias, input_is_parallel=True,
                                         init_method=_output_init(config), sequence_parallel=sp)
+        self.tiles = config.tiled_mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles > 1:  # ALST: never the whole [s, ffn / tp] (models/tiling.py)
+            return tiled_mlp(MLP._compute, self, x, self.tiles)
+        return self._compute(x)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc_in(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
@@ -380,6 +387,8 @@ class GPT(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
                 reduction: str = "mean"):
         """Full logits [b, s, vocab] without labels; the cross-entropy with (shifted) labels."""
+        if labels is not None and self.config.tiled_loss > 1:
+            return self._tiled_loss(input_ids, labels, label_smoothing, reduction)
         logits = self.parallel_logits(input_ids)
         if labels is None:
             return gather_from_context_parallel_region(gather_vocab_logits(logits, self.config.vocab_size))
@@ -387,6 +396,21 @@ class GPT(nn.Module):
             return context_parallel_cross_entropy(logits, labels, self.config.vocab_size, label_smoothing, reduction)
         return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.config.vocab_size,
                                             label_smoothing=label_smoothing, reduction=reduction)
+
+    def _tiled_loss(self, input_ids, labels, label_smoothing: float, reduction: str) -> torch.Tensor:
+        """ALST's tiled output layer and loss (models/tiling.py): the [s, V / tp] logits are never held whole."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"the tiled loss reduces to a mean or a sum, not {reduction!r}")
+        labels = context_chunk(labels)
+        h = self._local_hidden_states(input_ids)
+        if self.config.sequence_parallel:  # the tiles take the whole chunk (replicated over TP, as hidden_states)
+            h = gather_from_sequence_parallel_region(h, 1, tensor_parallel_output_grad=False)
+        head = self.embedding if self.lm_head is None else self.lm_head
+        logits_fn = self.embedding.logits if self.lm_head is None else self.lm_head
+        total = reduce_from_context_parallel_region(tiled_cross_entropy(
+            lambda x: logits_fn(x, sequence_split=False), head.parameters(), h, labels,
+            vocab_size=self.config.vocab_size, tiles=self.config.tiled_loss, label_smoothing=label_smoothing))
+        return total if reduction == "sum" else total / global_count(labels != -100).clamp(min=1)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

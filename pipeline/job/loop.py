@@ -113,6 +113,24 @@ def apply_sequence_parallel(config, job: Job) -> None:
                                     f"the sequence of attention models (the GPT variants), not of "
                                     f"{type(config).__name__}; drop --context-parallel")
         config.check_context_parallel(job.state.tensor_parallel, job.state.context_parallel)
+    apply_tiling(config, job.options)
+
+
+def apply_tiling(config, options: EngineOptions) -> None:
+    """``--tiled-mlp`` / ``--tiled-loss`` into the model config (a layout setting, not saved with the model)."""
+    for flag, name in (("--tiled-mlp", "tiled_mlp"), ("--tiled-loss", "tiled_loss")):
+        tiles = getattr(options, name)
+        if tiles < 1:
+            raise EngineConfigError(f"{flag} {tiles}: the number of sequence tiles must be 1 or more")
+        if tiles > 1 and not hasattr(config, name):
+            raise EngineConfigError(f"{flag} {tiles}: tiling is for the GPT models, not {type(config).__name__}; "
+                                    f"drop {flag}")
+        if tiles > 1:
+            setattr(config, name, tiles)
+    if getattr(config, "tiled_mlp", 1) > 1 and getattr(config, "sequence_parallel", False):
+        raise EngineConfigError("--tiled-mlp with --sequence-parallel: DeepSpeed's TiledMLP recomputes its tiles as "
+                                "rows of [batch x sequence], which a sequence-parallel MLP (gathered along the "
+                                "sequence) cannot take; drop one of them (--tiled-loss composes with both)")
 
 
 # -- the training loop -------------------------------------------------------------------------------------------------

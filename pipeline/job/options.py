@@ -37,6 +37,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, pipeline_parallel: bool 
                         "attention heads exchanged by all-to-all; world = TP x CP x PP x DP; needs a sequence length "
                         "divisible by C (x TP with --sequence-parallel) and heads per TP rank divisible by C "
                         "(docs/long_context.md)")
+    g.add_argument("--tiled-mlp", type=int, default=1, metavar="N",
+                   help="ALST: each MLP runs on N tiles of the sequence (DeepSpeed's TiledMLP), so its [s, ffn/TP] "
+                        "activations are never held whole; recomputes the MLP forward once more (default 1: off)")
+    g.add_argument("--tiled-loss", type=int, default=1, metavar="N",
+                   help="ALST: the output layer and the loss run on N tiles of the sequence (DeepSpeed's "
+                        "sequence_tiled_compute), so the [s, V/TP] logits are never held whole (default 1: off)")
     g.add_argument("--micro-batch-size", type=int, help="overrides train_micro_batch_size_per_gpu")
     g.add_argument("--global-batch-size", type=int, help="overrides train_batch_size")
     g.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -75,6 +81,8 @@ class EngineOptions:
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
     context_parallel: int = 1
+    tiled_mlp: int = 1
+    tiled_loss: int = 1
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     seed: int = 1234

@@ -1,6 +1,7 @@
 """Context parallelism (DeepSpeed-Ulysses) at CP = 2 and 4, alone and with TP 2 and sequence parallelism, equals the
 GPT in one process (fp32): logits, loss and every gathered gradient, both variants, llama with fewer KV heads than
-CP (replicated), the prime vocabulary 101 (a multiple of no TP size); the mpu's groups are the ones DeepSpeed reads."""
+CP (replicated), the prime vocabulary 101 (a multiple of no TP size), tiled MLP and loss; the mpu's groups are the
+ones DeepSpeed reads."""
 import pytest
 import torch.distributed as dist
 from dist import run_distributed
@@ -37,6 +38,9 @@ CASES = {  # name: (variant config overrides, tp, cp, sequence parallel)
     "llama-kv1-cp4": ("llama", {"num_kv_heads": 1}, 1, 4, False),  # one KV head, four ranks: replicated 4x
     "gpt2-tp2-sp-cp2": ("gpt2", {}, 2, 2, True),
     "llama-kv2-tp2-sp-cp2": ("llama", {"num_kv_heads": 2}, 2, 2, True),  # one KV head per TP rank, CP 2
+    # ALST's tiling (models/tiling.py) with TP and CP, against the untiled single process
+    "llama-tp2-cp2-tiled": ("llama", {"tiled_mlp": 2, "tiled_loss": 3}, 2, 2, False),
+    "gpt2-tp2-sp-cp2-tiled-loss": ("gpt2", {"tiled_loss": 2}, 2, 2, True),
 }
 
 
@@ -44,7 +48,7 @@ CASES = {  # name: (variant config overrides, tp, cp, sequence parallel)
 def test_context_parallel_equals_one_process(case):
     variant, overrides, tp, cp, sp = CASES[case]
     config = {**CONFIGS[variant], **overrides}
-    ref = _reference(config)
+    ref = _reference({k: v for k, v in config.items() if not k.startswith("tiled_")})
     results = run_distributed(_run_cp, tp * cp, tp, cp, config, sp)
     for rank, res in enumerate(results):
         assert_matches_reference(res, ref, f"{case} rank {rank}")

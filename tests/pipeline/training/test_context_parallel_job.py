@@ -1,6 +1,6 @@
 """Context parallelism (``--context-parallel``, DeepSpeed-Ulysses) through the main job: 5 steps (2 micro-batches a
 step), dropout 0, per-step losses equal one process at CP2, (TP2, CP2), (TP2, --sequence-parallel, CP2) and (CP2, DP2,
-ZeRO-2); a run saved at CP2 resumes at CP1 with its optimizer state; the refusals, one line each, before any work."""
+ZeRO-2), and CP2 with ALST's tiling (--tiled-mlp, --tiled-loss); a run saved at CP2 resumes at CP1 with its optimizer state; the refusals, one line each, before any work."""
 import json
 import os
 
@@ -20,6 +20,7 @@ __all__ = ["setup", "single"]  # the fixtures of the sequence-parallel job tests
     ("TP2 CP2", 4, ("--tensor-parallel", "2"), "ds.json"),
     ("TP2 SP CP2", 4, ("--tensor-parallel", "2", "--sequence-parallel"), "ds.json"),
     ("CP2 DP2 ZeRO-2", 4, (), "ds_z2.json"),
+    ("CP2 tiled MLP and loss", 2, ("--tiled-mlp", "2", "--tiled-loss", "4"), "ds.json"),
 ])
 def test_main_job_context_parallel_equals_single_process(setup, single, layout, world, extra, ds):
     got = _job(setup, setup / layout.replace(" ", "_"), world, "--context-parallel", "2", *extra, ds=ds)
