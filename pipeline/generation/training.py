@@ -40,11 +40,14 @@ def check_sample_args(args, job, config) -> None:
         if args.sample_prompts is not None:
             raise PromptError("--sample-prompts without --sample-interval; pass --sample-interval N")
         return
-    reason = (args.sample_interval < 1 and f"--sample-interval must be >= 1, got {args.sample_interval}" or
-              args.sample_prompts is None and "--sample-interval needs --sample-prompts FILE" or
-              job.state.pipeline_parallel > 1 and "--sample-interval is for --pipeline-parallel 1 only" or
-              getattr(config, "sequence_parallel", False) and "--sample-interval is not for --sequence-parallel" or
-              zero_stage(job.ds) == 3 and "--sample-interval is not for ZeRO stage 3 (partitioned weights)")
+    refusals = [(args.sample_interval < 1, f"--sample-interval must be >= 1, got {args.sample_interval}"),
+                (args.sample_prompts is None, "--sample-interval needs --sample-prompts FILE"),
+                (job.state.pipeline_parallel > 1, "--sample-interval is for --pipeline-parallel 1 only"),
+                (getattr(job.state, "context_parallel", 1) > 1, "--sample-interval is not for --context-parallel"),
+                (getattr(config, "sequence_parallel", False), "--sample-interval is not for --sequence-parallel"),
+                (getattr(config, "tiled_mlp", 1) > 1, "--sample-interval is not for --tiled-mlp"),
+                (zero_stage(job.ds) == 3, "--sample-interval is not for ZeRO stage 3 (partitioned weights)")]
+    reason = next((message for refused, message in refusals if refused), None)
     if reason:
         raise PromptError(f"{reason}; drop --sample-interval or change the layout")
 

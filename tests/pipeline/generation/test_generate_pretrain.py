@@ -68,10 +68,11 @@ def test_samples_leave_the_losses_unchanged(tmp_path):
     ({"sample_interval": 5, "sample_prompts": "p.txt", "pp": 2}, "for --pipeline-parallel 1 only"),
     ({"sample_interval": 5, "sample_prompts": "p.txt", "sp": True}, "not for --sequence-parallel"),
     ({"sample_interval": 5, "sample_prompts": "p.txt", "zero": 3}, "not for ZeRO stage 3"),
+    ({"sample_interval": 5, "sample_prompts": "p.txt", "cp": 2}, "not for --context-parallel"),
 ])
 def test_sample_arguments_are_refused_in_one_line(given, message):
     args = SimpleNamespace(sample_interval=given.get("sample_interval"), sample_prompts=given.get("sample_prompts"))
-    job = SimpleNamespace(state=SimpleNamespace(pipeline_parallel=given.get("pp", 1)),
+    job = SimpleNamespace(state=SimpleNamespace(pipeline_parallel=given.get("pp", 1), context_parallel=given.get("cp", 1)),
                           ds={"zero_optimization": {"stage": given.get("zero", 1)}})
     with pytest.raises(PromptError, match=message):
         check_sample_args(args, job, SimpleNamespace(sequence_parallel=given.get("sp", False)))
