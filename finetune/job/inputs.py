@@ -4,6 +4,7 @@ positive weights, encoder options, the held-out split, and the --save directory.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -122,7 +123,11 @@ def check_save(args) -> None:
     refuse_overlap(args.save, [("--base", args.base), ("--train", args.train), ("--dev", args.dev),
                                ("--test", args.test), ("--tokenizer", args.tokenizer)], "--save")
     save = Path(args.save)
-    if save.is_dir() and any(p.name != LOCK_FILE for p in save.iterdir()):  # a crashed run's lock: not content
+    if _interrupted(save):  # a killed run of this job left its log and some outputs, never classifier.json
+        print(f"note: --save {save} holds the outputs of an interrupted run of this job (no {CLASSIFIER_FILE}); "
+              f"replacing them", file=sys.stderr)
+        (save / "metrics.jsonl").unlink(missing_ok=True)
+    elif save.is_dir() and any(p.name != LOCK_FILE for p in save.iterdir()):  # a crashed run's lock: not content
         if not args.force:
             raise OutputError(f"--save {save} is not empty; choose a new directory or pass --force to replace "
                               f"the classifier in it")
@@ -132,3 +137,15 @@ def check_save(args) -> None:
         (save / "metrics.jsonl").unlink(missing_ok=True)  # this job's own log of the run it replaces
     elif save.exists() and not save.is_dir():
         raise OutputError(f"--save {save} is a file; give a directory")
+
+
+# what this job writes into --save (finish.py, saved.py), a temporary of pipeline.job.files starting with "."
+_JOB_OUTPUTS = {"metrics.jsonl", "eval.json", "per_class_f1.png", "dev_predictions.txt", "test_predictions.txt",
+                "thresholds.json", "model.safetensors", "tokenizer", "hf", LOCK_FILE}
+
+
+def _interrupted(save: Path) -> bool:
+    if not save.is_dir() or (save / CLASSIFIER_FILE).exists():
+        return False
+    names = [p.name for p in save.iterdir()]
+    return "metrics.jsonl" in names and all(n in _JOB_OUTPUTS or n.startswith(".") for n in names)

@@ -111,7 +111,7 @@ def _leave_launcher_a_line(line: str, rank0: bool) -> None:
     place of "To enable traceback see ..."), the process group left, and a rank other than 0 waits a moment
     so that rank 0's line is out before the agent stops the other workers. torchrun itself still raises its
     ``ChildFailedError`` summary whenever a worker exits non-zero (its ``main`` re-raises it: nothing a worker
-    does avoids that; the deepspeed launcher prints one line instead)."""
+    does avoids that)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file and not os.path.exists(error_file):
         data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}

@@ -43,10 +43,11 @@ def start(cmd, cwd):
                             stderr=subprocess.PIPE, text=True)
 
 
-def wait_for(predicate, timeout=120.0, what="condition"):
+def wait_for(predicate, timeout=120.0, what="condition", proc=None):
     t0 = time.monotonic()
     while not predicate():
         assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        assert proc is None or proc.poll() is None, f"the job ended first: {proc.communicate()[1][-3000:]}"
         time.sleep(0.05)
 
 
@@ -78,6 +79,7 @@ def test_sigterm_to_one_rank_saves_and_resumes_bit_equal(work):
     worker(proc, 1).send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     stop_seconds = time.monotonic() - t0
+    print(f"preemption: the job ended {stop_seconds:.1f} s after SIGTERM")
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err
     step = int((run / "latest").read_text().strip().removeprefix("global_step"))
@@ -115,6 +117,17 @@ def test_sigterm_to_finetune_saves_the_classifier_trained_so_far(work):
     assert all((clf / name).is_file() for name in ("classifier.json", "model.safetensors", "thresholds.json",
                                                     "eval.json", "dev_predictions.txt"))
     assert not (clf / ".run.lock").exists()
+    killed = work / "clf_killed"  # kill -9 mid-run: the same command again (here 2 steps) replaces what it left
+    argv = [str(killed) if a == str(clf) else a for a in proc.args]
+    proc = start(argv, work)
+    wait_for(lambda: steps_logged(killed) >= 2, what="two finetuning steps", proc=proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert not (killed / "classifier.json").exists() and (killed / ".run.lock").exists()
+    argv[argv.index("100000")] = "2"
+    rerun = run_cli(argv, work)
+    assert "holds the outputs of an interrupted run of this job" in rerun.stderr
+    assert (killed / "classifier.json").is_file() and max(losses(killed)) == 2
 
 
 def test_second_run_on_one_save_is_refused_and_a_dead_holder_is_taken_over(work):
