@@ -44,6 +44,10 @@ def build_parser() -> ArgumentParser:
     return p
 
 
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
 def pinned_fields(args) -> dict:
     pinned = {k: getattr(args, k) for k in ("tp", "pp", "zero", "recompute", "micro_batch")
               if getattr(args, k) is not None}
@@ -54,7 +58,7 @@ def pinned_fields(args) -> dict:
 
 @command
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.list_hardware:
         for name, d in profiles().items():
             print(f"{name}: {d['description']}")
