@@ -54,7 +54,7 @@ def check_sample_args(args, job, config) -> None:
 
 def sample_hooks(args, engine, tokenizer, job, save_dir: Path | None) -> list:
     """The loop hook that writes samples (none without --sample-interval)."""
-    check_sample_args(args, job, engine.module.config)
+    check_sample_args(args, job, getattr(engine.module, "config", None))  # a PipelineModule has none
     if args.sample_interval is None:
         return []
     texts = read_prompts(path=args.sample_prompts)
