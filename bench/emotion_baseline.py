@@ -12,7 +12,7 @@ project's default, which maximises micro-F1 and Jaccard at some cost in macro-F1
 Reusable by other benchmarks (run from bench/, or with bench/ on sys.path):
 
     from emotion_baseline import run_baseline
-    from finetune.metrics import evaluate_probabilities, format_comparison
+    from finetune.scoring.metrics import evaluate_probabilities, format_comparison
     base = run_baseline(train, dev)                                   # LabeledTexts of finetune.data
     ours = evaluate_probabilities(dev.labels, dev_probs, dev.label_names, thresholds)["tuned"]
     print(format_comparison({**base["systems"], "project": ours}))
