@@ -1,0 +1,20 @@
+"""The planner's activation terms, generalised to GQA, SwiGLU and dropout off, reduce to Korthikanti et al.
+(2022)'s closed forms for the gpt2 layer they describe (per layer, 2-byte activations)."""
+import pytest
+
+from models import GPTConfig
+from pipeline.planning.memory import layer_activations
+from pipeline.planning.shapes import gpt_shape
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_gpt2_layer_matches_the_paper(tp):
+    s, b, h, a = 512, 4, 1024, 16
+    shape = gpt_shape(GPTConfig(variant="gpt2", hidden_size=h, num_heads=a, num_layers=2, vocab_size=1024,
+                                max_position_embeddings=s), "gpt2")
+    sbh = s * b * h
+    assert layer_activations(shape, b, tp, False, "none") == pytest.approx(sbh * (10 + 24 / tp + 5 * a * s / (h * tp)))
+    assert layer_activations(shape, b, tp, True, "none") == pytest.approx(sbh * (34 / tp + 5 * a * s / (h * tp)))
+    assert layer_activations(shape, b, tp, True, "selective") == pytest.approx(sbh * 34 / tp)
+    assert layer_activations(shape, b, tp, False, "selective") == pytest.approx(sbh * (10 + 24 / tp))
+    assert layer_activations(shape, b, tp, True, "full") == pytest.approx(2 * sbh / tp)
