@@ -34,7 +34,6 @@ def _run_cp(rank, tp, cp, config, sequence_parallel):
 CASES = {  # name: (variant config overrides, tp, cp, sequence parallel)
     "gpt2-cp2": ("gpt2", {}, 1, 2, False),
     "llama-cp2": ("llama", {}, 1, 2, False),
-    "gpt2-cp4": ("gpt2", {}, 1, 4, False),
     "llama-kv1-cp4": ("llama", {"num_kv_heads": 1}, 1, 4, False),  # one KV head, four ranks: replicated 4x
     "gpt2-tp2-sp-cp2": ("gpt2", {}, 2, 2, True),
     "llama-kv2-tp2-sp-cp2": ("llama", {"num_kv_heads": 2}, 2, 2, True),  # one KV head per TP rank, CP 2
