@@ -55,6 +55,10 @@ def commands(path: Path) -> list[tuple[str, list[str]]]:
     found = []
     for line in map(without_substitutions, code_lines(path)):
         for part in re.split(r"&&|\|\|", line):
+            plain = [w for w in part.split() if "=" not in w or w.startswith("-")]
+            if not plain or not (plain[0] in LAUNCHERS + ("python", "python3") or plain[0] in SCRIPTS
+                                 or plain[0] in FILES):
+                continue  # output or prose shown as code, not a command
             words = shlex.split(part.split(" #")[0])
             while words and "=" in words[0] and not words[0].startswith("-"):
                 words = words[1:]  # VAR=value prefixes
