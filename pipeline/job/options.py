@@ -12,7 +12,7 @@ import torch
 
 from pipeline.job.errors import add_debug_arg
 
-DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+DS_CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
 
 
 def default_ds_config() -> str:

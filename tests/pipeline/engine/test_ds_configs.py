@@ -7,6 +7,9 @@ from conftest import ROOT
 from dist import run_distributed
 from engine_utils import train_worker
 
+from pipeline.job.options import default_ds_config
+from pipeline.job.model_configs import PRESETS
+
 CASES = {  # config -> (world size, TP, PP, micro batch)
     "cpu.json": (2, 1, 1, 2),
     "fp16_zero1.json": (2, 1, 1, 2),
@@ -15,6 +18,12 @@ CASES = {  # config -> (world size, TP, PP, micro batch)
     "zero3.json": (2, 1, 1, 2),
     "pipeline_bf16_zero1.json": (2, 1, 2, 2),
 }
+
+
+def test_the_defaults_are_shipped_files():
+    """The DeepSpeed config a job takes without --deepspeed_config, and the presets folder, are the project's."""
+    assert default_ds_config() == str(ROOT / "ds_configs" / "cpu.json")
+    assert PRESETS == ROOT / "models" / "configs" and (PRESETS / "gpt2-tiny.json").is_file()
 
 
 def test_every_config_is_covered():
