@@ -91,7 +91,7 @@ def _compute_s(job: Job, lay: Layout) -> tuple[float, float]:
     passes = ELEMENTWISE_PASSES["forward"] * (2 if lay.recompute == "full" else 1) + ELEMENTWISE_PASSES["backward"]
     act_bytes = PRECISION_BYTES[job.precision][0]
     layers = -(-m.layers // lay.pp)
-    elementwise = 0.0 if m.kind == "mlstm" else (
+    elementwise = 0.0 if m.recurrent else (
         passes * tokens * m.hidden * act_bytes * layers / (lay.tp if lay.sp else 1) / hw.hbm_bytes_per_s)
     total = matmul + elementwise
     backward_share = (3 if lay.recompute == "full" else 2) / (4 if lay.recompute == "full" else 3)
@@ -167,10 +167,10 @@ def divisors(n: int) -> list[int]:
 def candidate_layouts(job: Job, pinned: dict) -> list[Layout]:
     """Every layout the model, the GPU count and the batch allow (``pinned``: fields fixed by the user)."""
     m, out = job.model, []
-    tps = [1] if m.kind == "mlstm" else [t for t in divisors(job.gpus) if t <= job.hardware.gpus_per_server
+    tps = [1] if m.recurrent else [t for t in divisors(job.gpus) if t <= job.hardware.gpus_per_server
                                          and m.heads % t == 0 and m.kv_heads % t == 0 and m.ffn % t == 0]
     for tp in tps:
-        for pp in ([1] if m.kind == "mlstm" else divisors(job.gpus // tp)):
+        for pp in ([1] if m.recurrent else divisors(job.gpus // tp)):
             if pp > m.layers:
                 continue
             dp = job.gpus // (tp * pp)
@@ -179,7 +179,7 @@ def candidate_layouts(job: Job, pinned: dict) -> list[Layout]:
             for mbs in divisors(job.global_batch // dp):
                 for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                     for sp in ((False, True) if tp > 1 and m.seq % tp == 0 else (False,)):
-                        for policy in (POLICIES if m.kind == "gpt" else ("none",)):
+                        for policy in (("none",) if m.recurrent else POLICIES):
                             lay = Layout(tp, pp, dp, zero, sp, policy, mbs)
                             if all(getattr(lay, k) == v for k, v in pinned.items()):
                                 out.append(lay)

@@ -57,7 +57,7 @@ def model_states(psi: float, zero: int, dp: int, precision: str = "bf16") -> Mod
 
 def layer_activation_terms(m: ModelShape, b: int) -> tuple[float, float, float]:
     """(replicated, split, scores) bytes of one layer's activations for ``b`` sequences, 2-byte activations."""
-    if m.kind == "mlstm":  # per step the gates (4H), cell and hidden states (2H), fp32 cell: ~ 8 sbH x 2 bytes
+    if m.recurrent:  # per step the gates (4H), cell and hidden states (2H), fp32 cell: ~ 8 sbH x 2 bytes
         return 0.0, 16.0 * m.seq * b * m.hidden, 0.0
     s, h = m.seq, m.hidden
     q, kv, f = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn
@@ -82,7 +82,7 @@ def activations(m: ModelShape, b: int, tp: int, pp: int, sp: bool, policy: str, 
     in_flight = min(micro_batches, pp)
     held = in_flight * layers_per_stage * layer_activations(m, b, tp, sp, policy)
     if policy == "full":  # the layer rebuilt in the backward
-        held += layer_activations(m, b, tp, sp, "selective" if m.kind == "gpt" else "none")
+        held += layer_activations(m, b, tp, sp, "none" if m.recurrent else "selective")
     logits = (4.0 / scale) * m.seq * b * m.vocab / tp  # fp32 softmax saved by the cross-entropy
     last_stage = layers_per_stage * layer_activations(m, b, tp, sp, policy) + logits
     return scale * max(held, last_stage if pp > 1 else held + logits)

@@ -2,6 +2,8 @@
 and format the table (or the validation against the papers)."""
 from __future__ import annotations
 
+import dataclasses
+
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_of_dict
 from pipeline.job.model_configs import read_model_config
@@ -24,7 +26,7 @@ def load_shape(spec: str, seq: int | None) -> ModelShape:
     family = family_of_dict(raw, source)
     if seq is not None:
         raw["seq_length"] = seq
-        if family.name == "gpt":
+        if "max_position_embeddings" in {f.name for f in dataclasses.fields(family.config_class)}:
             raw["max_position_embeddings"] = max(seq, raw.get("max_position_embeddings", seq))
     return model_shape(family.config_class.from_dict(raw, source=source), spec, seq)
 
@@ -41,7 +43,7 @@ def check_pinned(job: Job, pinned: dict) -> None:
     if n % (tp * pp):
         raise PlanError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {n}; choose sizes whose "
                         f"product divides {n}")
-    if m.kind == "gpt":
+    if not m.recurrent:
         for name, value in (("num_heads", m.heads), ("num_kv_heads", m.kv_heads), ("ffn_hidden_size", m.ffn)):
             if value % tp:
                 raise PlanError(f"--tp {tp}: {name} {value} of {m.name} is not divisible by {tp}; choose a "
@@ -105,4 +107,4 @@ def make_job(spec: str, gpus: int, hardware_name: str, seq: int | None, global_b
     shape = load_shape(spec, seq)
     batch = global_batch or max(gpus, 8)
     return Job(shape, hw, gpus=gpus, global_batch=batch, precision=precision, bucket=bucket,
-               overlap_dp=shape.kind == "gpt")
+               overlap_dp=not shape.recurrent)

@@ -17,7 +17,7 @@ def _pad(n: int, multiple: int) -> int:
 @dataclass(frozen=True)
 class ModelShape:
     name: str
-    kind: str                 # "gpt" or "mlstm"
+    recurrent: bool           # a recurrent model (the mLSTM): no TP or PP, no attention, per-step activations
     hidden: int
     layers: int
     heads: int
@@ -63,7 +63,7 @@ def gpt_shape(c: GPTConfig, name: str = "gpt", seq: int | None = None) -> ModelS
     unpadded_rest = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
     layer = (full - unpadded_rest - (embedding - vocab * c.hidden_size) - final_norm) // c.num_layers
     return ModelShape(
-        name=name, kind="gpt", hidden=c.hidden_size, layers=c.num_layers, heads=c.num_heads,
+        name=name, recurrent=False, hidden=c.hidden_size, layers=c.num_layers, heads=c.num_heads,
         kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn=c.ffn_hidden_size, vocab=vocab, seq=s,
         gated_mlp=c.variant == "llama", hidden_dropout=c.hidden_dropout > 0,
         attention_dropout=c.attention_dropout > 0, layer_params=layer, embedding_params=embedding,
@@ -79,7 +79,7 @@ def mlstm_shape(c: MLSTMConfig, name: str = "mlstm", seq: int | None = None) -> 
     head = c.hidden_size * c.vocab_size + c.vocab_size
     embedding = c.vocab_size * c.embed_dim
     return ModelShape(
-        name=name, kind="mlstm", hidden=c.hidden_size, layers=c.num_layers, heads=1, kv_heads=1,
+        name=name, recurrent=True, hidden=c.hidden_size, layers=c.num_layers, heads=1, kv_heads=1,
         head_dim=c.hidden_size, ffn=0, vocab=c.vocab_size, seq=seq or c.seq_length, gated_mlp=False,
         hidden_dropout=c.dropout > 0, attention_dropout=False,
         layer_params=(full - head - embedding) // c.num_layers, embedding_params=embedding, head_params=head,
