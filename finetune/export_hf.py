@@ -24,7 +24,7 @@ import sys
 
 from finetune.hf_export import compare_with_project, export_classifier
 from pipeline.hf.convert import add_dtype_arg
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
+from pipeline.job.errors import ArgumentParser, command, console_script
 
 
 def parse_args(argv=None):
@@ -34,7 +34,6 @@ def parse_args(argv=None):
     add_dtype_arg(p, help="dtype of the exported weights")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--verify", action="store_true", help="reload with transformers and compare probabilities")
-    add_debug_arg(p)
     return p.parse_args(argv)
 
 

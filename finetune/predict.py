@@ -28,7 +28,7 @@ from finetune.scoring.metrics import evaluate_probabilities, format_comparison, 
 from finetune.scoring.predictions import write_predictions
 from finetune.scoring.thresholds import apply_thresholds
 from pipeline.hf.convert import add_dtype_arg, parse_dtype
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
+from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.files import check_output_file, refuse_overlap
 
 
@@ -46,7 +46,6 @@ def parse_args(argv=None):
     p.add_argument("--probabilities", default=None, help="also write the probabilities to this TSV file")
     p.add_argument("--eval-json", default=None, help="write the scores to this JSON file (labelled data)")
     p.add_argument("--force", action="store_true", help="replace existing output files")
-    add_debug_arg(p)
     args = p.parse_args(argv)
     check_outputs(args)
     if args.threshold is not None and not 0.0 < args.threshold < 1.0:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from pipeline.job.errors import ArgumentParser, InputError, add_debug_arg, command, console_script
+from pipeline.job.errors import ArgumentParser, InputError, command, console_script
 from pipeline.job.files import atomic_write_json
 from pipeline.hf.convert import add_dtype_arg, short_dtype_name
 from pipeline.evaluation.lm_scoring import evaluate_bpc, evaluate_lambada, evaluate_wikitext
@@ -69,7 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, help="wikitext/bpc: also save a PNG of the loss against the left context")
     p.add_argument("--force", action="store_true", help="replace an existing --out / --plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_debug_arg(p)
     return p
 
 

@@ -18,7 +18,7 @@ import sys
 
 
 from models.config import GPTConfig
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
+from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.hf.convert import add_dtype_arg, dtype_name, hf_family, num_parameters_message, parse_dtype
 from pipeline.checkpoints.checkpoint import read_full_checkpoint
 from pipeline.job.files import check_output_dir, refuse_overlap
@@ -36,7 +36,6 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--verify", action="store_true",
                    help="reload the export with transformers and compare its logits with the project model's")
-    add_debug_arg(p)
     return p.parse_args(argv)
 
 

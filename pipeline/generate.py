@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.generation.run import add_sampling_args, run_generation
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
+from pipeline.job.errors import ArgumentParser, command, console_script
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-read the whole sequence at every step instead of keeping a KV cache (for comparison)")
     p.add_argument("--quiet", action="store_true", help="no streaming, no progress bar")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
-    add_debug_arg(p)
     return p
 
 

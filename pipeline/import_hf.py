@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
+from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.hf.convert import add_dtype_arg, num_parameters_message
 from pipeline.hf.importer import import_hf
 
@@ -28,7 +28,6 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--pipeline-parallel", type=int, default=1, help="PP size the model will be trained at (checked)")
     add_dtype_arg(p, help="dtype of the saved weights (float32: the training master weights)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    add_debug_arg(p)
     return p.parse_args(argv)
 
 

@@ -9,7 +9,7 @@ No GPU is needed (docs/performance.md: the model, its assumptions, its validatio
 """
 from __future__ import annotations
 
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
+from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.files import atomic_write_json, check_output_file
 from pipeline.planning.hardware import profiles
 from pipeline.planning.layouts import DEFAULT_BUCKET
@@ -40,7 +40,6 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing --json file")
     p.add_argument("--validate", action="store_true", help="the table against the papers; exit 1 if a row is off")
     p.add_argument("--list-hardware", action="store_true")
-    add_debug_arg(p)
     return p
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
+from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.files import check_output_file, refuse_overlap
 from pipeline.tracking.plot import plot_runs
 
@@ -21,7 +21,6 @@ def parse_args(argv=None):
     parser.add_argument("--label", action="append", help="a legend name per run (default: the run's folder name)")
     parser.add_argument("--dpi", type=int, default=80)
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
-    add_debug_arg(parser)
     return parser.parse_args(argv)
 
 

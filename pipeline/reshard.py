@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command, console_script
+from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.checkpoints.reshard import reshard
 
 
@@ -23,7 +23,6 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="the new run directory (must not exist or be empty)")
     p.add_argument("--tag", default=None, help="the tag to convert (default: the run's latest)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    add_debug_arg(p)
     return p.parse_args(argv)
 
 

@@ -22,7 +22,7 @@ import torch
 
 from models.mlstm import MLSTM, load_mlstm
 from pipeline.checkpoints.checkpoint import is_deepspeed_run_dir, read_full_checkpoint
-from pipeline.job.errors import ArgumentParser, add_debug_arg, command
+from pipeline.job.errors import ArgumentParser, command
 from pipeline.evaluation.sentiment_neuron import DEFAULT_CS, run_sentiment_neuron
 
 
@@ -38,7 +38,6 @@ def parse_args(argv=None):
                     help="comma-separated C grid for the L1 probe")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-progress", action="store_true")
-    add_debug_arg(ap)
     return ap.parse_args(argv)
 
 

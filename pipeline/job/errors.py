@@ -17,8 +17,7 @@ How a command uses it:
 
     @command                                       # main(argv) -> int | dict | None
     def main(argv=None):
-        p = argparse.ArgumentParser(...)
-        add_debug_arg(p)
+        p = ArgumentParser(...)                    # argparse, its errors one line, --debug added
         ...
         raise MyError(f"{path}: line {n}: field 'text' is empty; fill it or drop the line")
 
@@ -153,6 +152,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
+        add_debug_arg(self)  # every command takes --debug
 
     def error(self, message: str):
         raise InputError(f"{self.prog}: {message}; see {self.prog} --help")

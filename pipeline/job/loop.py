@@ -1,9 +1,9 @@
 """The job layer: what every training command shares, so that a command only says what model, what data, what step.
 
-    p = argparse.ArgumentParser(...)
+    p = ArgumentParser(...)            # the project's: one-line errors, --debug
     add_engine_args(p)                 # --deepspeed_config, --tensor-parallel, [--pipeline-parallel],
                                        # --sequence-parallel, batch sizes
-    add_run_args(p)                    # --seed, --log-interval, --verbose, --debug
+    add_run_args(p)                    # --seed, --log-interval, --verbose (ArgumentParser adds --debug)
     args = p.parse_args(argv)
     job = setup(EngineOptions.from_args(args))   # process groups, parallel state and seeds, the DeepSpeed config
     engine = build_engine(config, job.ds, job.state, ...)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from pipeline.job.errors import add_debug_arg
 
 DS_CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
 
@@ -54,7 +53,6 @@ def add_run_args(parser: argparse.ArgumentParser, group=None, *, log_interval: i
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=log_interval)
     g.add_argument("--verbose", action="store_true", help="DeepSpeed's INFO logs")
-    add_debug_arg(g)
     add_fault_args(g)
     return g
 
