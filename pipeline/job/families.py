@@ -106,7 +106,7 @@ register(ModelFamily(
     refs={"hf_exporter": "pipeline.hf.export:export_gpt", "hf_verifier": "pipeline.hf.export:gpt_logits",
           "scorer": "pipeline.evaluation.lm_scoring.scoring:GPTScorer", "encoder": "finetune.model:GPTEncoder",
           "decoder": "pipeline.generation.decoders:GPTDecoder",
-          "hf_classifier": "finetune.export_hf:classifier_to_hf"}))
+          "hf_classifier": "finetune.hf_export:classifier_to_hf"}))
 
 register(ModelFamily(
     name="mlstm", config_class=MLSTMConfig, default_preset="mlstm-tiny", default_tokenizer="bytes",

@@ -13,6 +13,8 @@ def test_every_family_resolves_everything_the_commands_ask_for(name):
     family = family_named(name)
     for what in REFS:
         assert callable(family.get(what)), what
+    for what in family.refs:  # the optional ones too (decoder, hf_classifier): every name resolves
+        assert callable(family.get(what)), (what, family.refs[what])
     assert family.get("encoder").default_pooling in ("last", "none")
     assert family_of_dict({"model_type": name}) is family
 
