@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 VARIANTS = ("gpt2", "llama")
+MOE_FIELDS = ("num_experts", "moe_top_k", "moe_layer_freq", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
+              "moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity", "moe_norm_topk_prob",
+              "moe_expert_parallel")
 
 
 class ConfigError(ValueError):
@@ -60,6 +63,17 @@ class GPTConfig:
     sequence_parallel: bool = False        # split norms/dropout/residuals along the sequence across TP ranks
     tiled_mlp: int = 1                     # ALST: the MLP on this many sequence tiles (models/tiling.py)
     tiled_loss: int = 1                    # ALST: output layer + loss on this many sequence tiles
+    # mixture of experts (models/moe.py, docs/moe.md); num_experts 0: dense
+    num_experts: int = 0                   # experts per MoE layer
+    moe_top_k: int = 2                     # experts per token
+    moe_layer_freq: int = 1                # every n-th layer is MoE (layers n-1, 2n-1, ...; 1: every layer)
+    moe_ffn_hidden_size: int | None = None  # each expert's intermediate size; None: ffn_hidden_size
+    moe_aux_loss_coeff: float = 0.01       # load-balancing loss coefficient (Switch/GShard, Mixtral's formula)
+    moe_z_loss_coeff: float = 0.0          # router z-loss coefficient (ST-MoE); 0: off
+    moe_capacity_factor: float | None = None  # None: dropless; else slots per expert = ceil(k S / E x factor)
+    moe_min_capacity: int = 4              # with a capacity factor: at least this many slots per expert
+    moe_norm_topk_prob: bool = True        # renormalise the top-k weights (Mixtral; Qwen3-MoE's norm_topk_prob)
+    moe_expert_parallel: int = 1           # layout: experts split over this many data-parallel ranks
     extra: dict = field(default_factory=dict)  # free-form metadata (e.g. where an import came from)
 
     def __post_init__(self):
@@ -120,7 +134,7 @@ class GPTConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 return f"{name} must be in [0, 1), got {getattr(self, name)}"
-        return None
+        return self._moe_problem()
 
     def _llama_option_problem(self) -> str | None:
         for name in ("qkv_bias", "qk_norm"):
@@ -140,6 +154,32 @@ class GPTConfig:
                     f"attention equals it only for sequences no longer than the window")
         return None
 
+    def _moe_problem(self) -> str | None:
+        """What is wrong with the MoE fields (None if the model is dense or they are right)."""
+        c = self
+        if not isinstance(c.num_experts, int) or c.num_experts < 0:
+            return f"num_experts must be 0 (dense) or a positive integer, got {c.num_experts!r}"
+        if c.num_experts == 0:
+            return None
+        for name in ("moe_top_k", "moe_layer_freq", "moe_expert_parallel"):
+            if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
+                return f"{name} must be a positive integer, got {getattr(c, name)!r}"
+        if c.moe_top_k > c.num_experts:
+            return f"moe_top_k {c.moe_top_k} is more than num_experts {c.num_experts}"
+        if c.num_experts % c.moe_expert_parallel:
+            return (f"num_experts {c.num_experts} is not divisible by the expert-parallel size "
+                    f"{c.moe_expert_parallel}; choose an --expert-parallel that divides it")
+        f = c.moe_ffn_hidden_size
+        if f is not None and (not isinstance(f, int) or f < 1):
+            return f"moe_ffn_hidden_size must be a positive integer, got {c.moe_ffn_hidden_size!r}"
+        if c.moe_capacity_factor is not None and not c.moe_capacity_factor > 0:
+            return f"moe_capacity_factor must be positive (or null: dropless), got {c.moe_capacity_factor!r}"
+        if c.moe_aux_loss_coeff < 0 or c.moe_z_loss_coeff < 0:
+            return "moe_aux_loss_coeff and moe_z_loss_coeff must not be negative"
+        if c.sequence_parallel or c.tiled_mlp > 1:
+            return "MoE layers (num_experts > 0) do not take sequence_parallel or tiled_mlp yet"
+        return None
+
     @property
     def max_sequence_length(self) -> int:
         """The longest sequence the model computes: its positions, and a sliding window if it has one."""
@@ -147,6 +187,10 @@ class GPTConfig:
 
     def check_parallel(self, tensor_parallel: int, pipeline_parallel: int = 1, context_parallel: int = 1) -> None:
         """Raise ConfigError if the model cannot be split this way."""
+        if self.num_experts and max(tensor_parallel, pipeline_parallel, context_parallel) > 1:
+            raise ConfigError(f"invalid model config: MoE layers (num_experts {self.num_experts}) run at "
+                              f"tensor/pipeline/context parallel 1 only for now (asked: TP {tensor_parallel}, "
+                              f"PP {pipeline_parallel}, CP {context_parallel}); see docs/moe.md")
         if context_parallel > 1:
             self.check_context_parallel(tensor_parallel, context_parallel)
         checks = [("num_heads", self.num_heads, tensor_parallel, "tensor-parallel size"),
@@ -187,6 +231,10 @@ class GPTConfig:
         d = dataclasses.asdict(self)
         for layout_only in ("sequence_parallel", "tiled_mlp", "tiled_loss"):  # so is the tiling of the compute
             d.pop(layout_only)
+        d.pop("moe_expert_parallel")  # and the spread of the experts
+        if not self.num_experts:  # a dense model's config lists no MoE field
+            for name in MOE_FIELDS:
+                d.pop(name, None)
         return {"model_type": "gpt", **d}
 
     @classmethod

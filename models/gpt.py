@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
+from .moe import MoEMLP, is_moe_layer
 from .tiling import tiled_cross_entropy, tiled_mlp
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, RowParallelLinear, SequenceParallelLayerNorm,
                        SequenceParallelRMSNorm, UlyssesAttention, VocabParallelEmbedding, chunk_start, context_chunk,
@@ -210,15 +211,17 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.)))."""
+    """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.))). ``moe``: the MLP is a mixture of
+    experts (``models.moe.MoEMLP``)."""
 
-    def __init__(self, config: GPTConfig, init_seed: int | None = None):
+    def __init__(self, config: GPTConfig, init_seed: int | None = None, moe: bool = False):
         super().__init__()
         with seeded_init(init_seed):
             self.input_norm = _norm(config)
             self.attention = Attention(config)
             self.post_attention_norm = _norm(config)
-            self.mlp = MLP(config)
+            self.mlp = (MoEMLP(config, config.init_std, config.init_std / math.sqrt(2.0 * config.num_layers))
+                        if moe else MLP(config))
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.sequence_parallel = config.sequence_parallel
 
@@ -348,7 +351,8 @@ class GPT(nn.Module):
             init_seed = int(torch.randint(0, 2**31 - 1, ()))
         L = config.num_layers
         self.embedding = Embedding(config, stage_seed(init_seed, 0))
-        self.layers = nn.ModuleList(TransformerLayer(config, stage_seed(init_seed, i + 1)) for i in range(L))
+        self.layers = nn.ModuleList(TransformerLayer(config, stage_seed(init_seed, i + 1), is_moe_layer(config, i))
+                                    for i in range(L))
         self.final_norm = FinalNorm(config)
         self.lm_head = None if config.tie_embeddings else LMHead(config, stage_seed(init_seed, L + 2))
         self.checkpoint_fn = None  # set by the training wiring, e.g. deepspeed.checkpointing.checkpoint
@@ -367,7 +371,8 @@ class GPT(nn.Module):
         for i, layer in enumerate(self.layers):
             if cache is not None:
                 h = layer(h, cache.layer(i))
-            elif self.checkpoint_fn is not None and self.training:
+            elif self.checkpoint_fn is not None and self.training and not isinstance(layer.mlp, MoEMLP):
+                # (an MoE layer is not recomputed: its auxiliary loss must keep the graph of this forward)
                 h = self.checkpoint_fn(layer, h)
             else:
                 h = layer(h)
@@ -386,7 +391,19 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
                 reduction: str = "mean"):
-        """Full logits [b, s, vocab] without labels; the cross-entropy with (shifted) labels."""
+        """Full logits [b, s, vocab] without labels; the cross-entropy with (shifted) labels, plus, in training
+        with a mean reduction, the MoE layers' auxiliary losses (``moe_aux_loss``)."""
+        out = self._forward(input_ids, labels, label_smoothing, reduction)
+        if labels is not None and self.training and reduction == "mean" and self.config.num_experts:
+            out = out + self.moe_aux_loss()
+        return out
+
+    def moe_aux_loss(self) -> torch.Tensor | float:
+        """The sum over MoE layers of coeff x load-balancing loss (+ z-loss) of the last forward (0.0: none)."""
+        return sum(layer.mlp.aux_loss for layer in self.layers
+                   if isinstance(layer.mlp, MoEMLP) and layer.mlp.aux_loss is not None)
+
+    def _forward(self, input_ids, labels, label_smoothing: float, reduction: str):
         if labels is not None and self.config.tiled_loss > 1:
             return self._tiled_loss(input_ids, labels, label_smoothing, reduction)
         logits = self.parallel_logits(input_ids)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from models.config import ConfigError, GPTConfig
+from models.moe import is_moe_layer
 from pipeline.job.errors import UserError
 from pipeline.hf.safetensors_io import PlannedTensor, SafetensorsFiles, dtype_of, hf_weight_files, materialize, shape_of
 
@@ -151,6 +152,8 @@ def _llama_map(c: GPTConfig) -> list[WeightRule]:
                   R(p + "post_attention_norm.weight", (h,), (t + "post_attention_layernorm.weight",)),
                   R(p + "mlp.fc_in.weight", (2 * f, h), tuple(n + ".weight" for n in gate_up), (f, f)),
                   R(p + "mlp.fc_out.weight", (h, f), (t + "mlp.down_proj.weight",))]
+        if is_moe_layer(c, i):
+            rules = rules[:-2] + _mixtral_expert_rules(c, p, t)
         if c.qk_norm:
             rules += [R(p + f"attention.{n}_norm.weight", (d,), (t + f"self_attn.{n}_norm.weight",)) for n in "qk"]
         if c.bias or c.qkv_bias:
@@ -163,6 +166,42 @@ def _llama_map(c: GPTConfig) -> list[WeightRule]:
     if not c.tie_embeddings:
         rules.append(R("lm_head.weight", (V, h), ("lm_head.weight",)))
     return rules
+
+
+def _mixtral_expert_rules(c: GPTConfig, p: str, t: str) -> list[WeightRule]:
+    """An MoE layer's router and experts (DeepSpeed's names: ``mlp.moe.deepspeed_moe``) and Mixtral's files'
+    (``block_sparse_moe``: w1 gate, w3 up, w2 down per expert; transformers 5 fuses them in memory only)."""
+    h, f, E = c.hidden_size, c.moe_ffn_hidden_size or c.ffn_hidden_size, c.num_experts
+    ours, theirs = p + "mlp.moe.deepspeed_moe.", t + "block_sparse_moe."
+    rules = [WeightRule(ours + "gate.wg.weight", (E, h), (theirs + "gate.weight",))]
+    for e in range(E):
+        x, y = f"{ours}experts.deepspeed_experts.{e}.", f"{theirs}experts.{e}."
+        rules += [WeightRule(x + "fc_in.weight", (2 * f, h), (y + "w1.weight", y + "w3.weight"), (f, f)),
+                  WeightRule(x + "fc_out.weight", (h, f), (y + "w2.weight",))]
+    return rules
+
+
+def unfuse_mixtral_experts(hf_sd: Mapping) -> dict:
+    """A transformers 5 Mixtral's in-memory state dict (``mlp.gate``, ``mlp.experts.gate_up_proj`` [E, 2f, h],
+    ``mlp.experts.down_proj`` [E, h, f]) with the names and per-expert tensors of its files (views, no copy)."""
+    out = {}
+    for name, value in hf_sd.items():
+        head, sep, leaf = name.partition(".mlp.")
+        if not sep:
+            out[name] = value
+        elif leaf == "gate.weight":
+            out[f"{head}.block_sparse_moe.gate.weight"] = value
+        elif leaf == "experts.gate_up_proj":
+            for e, w in enumerate(value):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{head}.block_sparse_moe.experts.{e}.w1.weight"] = gate
+                out[f"{head}.block_sparse_moe.experts.{e}.w3.weight"] = up
+        elif leaf == "experts.down_proj":
+            for e, w in enumerate(value):
+                out[f"{head}.block_sparse_moe.experts.{e}.w2.weight"] = w
+        else:
+            out[name] = value
+    return out
 
 
 # -- project -> Hugging Face ----------------------------------------------------------------------------------------
@@ -228,6 +267,13 @@ def _qwen3_config_to_hf(config: GPTConfig) -> dict:
 
 def _mistral_config_to_hf(config: GPTConfig) -> dict:
     return dict(_decoder_config_to_hf(config), sliding_window=config.sliding_window)
+
+
+def _mixtral_config_to_hf(config: GPTConfig) -> dict:
+    return dict(_decoder_config_to_hf(config), sliding_window=config.sliding_window,
+                intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+                num_local_experts=config.num_experts, num_experts_per_tok=config.moe_top_k,
+                router_aux_loss_coef=config.moe_aux_loss_coeff, router_jitter_noise=0.0)
 
 
 def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | str | None = None,
@@ -423,6 +469,16 @@ def _mistral_config_from_hf(cfg, source: str) -> dict:
     return dict(_decoder_config_from_hf(cfg, source), bias=False, sliding_window=cfg.sliding_window)
 
 
+def _mixtral_config_from_hf(cfg, source: str) -> dict:
+    """Mixtral: Mistral's attention, every layer a mixture of ``num_local_experts`` SwiGLU experts (routing:
+    softmax, top-k, renormalised; dropless), the load-balancing loss ``router_aux_loss_coef``."""
+    if float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0) != 0.0:
+        _refuse(source, "router_jitter_noise", cfg.router_jitter_noise, "0 (no multiplicative jitter)")
+    return dict(_mistral_config_from_hf(cfg, source), num_experts=cfg.num_local_experts,
+                moe_top_k=cfg.num_experts_per_tok, moe_ffn_hidden_size=cfg.intermediate_size,
+                moe_aux_loss_coeff=float(cfg.router_aux_loss_coef), moe_norm_topk_prob=True, moe_layer_freq=1)
+
+
 # -- the Hugging Face families -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -444,7 +500,8 @@ class HFFamily:
         return {self.architecture, self.base}
 
 
-def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: bool = False, bias: bool = True):
+def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: bool = False, bias: bool = True,
+           moe: bool = False):
     """A family's ``holds``: the settings of the config it cannot express, named as ``field=value``."""
     def problem(c: GPTConfig) -> str | None:
         lacks = []
@@ -456,6 +513,11 @@ def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: boo
             lacks.append(f"sliding_window={c.sliding_window}")
         if c.bias and not bias:
             lacks.append("bias=True")
+        if bool(c.num_experts) != moe:
+            lacks.append(f"num_experts={c.num_experts}")
+        elif moe and (c.moe_layer_freq != 1 or not c.moe_norm_topk_prob or c.moe_z_loss_coeff):
+            lacks.append(f"moe_layer_freq={c.moe_layer_freq}, moe_norm_topk_prob={c.moe_norm_topk_prob}, "
+                         f"moe_z_loss_coeff={c.moe_z_loss_coeff} (Mixtral: 1, True, 0)")
         return ", ".join(lacks) or None
     return problem
 
@@ -471,6 +533,9 @@ HF_FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
              _qwen3_config_from_hf, _qwen3_config_to_hf, _holds(qk_norm=True, bias=False)),
     HFFamily("mistral", "llama", "MistralConfig", "MistralForCausalLM", "MistralForSequenceClassification",
              "MistralModel", _mistral_config_from_hf, _mistral_config_to_hf, _holds(sliding_window=True, bias=False)),
+    HFFamily("mixtral", "llama", "MixtralConfig", "MixtralForCausalLM", "MixtralForSequenceClassification",
+             "MixtralModel", _mixtral_config_from_hf, _mixtral_config_to_hf,
+             _holds(sliding_window=True, bias=False, moe=True)),
 )}
 HF_ARCHITECTURE = {name: f.architecture for name, f in HF_FAMILIES.items()}
 
@@ -643,6 +708,8 @@ def from_hf(hf_model_or_dir, *, gguf_file: str | None = None, dtype: torch.dtype
         model = hf_model_or_dir
         name = source or getattr(model.config, "_name_or_path", None) or type(model).__name__
         config, hf_sd = config_from_hf(model.config, name), model.state_dict()
+    if config.num_experts and any(k.endswith(".mlp.experts.gate_up_proj") for k in hf_sd):
+        hf_sd = unfuse_mixtral_experts(hf_sd)  # a loaded transformers 5 Mixtral
     if config.variant == "gpt2" and not config.bias and any(hf_sd[n].any() for n in _gpt2_bias_names(config)
                                                             if n in hf_sd):
         config = dataclasses.replace(config, bias=True)  # exported bias-free, then trained with biases

@@ -1,0 +1,158 @@
+"""Mixture-of-experts MLP: the project's MLPs as experts inside DeepSpeed's ``deepspeed.moe.layer.MoE``.
+
+DeepSpeed gives the expert container (``Experts``, whose parameters it keeps out of the data-parallel
+all-reduce and saves per expert), the dispatch to capacity slots and the all-to-all over the expert-parallel
+group. Its gate is replaced by ``ReferenceGate`` (a ``TopKGate`` with the same ``wg`` router weight and the
+same return value), because DeepSpeed 0.19's gates do not route as Mixtral or Qwen3-MoE do:
+
+* ``top1gating`` (k=1) does not renormalise the chosen expert's weight (Switch's ``p``; Mixtral's is 1.0) and
+  draws Random Token Selection noise by default; ``top2gating`` (k=2) renormalises over the two experts, as
+  Mixtral, but samples the second expert with Gumbel noise unless ``top2_2nd_expert_sampling`` is off;
+  ``topkgating`` (k>2) renormalises; none of them can leave the weights unnormalised (Qwen3-MoE's
+  ``norm_topk_prob=False``);
+* the load-balancing loss counts only the first choice (k=2) or divides by k (k>2), where Mixtral's
+  (``load_balancing_loss_func``) counts every one of the top-k choices.
+
+``ReferenceGate``: softmax over all experts in fp32, top-k, the top-k weights renormalised (``norm_topk_prob``),
+the Switch/GShard loss ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of tokens having expert ``e`` among
+their top-k (Mixtral's ``load_balancing_loss_func``: the f_e sum to k) and ``P_e`` the mean router
+probability, an optional router z-loss (ST-MoE), and, with a capacity factor, tokens dropped in token order
+once an expert's ``max(min_capacity, ceil(k * tokens / E * capacity_factor))`` slots are full (dropless: none).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GPTConfig
+
+
+def is_moe_layer(config: GPTConfig, index: int) -> bool:
+    """Whether layer ``index`` (0-based) has experts: every ``moe_layer_freq``-th layer (Qwen3-MoE's
+    ``decoder_sparse_step``: layers freq-1, 2 freq-1, ...; freq 1 is every layer, as Mixtral)."""
+    return config.num_experts > 0 and (index + 1) % config.moe_layer_freq == 0
+
+
+class ExpertMLP(nn.Module):
+    """One expert: the project's MLP (SwiGLU for llama, GELU-tanh for gpt2), whole on every rank (the experts
+    are not split by tensor parallelism). ``fc_in`` holds [gate; up] as the dense MLP's does."""
+
+    def __init__(self, config: GPTConfig, ffn: int):
+        super().__init__()
+        self.gated = config.variant == "llama"
+        h = config.hidden_size
+        self.fc_in = nn.Linear(h, 2 * ffn if self.gated else ffn, bias=config.bias)
+        self.fc_out = nn.Linear(ffn, h, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc_in(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.fc_out(F.silu(gate) * up)
+        return self.fc_out(F.gelu(h, approximate="tanh"))
+
+
+def _topk_gate_class():
+    from deepspeed.moe.sharded_moe import TopKGate  # noqa: PLC0415  (DeepSpeed only where an MoE is built)
+    return TopKGate
+
+
+def route(logits: torch.Tensor, k: int, normalize: bool, capacity_factor: float | None, min_capacity: int):
+    """The routing of [tokens, E] router logits: (top-k weights [S, k], expert indices [S, k], slot of each route
+    in its expert's buffer [S, k], kept [S, k], capacity, load-balancing loss, z-loss, tokens per expert [E])."""
+    probs = F.softmax(logits.float(), dim=-1)
+    S, E = probs.shape
+    weights, experts = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    mask = F.one_hot(experts, E)                                     # [S, k, E]
+    counts = mask.sum(dim=(0, 1))
+    l_aux = E * torch.sum(mask.float().mean(dim=0).sum(dim=0) * probs.mean(dim=0))
+    z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean()
+    # slots in token order, choice order within a token (the first choice of token t before its second)
+    locations = (torch.cumsum(mask.reshape(S * k, E), dim=0) - 1).reshape(S, k, E)
+    locations = (locations * mask).sum(-1)                           # [S, k]
+    if capacity_factor is None:
+        capacity = int(counts.max())
+    else:
+        capacity = max(min_capacity, math.ceil(k * S / E * capacity_factor))
+    kept = locations < capacity
+    return weights, experts, locations, kept, capacity, l_aux, z_loss, counts
+
+
+class ReferenceGate(nn.Module):
+    """Built by ``make_gate`` as a subclass of DeepSpeed's ``TopKGate``: the router ``wg`` and the sparse-route
+    return of ``TopKGate.forward`` (what ``MOELayer`` reads), with the reference models' routing."""
+
+    def setup(self, config: GPTConfig):
+        self.k = config.moe_top_k
+        self.normalize = config.moe_norm_topk_prob
+        self.capacity = config.moe_capacity_factor
+        self.min_capacity = config.moe_min_capacity
+        self.z_loss = None
+        self.dropped_fraction = None
+
+    def forward(self, input, used_token=None, sparse_routes=True, use_tutel=False):
+        if not sparse_routes or use_tutel or used_token is not None:
+            raise ValueError("ReferenceGate gives sparse routes only (no Tutel, no used_token)")
+        logits = F.linear(input.float(), self.wg.weight.float())
+        factor = self.capacity if self.training else None  # evaluation is dropless
+        weights, experts, locations, kept, capacity, l_aux, z_loss, counts = route(
+            logits, self.k, self.normalize, factor, self.min_capacity)
+        capacity_t = torch.tensor(capacity, device=logits.device)
+        if factor is None and self.ep_group is not None and torch.distributed.get_world_size(self.ep_group) > 1:
+            torch.distributed.all_reduce(capacity_t, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
+        self.z_loss = z_loss
+        self.dropped_fraction = (1.0 - kept.float().mean()).detach()
+        indices = torch.where(kept, experts, torch.full_like(experts, -1))
+        gates = weights * kept
+        if self.normalize and factor is not None:  # renormalised over the routes kept, as DeepSpeed's
+            gates = gates / gates.sum(-1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+        return (l_aux, capacity_t, logits.shape[1], indices.t().contiguous().to(torch.int32),
+                (locations * kept).t().contiguous().to(torch.int32), gates.t().contiguous(), counts.detach())
+
+
+def make_gate(config: GPTConfig) -> nn.Module:
+    cls = type("ReferenceTopKGate", (ReferenceGate, _topk_gate_class()), {})
+    gate = cls(config.hidden_size, config.num_experts, k=config.moe_top_k, min_capacity=config.moe_min_capacity,
+               drop_tokens=config.moe_capacity_factor is not None, use_rts=False, top2_2nd_expert_sampling=False)
+    gate.setup(config)
+    return gate
+
+
+class MoEMLP(nn.Module):
+    """The MLP of an MoE layer: ``moe`` is DeepSpeed's ``MoE`` (its experts ``ExpertMLP``s, its gate a
+    ``ReferenceGate``). After each forward, ``aux_loss`` holds coeff x load-balancing loss (+ z-loss coeff x
+    z-loss), with its graph, for ``GPT.forward`` to add to the loss; ``exp_counts`` the tokens per expert."""
+
+    def __init__(self, config: GPTConfig, init_std: float, out_std: float):
+        super().__init__()
+        from deepspeed.moe.layer import MoE  # noqa: PLC0415
+        ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        self.moe = MoE(config.hidden_size, ExpertMLP(config, ffn), num_experts=config.num_experts,
+                       ep_size=config.moe_expert_parallel, k=config.moe_top_k,
+                       capacity_factor=config.moe_capacity_factor or 1.0,
+                       min_capacity=config.moe_min_capacity, drop_tokens=config.moe_capacity_factor is not None,
+                       use_rts=False, top2_2nd_expert_sampling=False)
+        self.moe.deepspeed_moe.gate = make_gate(config)
+        self.coeff, self.z_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
+        self.aux_loss = None
+        self.exp_counts = None
+        # DeepSpeed deep-copies one expert: every expert gets its own draw (the container is ordered as the
+        # global expert ids of this rank's experts)
+        for expert in self.moe.deepspeed_moe.experts.deepspeed_experts:
+            nn.init.normal_(expert.fc_in.weight, std=init_std)
+            nn.init.normal_(expert.fc_out.weight, std=out_std)
+            for lin in (expert.fc_in, expert.fc_out):
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
+        nn.init.normal_(self.moe.deepspeed_moe.gate.wg.weight, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, l_aux, self.exp_counts = self.moe(x)
+        gate = self.moe.deepspeed_moe.gate
+        self.aux_loss = self.coeff * l_aux + (self.z_coeff * gate.z_loss if self.z_coeff else 0.0)
+        return out
