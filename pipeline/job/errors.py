@@ -117,10 +117,12 @@ def _leave_launcher_a_line(line: str, rank0: bool) -> None:
         with contextlib.suppress(OSError):
             with open(error_file, "w") as f:
                 json.dump(data, f)
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
+        return  # not a torchrun worker: a caller in Python (a test, a notebook) keeps its process group
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    if not rank0 and os.environ.get("LOCAL_RANK") is not None:
+    if not rank0:
         time.sleep(1.0)
 
 

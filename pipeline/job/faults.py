@@ -194,6 +194,7 @@ def acquire_run_lock(save: Path) -> None:
 
 
 def _lock(save: Path) -> None:
+    created = None if save.exists() else save  # a run refused before any work leaves no folder behind
     save.mkdir(parents=True, exist_ok=True)
     path = save / LOCK_FILE
     if str(path) in _held:
@@ -215,7 +216,7 @@ def _lock(save: Path) -> None:
     os.fsync(fd)
     _held[str(path)] = fd
     import atexit  # noqa: PLC0415
-    atexit.register(_release, path, fd)
+    atexit.register(_release, path, fd, created)
 
 
 def _holder(fd: int) -> str:
@@ -226,10 +227,14 @@ def _holder(fd: int) -> str:
     return "unknown holder"
 
 
-def _release(path: Path, fd: int) -> None:
-    """The lock file goes when the run ends (a kill leaves it, unlocked: the next run takes it over)."""
+def _release(path: Path, fd: int, created: Path | None = None) -> None:
+    """The lock file goes when the run ends (a kill leaves it, unlocked: the next run takes it over), and so
+    does the --save folder the lock made if nothing else was written into it."""
     with contextlib.suppress(OSError):
         os.unlink(path)
+    if created is not None:
+        with contextlib.suppress(OSError):
+            created.rmdir()  # only when empty
     with contextlib.suppress(OSError):
         os.close(fd)
     _held.pop(str(path), None)
