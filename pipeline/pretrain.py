@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
     def save(r: StepResult) -> None:
         checkpoint.save(engine, save_dir, r.step, data_state=train.state_dict(), layout=layout)
 
-    hooks = [every(args.log_interval, log), *sample_hooks(args, engine, m.tokenizer, job, save_dir),
+    hooks = [every(args.log_interval, log), *sample_hooks(args, engine, m.config, m.tokenizer, job, save_dir),
              every(args.eval_interval if make_valid is not None else None, evaluate),
              when(lambda r: save_dir is not None and (r.last or bool(args.save_interval)
                                                       and r.step % args.save_interval == 0), save)]

@@ -52,9 +52,9 @@ def check_sample_args(args, job, config) -> None:
         raise PromptError(f"{reason}; drop --sample-interval or change the layout")
 
 
-def sample_hooks(args, engine, tokenizer, job, save_dir: Path | None) -> list:
+def sample_hooks(args, engine, config, tokenizer, job, save_dir: Path | None) -> list:
     """The loop hook that writes samples (none without --sample-interval)."""
-    check_sample_args(args, job, getattr(engine.module, "config", None))  # a PipelineModule has none
+    check_sample_args(args, job, config)
     if args.sample_interval is None:
         return []
     texts = read_prompts(path=args.sample_prompts)
