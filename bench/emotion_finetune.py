@@ -105,8 +105,9 @@ def rescore_system(name: str, flags: list[str], args, out: Path, earlier: dict) 
 def run_system(name: str, flags: list[str], args, out: Path) -> tuple[dict, dict, float]:
     """One finetune job; returns its result, its settings and its wall time."""
     save = out / name
-    job = ["--base", args.base, "--train", args.train, "--dev", args.dev, "--deepspeed_config",
-           args.deepspeed_config, "--save", str(save), "--log-interval", "20", *flags, *args.extra.split()]
+    config = ["--deepspeed_config", args.deepspeed_config] if args.deepspeed_config else []
+    job = ["--base", args.base, "--train", args.train, "--dev", args.dev, *config, "--save", str(save),
+           "--log-interval", "20", *flags, *args.extra.split()]
     t0 = time.perf_counter()
     result = finetune(job)
     seconds = time.perf_counter() - t0
@@ -140,7 +141,8 @@ def main(argv=None):
     p.add_argument("--train", default=str(DATA / "train.tsv"))
     p.add_argument("--dev", default=str(DATA / "dev.tsv"))
     p.add_argument("--out-dir", default=str(ROOT / "runs" / "bench_emotion"))
-    p.add_argument("--deepspeed-config", default=str(ROOT / "ds_configs" / "cpu.json"))
+    p.add_argument("--deepspeed-config", default=None,
+                   help="default: finetune.train's (ds_configs/cpu.json, at ZeRO stage 0 on one rank)")
     p.add_argument("--skip-probe", action="store_true", help="the recipe and the baseline only")
     p.add_argument("--extra", default="", help="more finetune/train.py arguments for every job, space-separated")
     p.add_argument("--folds", type=int, default=5, help="baseline cross-validation folds")

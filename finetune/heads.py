@@ -11,6 +11,11 @@ Pooling:
               ``lengths`` means right padding.
   mean, max - over the real tokens only.
   attention - a learned score per token, softmax over the real tokens, weighted sum.
+  labels    - the label names read with the text (SpanEmo's idea, Alhuzali and Ananiadou 2021, for a
+              decoder): every text ends with ``label_prompt`` (token ids: a separator, then each label's
+              name), and label k's logit comes from the hidden state at the last token of its own name
+              (``label_positions[k]`` within the prompt), which has read the whole text; one output row per
+              label, applied to that label's vector.
   none      - the input is already pooled [b, h].
 
 The head is small and replicated: under tensor parallelism every rank holds it whole and receives the
@@ -29,7 +34,7 @@ from torch import nn
 
 from ._io import strict_from_dict
 
-POOLINGS = ("last", "mean", "max", "attention", "none")
+POOLINGS = ("last", "mean", "max", "attention", "labels", "none")
 MULTILABEL, SINGLE_LABEL = "multilabel", "single_label"
 _ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh, "silu": nn.SiLU}
 
@@ -46,9 +51,13 @@ class HeadConfig:
     attention_hidden: int | None = None  # attention pooling scorer: None = linear, else a tanh MLP this wide
     label_names: tuple[str, ...] | None = None
     output_bias: bool = True  # False: a bias-free output layer (what Hugging Face's Llama classifier can hold)
+    label_prompt: tuple[int, ...] = ()     # pooling "labels": token ids appended to every text
+    label_positions: tuple[int, ...] = ()  # pooling "labels": each label's last token within label_prompt
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_hidden", tuple(int(w) for w in self.mlp_hidden))
+        object.__setattr__(self, "label_prompt", tuple(int(t) for t in self.label_prompt))
+        object.__setattr__(self, "label_positions", tuple(int(t) for t in self.label_positions))
         if self.label_names is not None:
             object.__setattr__(self, "label_names", tuple(self.label_names))
         problems = []
@@ -70,12 +79,29 @@ class HeadConfig:
             problems.append(f"attention_hidden must be >= 1 or None, got {self.attention_hidden}")
         if self.label_names is not None and len(self.label_names) != self.num_labels:
             problems.append(f"{len(self.label_names)} label_names for num_labels={self.num_labels}")
+        problems += self._label_prompt_problems()
         if problems:
             raise ValueError("invalid HeadConfig: " + "; ".join(problems))
+
+    def _label_prompt_problems(self) -> list[str]:
+        if self.pooling != "labels":
+            return ["label_prompt and label_positions are for pooling='labels'"] if (
+                self.label_prompt or self.label_positions) else []
+        problems = []
+        if len(self.label_positions) != self.num_labels:
+            problems.append(f"pooling='labels' needs one label position per label: {len(self.label_positions)} "
+                            f"for {self.num_labels} labels")
+        if any(not 0 <= i < len(self.label_prompt) for i in self.label_positions):
+            problems.append(f"label_positions {list(self.label_positions)} fall outside the label prompt of "
+                            f"{len(self.label_prompt)} tokens")
+        if self.mlp_hidden:
+            problems.append("pooling='labels' takes a linear head (one output row per label's vector), not an MLP")
+        return problems
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["mlp_hidden"] = list(self.mlp_hidden)
+        d["label_prompt"], d["label_positions"] = list(self.label_prompt), list(self.label_positions)
         d["label_names"] = None if self.label_names is None else list(self.label_names)
         return d
 
@@ -121,6 +147,16 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
 def pool_last(hidden_states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     idx = last_token_index(mask)
     return hidden_states[torch.arange(hidden_states.shape[0], device=hidden_states.device), idx]
+
+
+def pool_labels(hidden_states: torch.Tensor, mask: torch.Tensor, prompt_length: int,
+                label_positions: Sequence[int]) -> torch.Tensor:
+    """[b, k, h]: the hidden state at each label's position in the label prompt that ends every text."""
+    start = last_token_index(mask) - (prompt_length - 1)  # where each row's prompt begins
+    if bool((start < 0).any()):
+        raise ValueError(f"a row is shorter than the label prompt of {prompt_length} tokens it must end with")
+    positions = start[:, None] + torch.as_tensor(label_positions, device=mask.device)[None, :]
+    return hidden_states[torch.arange(hidden_states.shape[0], device=hidden_states.device)[:, None], positions]
 
 
 def pool_mean(hidden_states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -172,7 +208,7 @@ class ClassificationHead(nn.Module):
 
     def pool(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
              lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
-        """[b, s, h] (or already pooled [b, h] with pooling="none") -> [b, h]."""
+        """[b, s, h] (or already pooled [b, h] with pooling="none") -> [b, h] ([b, k, h] with "labels")."""
         h = self.config.hidden_size
         if self.config.pooling == "none":
             if hidden_states.dim() != 2 or hidden_states.shape[1] != h:
@@ -190,12 +226,22 @@ class ClassificationHead(nn.Module):
             return pool_mean(hidden_states, mask)
         if self.config.pooling == "max":
             return pool_max(hidden_states, mask)
+        if self.config.pooling == "labels":
+            return pool_labels(hidden_states, mask, len(self.config.label_prompt), self.config.label_positions)
         return self.attention(hidden_states, mask)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 lengths: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
-        pooled = self.pool(hidden_states, attention_mask, lengths)
-        return self.classifier(pooled.to(self.output.weight.dtype))
+        return self.classify(self.pool(hidden_states, attention_mask, lengths))
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Logits [b, k] of pooled vectors: [b, h] through the classifier, or [b, k, h] (pooling "labels"),
+        each label's own vector times its own output row."""
+        pooled = pooled.to(self.output.weight.dtype)
+        if pooled.dim() == 2:
+            return self.classifier(pooled)
+        logits = torch.einsum("bkh,kh->bk", self.classifier[0](pooled), self.output.weight)  # [0]: the dropout
+        return logits if self.output.bias is None else logits + self.output.bias
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, pos_weight: torch.Tensor | None = None,
              reduction: str = "mean") -> torch.Tensor:

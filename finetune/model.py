@@ -153,7 +153,7 @@ class Classifier(nn.Module):
 
     def __init__(self, encoder: nn.Module, head_config: HeadConfig, *, aux_lm_weight: float = 0.0,
                  pos_weight: Sequence[float] | torch.Tensor | None = None, freeze_encoder: bool = False,
-                 freeze_embeddings: bool = False, encoder_type: str = "gpt"):
+                 freeze_embeddings: bool = False, encoder_type: str = "gpt", label_correlation: float = 0.0):
         super().__init__()
         if head_config.hidden_size != encoder.hidden_size:
             raise ValueError(f"head hidden_size {head_config.hidden_size} differs from the encoder's "
@@ -162,6 +162,11 @@ class Classifier(nn.Module):
             raise ValueError(f"aux_lm_weight must be >= 0, got {aux_lm_weight}")
         if aux_lm_weight and freeze_encoder:
             raise ValueError("an auxiliary LM loss trains the encoder: it cannot be combined with a frozen encoder")
+        if not 0.0 <= label_correlation < 1.0:
+            raise ValueError(f"label_correlation must be in [0, 1), got {label_correlation}")
+        if label_correlation and head_config.problem_type != MULTILABEL:
+            raise ValueError("the label-correlation loss is for multilabel heads")
+        self.label_correlation = float(label_correlation)
         self.encoder = encoder
         self.head = ClassificationHead(head_config)
         self.encoder_type = encoder_type
@@ -218,7 +223,7 @@ class Classifier(nn.Module):
         if pooled is not None:
             if input_ids is not None or self.training and not self.freeze_encoder:
                 raise ValueError("pooled features replace input_ids, and train only the head of a frozen encoder")
-            logits = self.head.classifier(pooled.to(self.head.output.weight.dtype))
+            logits = self.head.classify(pooled)
             features = None
         else:
             lengths = self._lengths(input_ids, lengths, attention_mask)
@@ -239,7 +244,11 @@ class Classifier(nn.Module):
 
     def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.config.problem_type == MULTILABEL:
-            return self.head.loss(logits, labels.float(), pos_weight=self.pos_weight)
+            bce = self.head.loss(logits, labels.float(), pos_weight=self.pos_weight)
+            if not self.label_correlation:
+                return bce
+            a = self.label_correlation
+            return (1 - a) * bce + a * label_correlation_loss(logits, labels)
         return self.head.loss(logits, labels.argmax(dim=-1) if labels.dim() == 2 else labels)
 
     @torch.no_grad()
@@ -284,12 +293,25 @@ class Classifier(nn.Module):
         return out
 
 
+def label_correlation_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """SpanEmo's label-correlation-aware loss (Alhuzali and Ananiadou 2021): per text, the mean over every
+    (present p, absent q) pair of exp(prob_q - prob_p), so that each present emotion is pushed above each
+    absent one; texts with no present or no absent label add nothing. fp32, mean over the texts that count."""
+    probs, y = torch.sigmoid(logits.float()), labels.float()
+    pair = y.unsqueeze(2) * (1 - y).unsqueeze(1)  # [b, p, q]: 1 where p is present and q absent
+    terms = torch.exp(probs.unsqueeze(1) - probs.unsqueeze(2)) * pair  # exp(prob_q - prob_p)
+    pairs = pair.sum(dim=(1, 2))
+    counted = pairs > 0
+    per_text = terms.sum(dim=(1, 2))[counted] / pairs[counted]
+    return per_text.sum() / counted.sum().clamp(min=1)
+
+
 # ----------------------------------------------------------------------------------------- building
 
 def build_classifier(encoder_config, head_config: HeadConfig, *, encoder_type: str | None = None,
                      encoder_state: Mapping[str, torch.Tensor] | None = None, init_seed: int = 1234,
                      aux_lm_weight: float = 0.0, pos_weight=None, freeze_encoder: bool = False,
-                     freeze_embeddings: bool = False,
+                     freeze_embeddings: bool = False, label_correlation: float = 0.0,
                      label_priors: Sequence[float] | np.ndarray | None = None,
                      source: str = "base model") -> Classifier:
     """A classifier for this rank's TP shard: the encoder from ``encoder_state`` (a full state dict; None =
@@ -302,7 +324,7 @@ def build_classifier(encoder_config, head_config: HeadConfig, *, encoder_type: s
     with seeded_init(init_seed + 7919):
         model = Classifier(encoder, head_config, aux_lm_weight=aux_lm_weight, pos_weight=pos_weight,
                            freeze_encoder=freeze_encoder, freeze_embeddings=freeze_embeddings,
-                           encoder_type=encoder_type)
+                           encoder_type=encoder_type, label_correlation=label_correlation)
     if label_priors is not None and head_config.output_bias:
         model.head.set_output_bias_from_priors(label_priors)
     return model

@@ -18,7 +18,8 @@ computed once, a linear head trained on them).
 """
 EC_RECIPE = ["--pooling", "last", "--epochs", "2", "--lr", "5e-5", "--warmup", "0.15", "--lr-decay-style", "linear",
              "--min-lr", "1.85e-5", "--global-batch-size", "16", "--max-length", "64", "--pos-weight", "sqrt",
-             "--threshold-objective", "mean", "--threshold-bagging", "100", "--holdout", "0.1"]
+             "--threshold-objective", "mean", "--threshold-bagging", "100", "--holdout", "0.1",
+             "--group-by-length", "50"]
 
 LINEAR_PROBE = ["--freeze-encoder", "--encoder-layers", "16", "--pooling", "mean", "--epochs", "20", "--lr", "2e-3",
                 "--global-batch-size", "32", "--max-length", "64", "--threshold-objective", "micro",

@@ -141,7 +141,7 @@ class LoadedClassifier:
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         normalizer = self.info["normalizer"]
         texts = [normalizer(t) for t in texts] if normalizer is not None else list(texts)
-        return encode_texts(self.tokenizer, texts, self.info["max_length"])
+        return encode_texts(self.tokenizer, texts, self.info["max_length"], self.info["head_config"].label_prompt)
 
     def predict_proba(self, texts: Sequence[str], batch_size: int = 64, progress: bool = False) -> np.ndarray:
         return predict_encoded(self.model, self.encode(texts), self.info["pad_id"], batch_size=batch_size,

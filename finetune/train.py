@@ -25,13 +25,16 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torchrun: the project root, not finetune/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+import torch
+from deepspeed.accelerator import get_accelerator
 
 from finetune.batching import TrainBatches, pooled_features, predict_encoded, predict_pooled
 from finetune.job.args import parse_args
 from finetune.job.finish import FinetuneRun, finish
 from finetune.job.inputs import check_save
 from finetune.job.loop import finetune_step, loop_hooks
-from finetune.job.providers import provide_base, provide_data, provide_engine, provide_head, run_settings
+from finetune.job.providers import (fit_ds_config, provide_base, provide_data, provide_engine, provide_head,
+                                    run_settings)
 from pipeline.job.errors import command, console_script
 from pipeline.job.loop import apply_sequence_parallel, is_rank0, quiet_deepspeed, setup, train_loop
 from pipeline.job.options import EngineOptions
@@ -55,6 +58,7 @@ def run(args) -> dict:
     head = provide_head(args, base, data)
     job = setup(EngineOptions.from_args(args))
     apply_sequence_parallel(base.config, job)
+    job = fit_ds_config(args, base, data, job, torch.device(get_accelerator().current_device_name()))
     engine, schedule, steps_per_epoch, total_steps = provide_engine(args, base, data, head, job)
     state = job.state
     dp_kwargs = dict(dp_rank=state.get_data_parallel_rank(), dp_world_size=state.data_parallel,
@@ -68,7 +72,8 @@ def run(args) -> dict:
                    for name, ids in encoded.items()}
     feature_seconds = time.perf_counter() - t_features if cached else 0.0
     batches = TrainBatches(encoded["train"], data.train.labels, job.micro_batch, state.get_data_parallel_rank(),
-                           state.data_parallel, base.pad_id, seed=args.seed)
+                           state.data_parallel, base.pad_id, seed=args.seed, group_by_length=args.group_by_length,
+                           global_batch_size=job.global_batch)
 
     save = Path(args.save) if args.save else None
     metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None, monitor=engine.monitor,

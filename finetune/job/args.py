@@ -15,13 +15,33 @@ class FinetuneError(UserError, ValueError):
 
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__)
-    g = p.add_argument_group("model")
+    _add_model_args(p.add_argument_group("model"))
+    _add_data_args(p, p.add_argument_group("data"))
+    _add_optimization_args(p.add_argument_group("optimization"))
+    g = p.add_argument_group("output")
+    g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...); "
+                                                "new or empty unless --force")
+    g.add_argument("--force", action="store_true", help="write into an existing --save that holds an earlier "
+                                                        "classifier of this job")
+    g.add_argument("--hf-export", choices=["auto", "no"], default="auto",
+                   help="auto: write the Hugging Face classifier to SAVE/hf when the head allows it")
+    g.add_argument("--eval-interval", type=int, default=None, help="steps between dev evaluations "
+                                                                   "(default: each epoch)")
+    add_run_args(p, g, log_interval=10)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def _add_model_args(g) -> None:
     g.add_argument("--base", required=True, help="base model directory (pretraining checkpoint, config.json + "
                                                   "model.safetensors, or a classifier)")
     g.add_argument("--tokenizer", default=None, help="override the base model's tokenizer (a directory or "
                                                       "tokenizer.json; it must fit the model's vocabulary)")
-    g.add_argument("--pooling", choices=["last", "mean", "max", "attention", "none"], default=None,
-                   help="default: last (GPT); the mLSTM summarises each text itself (its final cell state): none")
+    g.add_argument("--pooling", choices=["last", "mean", "max", "attention", "labels", "none"], default=None,
+                   help="default: last (GPT); labels: every text followed by the label names, each label's logit "
+                        "read at its own name (SpanEmo's idea for a decoder); the mLSTM summarises each text "
+                        "itself (its final cell state): none")
     g.add_argument("--mlp-hidden", default="", help="comma-separated hidden widths of an MLP head (default: linear)")
     g.add_argument("--dropout", type=float, default=0.1, help="head dropout")
     g.add_argument("--encoder-dropout", type=float, default=None,
@@ -30,6 +50,9 @@ def parse_args(argv=None):
                    help="output bias of the head; auto: yes for gpt2, no for llama (Hugging Face's "
                         "LlamaForSequenceClassification has none, so the classifier stays exportable)")
     g.add_argument("--aux-lm-weight", type=float, default=0.0, help="weight of the auxiliary language-model loss")
+    g.add_argument("--label-correlation", type=float, default=0.0, metavar="ALPHA",
+                   help="multilabel: (1 - ALPHA) BCE + ALPHA x SpanEmo's label-correlation loss (each present label "
+                        "pushed above each absent one; SpanEmo uses 0.2); 0: BCE alone")
     g.add_argument("--freeze-encoder", action="store_true",
                    help="train the head only (a linear probe with a linear head); the pooled features are computed "
                         "once, before training, unless the pooling is 'attention'")
@@ -38,7 +61,9 @@ def parse_args(argv=None):
     g.add_argument("--encoder-layers", type=int, default=None,
                    help="keep only the base model's first N transformer layers (a cheaper encoder)")
     g.add_argument("--max-length", type=int, default=128, help="tokens per text (longer texts are cut)")
-    g = p.add_argument_group("data")
+
+
+def _add_data_args(p, g) -> None:
     g.add_argument("--train", required=True, help="labelled training file (E-c TSV, SST-2 TSV, CSV/TSV/JSON(L))")
     g.add_argument("--dev", required=True, help="labelled development file (thresholds, evaluation)")
     g.add_argument("--test", default=None, help="file to predict (labelled: scored too; E-c with NONE labels: "
@@ -63,9 +88,14 @@ def parse_args(argv=None):
                         "mean: for the mean of micro-F1, macro-F1 and Jaccard accuracy")
     g.add_argument("--threshold-bagging", type=int, default=0, metavar="N", help="average the thresholds tuned "
                    "on N bootstrap resamples of the tuning set (less variance from a small tuning set; 0: tune once)")
-    add_engine_args(p, pipeline_parallel=False)
+    add_engine_args(p, pipeline_parallel=False)  # without --micro-batch-size: chosen from the data (providers)
     g.add_argument("--eval-batch-size", type=int, default=64)
-    g = p.add_argument_group("optimization")
+    g.add_argument("--group-by-length", type=int, default=0, metavar="N",
+                   help="batch training texts of similar length together (pools of N global batches sorted by "
+                        "length, the batches shuffled), so little of a batch is padding; 0: random batches")
+
+
+def _add_optimization_args(g) -> None:
     g.add_argument("--epochs", type=float, default=3.0)
     g.add_argument("--train-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
@@ -80,19 +110,6 @@ def parse_args(argv=None):
                    help="BCE positive weights: none, balanced (negatives/positives), sqrt (its square root), or "
                         "comma-separated numbers, one per label")
     g.add_argument("--pos-weight-max", type=float, default=10.0, help="cap of balanced/sqrt positive weights")
-    g = p.add_argument_group("output")
-    g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...); "
-                                                "new or empty unless --force")
-    g.add_argument("--force", action="store_true", help="write into an existing --save that holds an earlier "
-                                                        "classifier of this job")
-    g.add_argument("--hf-export", choices=["auto", "no"], default="auto",
-                   help="auto: write the Hugging Face classifier to SAVE/hf when the head allows it")
-    g.add_argument("--eval-interval", type=int, default=None, help="steps between dev evaluations "
-                                                                   "(default: each epoch)")
-    add_run_args(p, g, log_interval=10)
-    args = p.parse_args(argv)
-    check_args(p, args)
-    return args
 
 
 def check_args(p: argparse.ArgumentParser, args) -> None:
@@ -103,6 +120,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         problems.append(f"--train-steps must be >= 1, got {args.train_steps}")
     if not 0.0 <= args.holdout < 1.0:
         problems.append(f"--holdout must be in [0, 1), got {args.holdout}")
+    if args.group_by_length < 0:
+        problems.append(f"--group-by-length must be >= 0, got {args.group_by_length}")
     if args.threshold_bagging < 0:
         problems.append(f"--threshold-bagging must be >= 0, got {args.threshold_bagging}")
     if not 0.0 <= args.warmup < 1.0:
@@ -113,6 +132,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         problems.append("--aux-lm-weight trains the encoder: it cannot be combined with --freeze-encoder")
     if args.max_length < 1:
         problems.append(f"--max-length must be >= 1, got {args.max_length}")
+    if not 0.0 <= args.label_correlation < 1.0:
+        problems.append(f"--label-correlation must be in [0, 1), got {args.label_correlation}")
     if args.lr <= 0:
         problems.append(f"--lr must be > 0, got {args.lr}")
     try:

@@ -3,13 +3,15 @@ config, weights, tokenizer), the splits as token ids, the head, and the DeepSpee
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from finetune.batching import encode_texts
+from finetune.batching import auto_micro_batch, encode_texts, label_prompt
 from finetune.heads import MULTILABEL, HeadConfig
 from finetune.job.args import FinetuneError
 from finetune.job.inputs import (
@@ -25,10 +27,12 @@ from finetune.normalize import TweetNormalizer
 from finetune.saved import load_base_state
 from pipeline.data import load_tokenizer
 from pipeline.engine.build import build_engine
-from pipeline.engine.ds_config import precision
+from pipeline.engine.ds_config import precision, resolve_ds_config, zero_stage
 from pipeline.engine.schedules import LRSchedule
 from pipeline.job.families import ModelFamily, family_of
 from pipeline.job.loop import Job
+from pipeline.planning.memory import activations, model_states
+from pipeline.planning.shapes import model_shape
 
 # ------------------------------------------------------------------------------------------ providers
 
@@ -80,6 +84,7 @@ class Splits:
     encoded: dict
     truncated: int
     normalizer: TweetNormalizer | None
+    label_prompt: tuple[list[int], list[int]] = ([], [])  # pooling "labels": its token ids, label positions
 
     @property
     def multilabel(self) -> bool:
@@ -106,11 +111,15 @@ def provide_data(args, base: Base) -> Splits:
     if args.holdout:
         keep, held = holdout_split(len(train), args.holdout, args.seed)
         train, tune_on = train.subset(keep), train.subset(held)
-    encoded = {name: encode_texts(base.tokenizer, norm(split.texts), base.max_length)
+    prompt = label_prompt(base.tokenizer, train.label_names) if args.pooling == "labels" else ([], [])
+    if len(prompt[0]) and base.max_length + len(prompt[0]) > getattr(base.config, "max_sequence_length", 1 << 30):
+        raise FinetuneError(f"--max-length {base.max_length} and the label prompt's {len(prompt[0])} tokens exceed "
+                            f"the model's {base.config.max_sequence_length} positions; use a smaller --max-length")
+    encoded = {name: encode_texts(base.tokenizer, norm(split.texts), base.max_length, prompt[0])
                for name, split in (("train", train), ("dev", dev), ("tune", tune_on), ("test", test))
                if split is not None}
-    truncated = sum(len(ids) == base.max_length for ids in encoded["train"])
-    return Splits(train, dev, tune_on, test, encoded, truncated, normalizer)
+    truncated = sum(len(ids) - len(prompt[0]) == base.max_length for ids in encoded["train"])
+    return Splits(train, dev, tune_on, test, encoded, truncated, normalizer, prompt)
 
 
 @dataclass
@@ -127,13 +136,56 @@ def provide_head(args, base: Base, data: Splits) -> Head:
     try:
         head_config = HeadConfig(config.hidden_size, data.train.num_labels, pooling=pooling,
                                  mlp_hidden=args.mlp_hidden, dropout=args.dropout, problem_type=data.train.task,
-                                 label_names=data.train.label_names, output_bias=head_bias)
+                                 label_names=data.train.label_names, output_bias=head_bias,
+                                 label_prompt=data.label_prompt[0], label_positions=data.label_prompt[1])
     except ValueError as e:
         raise FinetuneError(str(e)) from None
     if args.pos_weight != "none" and not data.multilabel:
         raise FinetuneError("--pos-weight is for multilabel data")
+    if args.label_correlation and not data.multilabel:
+        raise FinetuneError("--label-correlation is for multilabel data")
     pos_weight = parse_pos_weight(args.pos_weight, data.train.labels, args.pos_weight_max) if data.multilabel else None
     return Head(head_config, pos_weight, data.train.labels.mean(axis=0))
+
+
+def free_memory_bytes(device: torch.device) -> float:
+    """What the device can still give: CUDA's free memory, or the host's MemAvailable (Linux)."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return float(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def fit_ds_config(args, base: Base, data: Splits, job: Job, device: torch.device) -> Job:
+    """The DeepSpeed config fitted to the data and the layout, where the user left them to the job.
+
+    Without ``--micro-batch-size`` the micro-batch is chosen from the data, not taken from the config: the
+    largest that divides a rank's share of the global batch and whose activations at the longest training text
+    (Korthikanti's count, ``pipeline.planning``) fit in half the memory left after the model states. Texts of a
+    few dozen tokens make that the whole share: one micro-batch, no accumulation. Without ``--deepspeed_config``
+    a single data-parallel rank runs ZeRO stage 0: there is nothing to partition, and stage 1's flat buffers
+    and bucketed gradient copies cost a one-rank CPU step about half its time (bench/finetune_speed.py)."""
+    state, ds = job.state, job.ds
+    if args.deepspeed_config is None and state.data_parallel == 1 and zero_stage(ds) in (1, 2):
+        ds = {**ds, "zero_optimization": {**ds["zero_optimization"], "stage": 0}}
+    micro = args.micro_batch_size
+    if micro is None:
+        longest = max(len(ids) for ids in data.encoded["train"])
+        shape = model_shape(base.config, "encoder", seq=longest)
+        prec = precision(ds)
+        sp = bool(getattr(base.config, "sequence_parallel", False))
+        per_sequence = activations(shape, 1, state.tensor_parallel, 1, sp, "none", 1, prec)
+        states = model_states(shape.params / state.tensor_parallel, zero_stage(ds), state.data_parallel, prec)
+        sharing = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # CPU ranks share RAM
+        budget = (free_memory_bytes(device) / sharing - states.total) / 2
+        micro = auto_micro_batch(job.global_batch // state.data_parallel, per_sequence, budget)
+    ds = resolve_ds_config(ds, data_parallel=state.data_parallel, micro_batch_size=micro,
+                           global_batch_size=job.global_batch, source=job.ds_source)
+    return dataclasses.replace(job, ds=ds)
 
 
 def provide_engine(args, base: Base, data: Splits, head: Head, job: Job):
@@ -141,6 +193,7 @@ def provide_engine(args, base: Base, data: Splits, head: Head, job: Job):
     def builder(cfg, init_seed):
         return build_classifier(cfg, head.config, encoder_state=base.state, init_seed=init_seed,
                                 aux_lm_weight=args.aux_lm_weight, pos_weight=head.pos_weight,
+                                label_correlation=args.label_correlation,
                                 freeze_encoder=args.freeze_encoder, freeze_embeddings=args.freeze_embeddings,
                                 label_priors=head.priors, source=str(args.base))
 
@@ -169,10 +222,13 @@ def run_settings(args, base: Base, data: Splits, head: Head, job: Job, steps: tu
             "threshold_objective": args.threshold_objective, "threshold_bagging": args.threshold_bagging,
             "max_length": base.max_length,
             "truncated_train_texts": data.truncated, "global_batch": job.global_batch, "micro_batch": job.micro_batch,
+            "micro_batch_from": "--micro-batch-size" if args.micro_batch_size else "the data (auto)",
+            "zero_stage": zero_stage(job.ds),
+            "group_by_length": args.group_by_length,
             "steps": total_steps, "steps_per_epoch": steps_per_epoch, "lr": args.lr,
             "layer_lr_decay": args.layer_lr_decay, "head_lr_mult": args.head_lr_mult,
             "pos_weight": None if head.pos_weight is None else head.pos_weight.tolist(),
-            "aux_lm_weight": args.aux_lm_weight,
+            "aux_lm_weight": args.aux_lm_weight, "label_correlation": args.label_correlation,
             "freeze_encoder": args.freeze_encoder, "freeze_embeddings": args.freeze_embeddings,
             "features_computed_once": cached,
             "encoder": base.family.name, "encoder_layers": base.config.num_layers, "pooling": head.config.pooling,

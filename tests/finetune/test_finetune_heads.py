@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from finetune.heads import (POOLINGS, ClassificationHead, HeadConfig, last_token_index, multilabel_bce_loss,
                             pos_weight_from_counts, pos_weight_from_labels, single_label_ce_loss)
+from finetune.model import label_correlation_loss
 
 B, S, H, K = 3, 6, 8, 4
 
@@ -32,7 +33,7 @@ def _mask(lengths, s=S, left=False):
     return m
 
 
-@pytest.mark.parametrize("pooling", [p for p in POOLINGS if p != "none"])
+@pytest.mark.parametrize("pooling", [p for p in POOLINGS if p not in ("none", "labels")])
 def test_shapes_and_padding_ignored(pooling):
     torch.manual_seed(0)
     head = ClassificationHead(HeadConfig(H, K, pooling=pooling, mlp_hidden=(16, 12), dropout=0.1,
@@ -129,3 +130,42 @@ def test_training_on_fixed_features_lowers_bce(pooling):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_label_pooling_reads_each_label_at_its_own_name():
+    # a prompt of 3 tokens ends each text; the 4 labels end at prompt tokens 0, 1, 1 and 2
+    config = HeadConfig(H, K, pooling="labels", label_prompt=(50, 51, 52), label_positions=(0, 1, 1, 2),
+                        dropout=0.0)
+    head = ClassificationHead(config)
+    h = torch.arange(S, dtype=torch.float32).view(1, S, 1).expand(B, S, H).clone()  # value = position
+    lengths = [6, 3, 5]
+    pooled = head.pool(h, lengths=lengths)
+    assert pooled.shape == (B, K, H)
+    starts = [n - 3 for n in lengths]  # where each row's prompt begins
+    assert pooled[:, :, 0].tolist() == [[s + 0, s + 1, s + 1, s + 2] for s in starts]
+    x = torch.randn(B, S, H)
+    logits = head(x, lengths=lengths)
+    vectors = head.pool(x, lengths=lengths)
+    by_hand = torch.stack([vectors[:, k] @ head.output.weight[k] + head.output.bias[k] for k in range(K)], dim=1)
+    assert torch.allclose(logits, by_hand, atol=1e-6)
+    with pytest.raises(ValueError, match="shorter than the label prompt"):
+        head.pool(h, lengths=[6, 2, 5])
+    for bad in (dict(label_positions=(0, 1, 2)), dict(label_positions=(0, 1, 2, 3)), dict(mlp_hidden=(8,))):
+        with pytest.raises(ValueError):
+            HeadConfig(H, K, pooling="labels", **{"label_prompt": (50, 51, 52), "label_positions": (0, 1, 1, 2),
+                                                  **bad})
+    with pytest.raises(ValueError, match="for pooling='labels'"):
+        HeadConfig(H, K, pooling="last", label_prompt=(1,), label_positions=(0,) * K)
+    assert HeadConfig.from_dict(config.to_dict()) == config
+
+
+def test_label_correlation_loss_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 1.0, -2.0], [1.0, 1.0, 1.0]])
+    labels = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 1]])  # the third has no absent label: it adds nothing
+    p = torch.sigmoid(logits)
+    first = (torch.exp(p[0, 1] - p[0, 0]) + torch.exp(p[0, 1] - p[0, 2])) / 2
+    second = (torch.exp(p[1, 0] - p[1, 1]) + torch.exp(p[1, 2] - p[1, 1])) / 2
+    assert torch.allclose(label_correlation_loss(logits, labels), (first + second) / 2)
+    # ranking every present label above every absent one lowers it
+    assert label_correlation_loss(torch.tensor([[5.0, -5.0]]), torch.tensor([[1, 0]])) < \
+        label_correlation_loss(torch.tensor([[-5.0, 5.0]]), torch.tensor([[1, 0]]))

@@ -195,6 +195,35 @@ def test_sequence_parallel_finetune_equals_single_process(work, single):
         _same(r, single, "TP=2 + SP")
 
 
+def _label_words_worker(rank, argv):
+    from finetune.train import main
+    out = main(argv)
+    return {"losses": out["losses"], "dev": torch.tensor(out["dev_probabilities"]),
+            "exported": out.get("hf_export") is not None}
+
+
+def test_label_words_classifier_trains_saves_and_predicts_the_same(work):
+    # pooling "labels": the label names follow every text and each label is read at its own name; with the
+    # label-correlation loss. The saved classifier appends the same prompt: predict gives the job's dev
+    # probabilities. transformers' classifier cannot hold such a head: the export is skipped, not wrong.
+    save = work["dir"] / "label_words"
+    out = run_distributed(_label_words_worker, 1, [
+        "--base", str(work["base"]), "--train", str(work["train"]), "--dev", str(work["dev"]),
+        "--deepspeed_config", str(work["ds"]), "--global-batch-size", "16", "--train-steps", "6",
+        "--max-length", "32", "--pooling", "labels", "--label-correlation", "0.2", "--group-by-length", "4",
+        "--lr", "3e-3", "--save", str(save)])[0]
+    assert not out["exported"] and not (save / "hf").exists()
+    clf = load_classifier(save)
+    head = clf.info["head_config"]
+    assert head.pooling == "labels" and len(head.label_positions) == len(clf.label_names)
+    dev = load_semeval_ec(work["dev"])
+    encoded = clf.encode(dev.texts[:3])
+    assert all(ids[-len(head.label_prompt):] == list(head.label_prompt) for ids in encoded)
+    assert np.abs(clf.predict_proba(dev.texts) - np.asarray(out["dev"])).max() < 1e-4
+    settings = json.loads((save / "eval.json").read_text())["settings"]
+    assert settings["label_correlation"] == 0.2 and settings["group_by_length"] == 4
+
+
 def _probe_worker(rank, argv):
     from finetune.train import main
     out = main(argv)
