@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
+from .parallel import get_parallel_state
 
 
 def is_moe_layer(config: GPTConfig, index: int) -> bool:
@@ -141,15 +142,28 @@ class MoEMLP(nn.Module):
         self.coeff, self.z_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
         self.aux_loss = None
         self.exp_counts = None
-        # DeepSpeed deep-copies one expert: every expert gets its own draw (the container is ordered as the
-        # global expert ids of this rank's experts)
-        for expert in self.moe.deepspeed_moe.experts.deepspeed_experts:
-            nn.init.normal_(expert.fc_in.weight, std=init_std)
-            nn.init.normal_(expert.fc_out.weight, std=out_std)
+        self._init_experts(config, init_std, out_std)
+        nn.init.normal_(self.moe.deepspeed_moe.gate.wg.weight, std=init_std)
+
+    def _init_experts(self, config: GPTConfig, init_std: float, out_std: float) -> None:
+        """DeepSpeed deep-copies one expert: every expert gets its own draw. Every rank draws all
+        ``num_experts`` in global order and keeps its own (``ep_rank x local + i``), so that the weights and
+        the RNG stream after them are the same at every expert-parallel size."""
+        local = self.moe.deepspeed_moe.experts.deepspeed_experts
+        # DeepSpeed's expert groups (TP 1): consecutive data-parallel ranks, its rank there = dp rank mod EP
+        first = get_parallel_state().get_data_parallel_rank() % config.moe_expert_parallel * len(local)
+        for e in range(config.num_experts):
+            ours = local[e - first] if first <= e < first + len(local) else None
+            for lin, std in (("fc_in", init_std), ("fc_out", out_std)):
+                weight = getattr(ours or local[0], lin).weight
+                drawn = nn.init.normal_(torch.empty_like(weight), std=std)
+                if ours is not None:
+                    with torch.no_grad():
+                        weight.copy_(drawn)
+        for expert in local:
             for lin in (expert.fc_in, expert.fc_out):
                 if lin.bias is not None:
                     nn.init.zeros_(lin.bias)
-        nn.init.normal_(self.moe.deepspeed_moe.gate.wg.weight, std=init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, l_aux, self.exp_counts = self.moe(x)

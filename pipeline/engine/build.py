@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import deepspeed
 import torch
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 from models import GPT
 from models.parallel import ParallelState
@@ -33,6 +34,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> l
     if weight_decay is not None:
         groups[0]["weight_decay"] = weight_decay
     return [g for g in groups if g["params"]]
+
+
+def moe_param_groups(groups: list[dict]) -> list[dict]:
+    """Expert parameters in groups of their own (DeepSpeed-MoE: ZeRO-1/2 partition them over the expert-data
+    group, and their gradients are averaged there, not over the whole data-parallel group); others unchanged."""
+    if not any(is_moe_param(p) for g in groups for p in g["params"]):
+        return groups
+    named = [{"name": f"group{i}", **g} for i, g in enumerate(groups)]
+    return split_params_into_different_moe_groups_for_optimizer(named)
 
 
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
@@ -84,9 +94,9 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         raise EngineConfigError("the DeepSpeed config has a \"scheduler\" section and a learning-rate schedule was "
                                 "given too; remove one of them")
     lr_scheduler = (lambda opt: Scheduler(opt, schedule)) if schedule is not None else None
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=(param_groups_fn or param_groups)(model),
-                                           config=ds_config,
-                                           mpu=mpu, lr_scheduler=lr_scheduler)
+    groups = moe_param_groups((param_groups_fn or param_groups)(model))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu,
+                                           lr_scheduler=lr_scheduler)
     safe_load.install(engine)  # loads weights only, hashes what it saves
     engine.is_pipe = state.pipeline_parallel > 1
     if not engine.is_pipe and zero_stage(ds_config) == 0 and state.get_sequence_data_parallel_world_size() == 1:

@@ -66,7 +66,7 @@ class Job:
         return {"tensor_parallel": self.state.tensor_parallel, "pipeline_parallel": self.state.pipeline_parallel,
                 "data_parallel": self.state.data_parallel, "model_type": model_type, "precision": precision(self.ds),
                 "sequence_parallel": self.options.sequence_parallel, "zero_stage": zero_stage(self.ds),
-                "context_parallel": self.state.context_parallel,
+                "context_parallel": self.state.context_parallel, "expert_parallel": self.options.expert_parallel,
                 "universal_info": True}
 
 
@@ -114,6 +114,30 @@ def apply_sequence_parallel(config, job: Job) -> None:
                                     f"{type(config).__name__}; drop --context-parallel")
         config.check_context_parallel(job.state.tensor_parallel, job.state.context_parallel)
     apply_tiling(config, job.options)
+    apply_expert_parallel(config, job)
+
+
+def apply_expert_parallel(config, job: Job) -> None:
+    """``--expert-parallel`` into the model config (a layout setting, not saved with the model), refused where
+    DeepSpeed-MoE cannot split the experts: E must divide the data-parallel size and the number of experts, and
+    DeepSpeed 0.19 has no ZeRO-3 for MoE parameters."""
+    ep, experts = job.options.expert_parallel, getattr(config, "num_experts", 0)
+    if ep < 1:
+        raise EngineConfigError(f"--expert-parallel {ep}: the expert-parallel size must be 1 or more")
+    if ep > 1 and not experts:
+        raise EngineConfigError(f"--expert-parallel {ep}: the model has no experts (num_experts 0); drop "
+                                f"--expert-parallel or set num_experts in the model config")
+    if experts and experts % ep:
+        raise EngineConfigError(f"--expert-parallel {ep} does not divide num_experts {experts}; choose a divisor "
+                                f"of it")
+    if ep > 1 and job.state.data_parallel % ep:
+        raise EngineConfigError(f"--expert-parallel {ep} does not divide the data-parallel size "
+                                f"{job.state.data_parallel}; choose a divisor of it (world = TP x PP x CP x DP)")
+    if experts and zero_stage(job.ds) == 3:
+        raise EngineConfigError(f"{job.ds_source}: zero_optimization.stage 3 with MoE layers: DeepSpeed 0.19 "
+                                f"partitions no expert parameters under ZeRO-3; use stage 1 or 2")
+    if experts:
+        config.moe_expert_parallel = ep
 
 
 def apply_tiling(config, options: EngineOptions) -> None:

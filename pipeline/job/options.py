@@ -36,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, pipeline_parallel: bool 
                         "attention heads exchanged by all-to-all; world = TP x CP x PP x DP; needs a sequence length "
                         "divisible by C (x TP with --sequence-parallel) and heads per TP rank divisible by C "
                         "(docs/long_context.md)")
+    g.add_argument("--expert-parallel", type=int, default=1, metavar="E",
+                   help="mixture of experts: each MoE layer's experts split over E ranks of the data-parallel group "
+                        "(E divides DP and num_experts; DeepSpeed-MoE's all-to-all; docs/moe.md)")
     g.add_argument("--tiled-mlp", type=int, default=1, metavar="N",
                    help="ALST: each MLP runs on N tiles of the sequence (DeepSpeed's TiledMLP), so its [s, ffn/TP] "
                         "activations are never held whole; recomputes the MLP forward once more (default 1: off)")
@@ -79,6 +82,7 @@ class EngineOptions:
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
     context_parallel: int = 1
+    expert_parallel: int = 1
     tiled_mlp: int = 1
     tiled_loss: int = 1
     micro_batch_size: int | None = None
