@@ -35,8 +35,8 @@ from .parallel import (ColumnParallelLinear, HeadRMSNorm, RowParallelLinear, Seq
                        copy_to_tensor_parallel_region, cp_world_size, gather_from_context_parallel_region,
                        gather_from_sequence_parallel_region, gather_from_tensor_parallel_region, global_count,
                        mark_sequence_parallel, normal_init, reduce_from_context_parallel_region,
-                       sequence_gather_linear, sequence_parallel_parameter, tensor_parallel_rng, tp_rank,
-                       tp_world_size, vocab_parallel_cross_entropy, vocab_parallel_parameter)
+                       sequence_chunk_rng, sequence_gather_linear, sequence_parallel_parameter, tensor_parallel_rng,
+                       tp_rank, tp_world_size, vocab_parallel_cross_entropy, vocab_parallel_parameter)
 
 
 @contextlib.contextmanager
@@ -64,11 +64,11 @@ def _norm(config: GPTConfig) -> nn.Module:
 
 
 def _dropout(drop: nn.Dropout, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-    """Dropout on the residual stream: replicated activations draw the same mask on every TP rank (default
-    RNG); sequence-split ones draw from the model-parallel RNG, so that each chunk gets its own mask."""
-    if not (sequence_parallel and drop.p > 0 and drop.training):
+    """Dropout on the residual stream: replicated activations draw the same mask on every TP rank; sequence-split
+    ones (by SP or CP) draw from their rank's stream, so that each chunk gets its own mask (models/parallel/random)."""
+    if not (drop.p > 0 and drop.training):
         return drop(x)
-    with tensor_parallel_rng():
+    with sequence_chunk_rng(sequence_parallel):
         return drop(x)
 
 
