@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline.engine.steps import nonfinite_grad
 from pipeline.job.errors import UserError
 
 __all__ = ["Guard", "configure", "current", "RunLockError", "NonFiniteLossError", "PeerFailure", "is_peer_failure",
@@ -105,6 +106,8 @@ class Guard:
         self.bad_steps.append(step)
         what = f"the loss is {loss}" if loss is not None and not math.isfinite(loss) else \
             "the loss is not finite on another rank"
+        grad = nonfinite_grad()
+        what += f", the first non-finite gradient: {grad}" if grad else ""
         if len(self.bad_steps) >= max(self.max_bad_steps, 1):
             steps = ", ".join(map(str, self.bad_steps[-5:]))
             raise NonFiniteLossError(
