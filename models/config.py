@@ -278,12 +278,17 @@ class GPTConfig:
         """Training FLOPs per token (forward + backward): 6 per matmul weight plus attention.
 
         Counts every weight matrix that multiplies activations (the output layer
-        included, positions excluded) and 12 x L x (heads x head_dim) x seq for
-        scores and values, as PaLM's MFU does (no discount for the causal mask).
+        included, positions excluded; of an MoE layer the router and the top-k experts) and
+        12 x L x (heads x head_dim) x seq for scores and values, as PaLM's MFU does (no discount for the
+        causal mask).
         """
         s = seq_length or self.seq_length
         h, L = self.hidden_size, self.num_layers
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        n_mlp = (2 if self.variant == "gpt2" else 3) * h * self.ffn_hidden_size
-        matmul_params = L * (h * (q + 2 * kv) + q * h + n_mlp) + self.vocab_size * h
+        per_ffn = (2 if self.variant == "gpt2" else 3) * h
+        moe = sum(1 for i in range(L) if self.num_experts and (i + 1) % self.moe_layer_freq == 0)
+        # an MoE layer's token meets its router and its top-k experts only (the active parameters)
+        active = self.moe_top_k * per_ffn * (self.moe_ffn_hidden_size or self.ffn_hidden_size) + h * self.num_experts
+        n_mlp = (L - moe) * per_ffn * self.ffn_hidden_size + moe * active
+        matmul_params = L * (h * (q + 2 * kv) + q * h) + n_mlp + self.vocab_size * h
         return 6.0 * matmul_params + 12.0 * L * q * s

@@ -142,6 +142,7 @@ class MoEMLP(nn.Module):
         self.coeff, self.z_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
         self.aux_loss = None
         self.exp_counts = None
+        self.stat_sums = None  # [tokens per expert..., dropped routes, routes, aux loss, forwards] (training)
         self._init_experts(config, init_std, out_std)
         nn.init.normal_(self.moe.deepspeed_moe.gate.wg.weight, std=init_std)
 
@@ -169,4 +170,31 @@ class MoEMLP(nn.Module):
         out, l_aux, self.exp_counts = self.moe(x)
         gate = self.moe.deepspeed_moe.gate
         self.aux_loss = self.coeff * l_aux + (self.z_coeff * gate.z_loss if self.z_coeff else 0.0)
+        if self.training:  # summed over the training forwards until moe_step_stats reads them
+            routes, dropped = self.exp_counts.sum(), gate.dropped_fraction * self.exp_counts.sum()
+            sums = torch.cat([self.exp_counts.float(), torch.stack([dropped, routes, self.aux_loss.detach(),
+                                                                    torch.ones_like(routes)]).float()])
+            self.stat_sums = sums if self.stat_sums is None else self.stat_sums + sums
         return out
+
+
+def moe_step_stats(model: nn.Module, group=None) -> dict:
+    """The MoE layers' routing since the last call, summed over ``group`` (the data-parallel ranks): per layer
+    the tokens per expert (DeepSpeed's exp_counts: top-k routes, before any drop), the max/mean load ratio and
+    the fraction of routes dropped by the capacity; the mean auxiliary loss (coeff x loss, summed over layers).
+    Empty for a dense model."""
+    record, aux = {}, 0.0
+    for i, mlp in enumerate(m for m in model.modules() if isinstance(m, MoEMLP)):
+        if mlp.stat_sums is None:
+            continue
+        sums, mlp.stat_sums = mlp.stat_sums, None
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(sums, group=group)
+        counts, (dropped, routes, aux_sum, forwards) = sums[:-4], sums[-4:].tolist()
+        record[f"moe_tokens_per_expert_{i}"] = [int(c) for c in counts.tolist()]
+        record[f"moe_load_ratio_{i}"] = float(counts.max() / counts.mean().clamp(min=1e-9))
+        record[f"moe_dropped_fraction_{i}"] = dropped / max(routes, 1.0)
+        aux += aux_sum / forwards
+    if record:
+        record["moe_aux_loss"] = aux
+    return record

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 from deepspeed.utils import safe_get_full_grad
 
+from models.moe import moe_step_stats
 from models.parallel import collectives
 
 
@@ -130,10 +131,12 @@ def lm_step_record(engine, r, *, tokens_per_step: int, flops_per_step: float, wo
                    peak_tflops: float | None) -> dict:
     """What a language model's training step logs: loss, lr, loss scale, gradient norm, speed and MFU."""
     tflops = flops_per_step / r.seconds / world_size / 1e12
+    dp_group = engine.mpu.get_data_parallel_group() if engine.mpu is not None else None
     return {"step": r.step, "loss": r.out, "lr": engine.get_lr()[0], "loss_scale": loss_scale(engine),
             "grad_norm": grad_norm(engine), "skipped_steps": int(engine.skipped_steps),
             "tokens_per_s": tokens_per_step / r.seconds, "tflops_per_device": tflops,
-            "mfu": tflops / peak_tflops if peak_tflops else None, "step_seconds": r.seconds}
+            "mfu": tflops / peak_tflops if peak_tflops else None, "step_seconds": r.seconds,
+            **moe_step_stats(engine.module, dp_group)}
 
 
 def lm_validation_record(engine, batches, num_batches: int, step: int, *, streams: bool) -> dict:

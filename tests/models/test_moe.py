@@ -59,3 +59,13 @@ def test_aux_loss_reaches_the_training_loss():
     assert torch.allclose(loss - ce, model.moe_aux_loss()) and float(loss - ce) > 0.4  # l_aux >= 1 for uniform
     with pytest.raises(ConfigError, match="num_experts 4 is not divisible"):
         GPTConfig(variant="llama", num_experts=4, moe_expert_parallel=3)
+
+
+def test_flops_count_the_active_parameters():
+    """Of an MoE layer the FLOPs count the router and the top-k experts (4 experts, top-2, every other layer MoE):
+    6 x (the dense SwiGLU's 3 h f weights - (k x 3 h f_expert + h E)) fewer than the dense model's."""
+    dense = dict(variant="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=48,
+                 max_position_embeddings=16)
+    moe = GPTConfig(**dense, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_layer_freq=2)
+    diff = GPTConfig(**dense).flops_per_token(16) - moe.flops_per_token(16)
+    assert diff == 6 * (3 * 32 * 48 - (2 * 3 * 32 * 16 + 32 * 4))

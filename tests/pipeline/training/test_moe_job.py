@@ -49,6 +49,16 @@ def test_expert_parallel_equals_single_process(moe, single, ds):
     print(f"EP2 DP2 {ds}: max relative loss difference over {STEPS} steps {rel:.2e}")
     assert rel < 1e-5, (ds, got, single)
     assert len(set(single.values())) == STEPS  # it trained
+    ours, theirs = _moe_records(moe / f"ep2_{ds}"), _moe_records(moe / "single")
+    assert [r["moe_tokens_per_expert_1"] for r in ours] == [r["moe_tokens_per_expert_1"] for r in theirs]
+    for r in ours:  # global batch 4 x 32 tokens, 2 routes each, per MoE layer (both layers)
+        counts = r["moe_tokens_per_expert_0"]
+        assert sum(counts) == 4 * 32 * 2 and r["moe_load_ratio_0"] == max(counts) / (sum(counts) / 4)
+        assert r["moe_dropped_fraction_0"] == 0.0 and r["moe_aux_loss"] > 0.1 * 2 * 0.9  # coeff x ~1 per layer
+
+
+def _moe_records(save):
+    return [r for r in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if "moe_aux_loss" in r]
 
 
 def _refusals(rank, argvs):
