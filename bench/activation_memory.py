@@ -34,11 +34,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import common  # noqa: E402
 import deepspeed
 import torch  # noqa: E402
 from common import format_table  # noqa: E402
+from dist import run_distributed  # noqa: E402  the tests' launcher: N spawned gloo CPU ranks, results returned
 
 from models import GPT, GPTConfig
 from models.parallel import initialize_model_parallel, model_parallel_seed
@@ -104,7 +106,7 @@ def _step_seconds(models: dict, ids, labels, rounds: int) -> dict:
     times = {name: [] for name in models}
     names = list(models)
     for r in range(rounds + 1):  # round 0 warms up
-        for name in names[r % 2:] + names[:r % 2]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             torch.distributed.barrier()
             t0 = time.perf_counter()
             models[name](ids, labels).backward()
@@ -133,29 +135,33 @@ def _rank(rank, tp, config_kw, b, s, rounds):
     return out
 
 
-def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool, scores: bool) -> float:
-    attention = 5 * a * s / (h * t) if scores else 0.0
-    return s * b * h * ((34 / t if sequence_parallel else 10 + 24 / t) + attention)
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", default="2,4")
+def parse_shape_args(doc: str, tp_default: str, argv=None):
+    """The benchmark's arguments and the gpt2 config (dropout 0.1 everywhere, as in the paper) they give."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", default=tp_default)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=10, help="timed rounds of the step-time ratio")
+    p.add_argument("--rounds", type=int, default=10, help="timed rounds of the step-time ratios")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(common.ROOT / "tests"))
-    from dist import run_distributed  # the tests' launcher: N spawned gloo CPU ranks, results returned
     common.quiet_deepspeed()
+    config_kw = dict(variant="gpt2", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                     num_heads=args.heads, max_position_embeddings=args.seq, hidden_dropout=0.1,
+                     attention_dropout=0.1, make_vocab_size_divisible_by=128)
+    return args, config_kw
+
+
+def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool, scores: bool) -> float:
+    attention = 5 * a * s / (h * t) if scores else 0.0
+    return s * b * h * ((34 / t if sequence_parallel else 10 + 24 / t) + attention)
+
+
+def main(argv=None):
+    args, config_kw = parse_shape_args(__doc__, "2,4", argv)
     s, b, h, a = args.seq, args.batch, args.hidden, args.heads
-    config_kw = dict(variant="gpt2", vocab_size=args.vocab, hidden_size=h, num_layers=args.layers, num_heads=a,
-                     max_position_embeddings=s, hidden_dropout=0.1, attention_dropout=0.1,
-                     make_vocab_size_divisible_by=128)
     print(f"# activation bytes saved for the backward per rank (rank 0), gpt2 bf16, s={s} b={b} h={h} a={a} "
           f"L={args.layers} V={args.vocab}, dropout 0.1; {common.machine_note()}")
     rows, times = [], []

@@ -148,6 +148,7 @@ class Attention(nn.Module):
         # context parallelism: DeepSpeed-Ulysses around the same core (models/parallel/context.py)
         self.context = (UlyssesAttention(self._core, self.local_heads, self.local_kv_heads)
                         if cp_world_size() > 1 else None)
+        self.recompute_fn = None  # selective recomputation: a checkpoint function around the core attention
 
     def _core(self, q, k, v):
         """Causal attention of [b, heads, s, d] queries, keys and values over the whole sequence."""
@@ -178,8 +179,17 @@ class Attention(nn.Module):
             return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
         if self.context is not None:
             return self.dense(self.context(q, k, v).reshape(b, s, self.local_heads * self.head_dim))
-        y = self._core(q, k, v)
+        y = (self.recompute_fn(self._core, q, k, v) if self.recompute_fn is not None and self.training
+             else self._core(q, k, v))
         return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+
+def select_core_attention(model: nn.Module, checkpoint_fn) -> None:
+    """Selective recomputation (Korthikanti et al. 2022): every layer's core attention (scores, softmax,
+    attention dropout, weighted values) is recomputed in the backward; the rest of the layer is kept."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.recompute_fn = checkpoint_fn
 
 
 class MLP(nn.Module):

@@ -88,7 +88,7 @@ def provide_engine(args, m: Model, job: Job, start: StartPoint, loader):
     """The DeepSpeed engine, built and restored from ``start``; returns (engine, first step - 1)."""
     builder = m.family.build_for_training if job.state.pipeline_parallel == 1 else None
     engine = build_engine(m.config, start.ds, job.state, init_seed=args.seed, schedule=schedule_from_args(args, job.ds),
-                          activation_checkpointing=args.activation_checkpointing, full_state_dict=start.full_state,
+                          recompute=args.recompute, full_state_dict=start.full_state,
                           model_builder=builder)
     step = restore(engine, start, m.config, loader)
     if args.compile:

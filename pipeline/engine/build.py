@@ -14,6 +14,7 @@ import torch
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 from models import GPT
+from models.gpt import select_core_attention
 from models.parallel import ParallelState
 
 from pipeline.checkpoints import safe_load
@@ -47,7 +48,7 @@ def moe_param_groups(groups: list[dict]) -> list[dict]:
 
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
                  schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None,
-                 full_state_dict: dict | None = None, param_groups_fn=None):
+                 full_state_dict: dict | None = None, param_groups_fn=None, recompute: str = "none"):
     """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only).
 
     ``ds_config`` must have been through ``resolve_ds_config``. ``full_state_dict`` (full TP=1 weights,
@@ -55,16 +56,21 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     takes the model, so its fp32 master weights start from it. ``param_groups_fn(model)`` gives the
     optimizer's parameter groups (default ``param_groups``); a group's ``lr_mult`` scales the scheduled
     learning rate (e.g. layer-wise decay when finetuning). Returns the engine; ``engine.is_pipe``
-    tells which training step to use.
+    tells which training step to use. ``recompute``: none, selective (each layer's core attention, as
+    Megatron-Core's default ``recompute_modules``) or full (every layer; ``activation_checkpointing`` is its
+    old name).
     """
 
     check_supported(ds_config, state.pipeline_parallel)
     if getattr(model_config, "sequence_parallel", False):
         ds_config = sequence_parallel_ds_config(ds_config, state)
-    checkpoint_fn = None
     if activation_checkpointing:
+        recompute = "full"
+    checkpoint_fn = None
+    if recompute != "none":  # DeepSpeed's checkpoint restores the model-parallel RNG tracker: same dropout masks
         deepspeed.checkpointing.configure(state, deepspeed_config=ds_config)
         checkpoint_fn = deepspeed.checkpointing.checkpoint
+    activation_checkpointing = recompute == "full"
 
     if state.pipeline_parallel > 1:
         if model_builder is not None:
@@ -81,13 +87,15 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         model = model_builder(model_config, init_seed=init_seed)
         if full_state_dict is not None:
             load_full_state_dict(model, full_state_dict, source="checkpoint weights")
-        if checkpoint_fn is not None:
+        if activation_checkpointing:
             model.checkpoint_fn = checkpoint_fn
         mpu = state
         if zero_stage(ds_config) == 3 and getattr(model, "lm_head", 1) is None:
             # the tied output layer reads the embedding weight outside the embedding's forward
             deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
 
+    if recompute == "selective":
+        select_core_attention(model, checkpoint_fn)
     attach_info(model, model_config, pipeline=state.pipeline_parallel > 1)  # saved with every checkpoint
 
     if schedule is not None and "scheduler" in ds_config:

@@ -69,7 +69,11 @@ def add_model_args(p) -> None:
                    help=f"a JSON file, or a preset name from {PRESETS.name}/ ({', '.join(presets())}); default: "
                         f"the checkpoint's config with --load, else gpt2-tiny")
     g.add_argument("--seq-length", type=int, help="training sequence length (default: the config's seq_length)")
-    g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                   help="activation recomputation: selective recomputes each layer's core attention (Megatron-Core's "
+                        "default recompute_modules), full every layer (docs/performance.md has the measured memory)")
+    g.add_argument("--activation-checkpointing", dest="recompute", action="store_const", const="full",
+                   help="the same as --recompute full")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model (DeepSpeed's engine.compile(); pipeline-parallel 1 only); "
                         "bench/train_step.py --systems deepspeed,deepspeed+compile measures what it gains")

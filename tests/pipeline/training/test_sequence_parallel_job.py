@@ -97,7 +97,7 @@ def test_activation_checkpointing_with_dropout_is_exact_under_sp():
     very same masks, at PP 1 and through the pipeline engine's checkpointing."""
     drop = {"hidden_dropout": 0.1, "attention_dropout": 0.1, "sequence_parallel": True}
     plain = run_distributed(train_worker, 2, 2, 1, None, drop)
-    ckpt = run_distributed(train_worker, 2, 2, 1, None, drop, 5, None, True)
+    ckpt = run_distributed(train_worker, 2, 2, 1, None, drop, 5, None, "full")
     assert plain[0]["loss"] == ckpt[0]["loss"]
     nodrop = run_distributed(train_worker, 2, 2, 1, None, {"sequence_parallel": True})
     assert plain[0]["loss"] != nodrop[0]["loss"]  # the dropout did act
@@ -182,7 +182,7 @@ def test_half_precision_under_sp(engine_refs):
     assert rel < 2e-2
     fp16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 20, "hysteresis": 1,
                      "min_loss_scale": 1}, "zero_optimization": {"stage": 1}}
-    r = run_distributed(train_worker, 2, 2, 1, fp16, {"sequence_parallel": True}, 8, None, False, True)[0]
+    r = run_distributed(train_worker, 2, 2, 1, fp16, {"sequence_parallel": True}, 8, None, "none", True)[0]
     print("fp16 TP2 SP scales", r["scale"], "skipped", r["skipped"], "loss", r["loss"])
     assert r["skipped"][0] == 1 and r["scale"][0] == 2.0**19 and r["skipped"][-1] < 8
     assert r["loss"][-1] < r["loss"][0]

@@ -1,0 +1,105 @@
+"""Activation recomputation policies (``--recompute none|selective|full``): what one layer saves, and the step time.
+
+TP gloo CPU ranks build the same bf16 gpt2 GPT (dropout 0.1 everywhere, as in Korthikanti et al. 2022) with
+each policy wired by ``pipeline.engine.build``'s own switches (``select_core_attention`` for selective, the
+model's ``checkpoint_fn`` for full; DeepSpeed's ``checkpointing.checkpoint``, which restores the
+model-parallel RNG streams), and count the bytes autograd saves for the backward of one TransformerLayer
+(bench/activation_memory.py's census: each storage once, parameters left out, plus the inputs DeepSpeed's
+checkpoint keeps on its ctx) beside the planner's
+``pipeline.planning.memory.layer_activations`` for the same shape and policy (the paper's formulas:
+sbh (10 + 24/t + 5as/(ht)) for none, sbh (10 + 24/t) for selective, 2sbh for full).
+
+Then the step time (forward + backward of the whole model, no optimizer) of each policy over none, median
+of per-round ratios with the three models interleaved in the same processes.
+
+    python bench/recompute.py [--tp 1,2] [--seq 256] [--batch 2] [--hidden 256] [--heads 8] [--layers 2]
+                              [--vocab 2048] [--rounds 10]
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from activation_memory import SavedTensorCensus, _batch, _param_storages, _step_seconds, parse_shape_args  # noqa: E402
+from dist import run_distributed  # noqa: E402
+from common import format_table  # noqa: E402
+
+from models import GPT, GPTConfig  # noqa: E402
+from models.gpt import select_core_attention  # noqa: E402
+from models.parallel import initialize_model_parallel, model_parallel_seed  # noqa: E402
+from pipeline.planning.memory import POLICIES, layer_activations  # noqa: E402
+from pipeline.planning.shapes import gpt_shape  # noqa: E402
+
+
+_CENSUSES: list[SavedTensorCensus] = []
+
+
+def _checkpoint(fn, *args):
+    """DeepSpeed's checkpoint keeps its inputs on its ctx, outside autograd's saved-tensor hooks: counted here."""
+    for census in _CENSUSES:
+        for t in args:
+            if torch.is_tensor(t):
+                census._pack(t)
+    return deepspeed.checkpointing.checkpoint(fn, *args)
+
+
+def _build(config: GPTConfig, policy: str):
+    model = GPT(config, init_seed=0).to(torch.bfloat16).train()
+    if policy == "full":
+        model.checkpoint_fn = _checkpoint
+    elif policy == "selective":
+        select_core_attention(model, _checkpoint)
+    return model
+
+
+def _layer_bytes(model, b: int, s: int, h: int) -> int:
+    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    layer = model.layers[0]
+    with SavedTensorCensus(_param_storages(model)) as census:
+        _CENSUSES[:] = [census]
+        # full recomputation checkpoints the layer from the model's loop: the same call here
+        y = model.checkpoint_fn(layer, x) if model.checkpoint_fn is not None else layer(x)
+        _CENSUSES.clear()
+    y.float().sum().backward()  # the backward's collectives pair with the other ranks'
+    return census.bytes
+
+
+def _rank(rank, tp, config_kw, b, s, rounds):
+    state = initialize_model_parallel(tensor_parallel=tp)
+    model_parallel_seed(1234)
+    deepspeed.checkpointing.configure(state)
+    config = GPTConfig(**config_kw)
+    models = {policy: _build(config, policy) for policy in POLICIES}
+    out = {policy: _layer_bytes(m, b, s, config.hidden_size) for policy, m in models.items()}
+    ids, labels = _batch(b, s, config.vocab_size)
+    times = _step_seconds(models, ids, labels, rounds)
+    out["ratio"] = {p: statistics.median(a / n for a, n in zip(times[p], times["none"])) for p in POLICIES}
+    out["seconds"] = {p: statistics.median(t) for p, t in times.items()}
+    return out
+
+
+def main(argv=None):
+    args, config_kw = parse_shape_args(__doc__, "1,2", argv)
+    s, b, h, a = args.seq, args.batch, args.hidden, args.heads
+    shape = gpt_shape(GPTConfig(**config_kw), seq=s)
+    print(f"# one layer's activation bytes saved for the backward (rank 0), gpt2 bf16, s={s} b={b} h={h} a={a} "
+          f"L={args.layers} V={args.vocab}, dropout 0.1; {common.machine_note()}")
+    rows, mib = [], 1 / 2**20
+    for tp in map(int, args.tp.split(",")):
+        r = run_distributed(_rank, tp, tp, config_kw, b, s, args.rounds)[0]
+        for policy in POLICIES:
+            rows.append([f"TP{tp}", policy, r[policy] * mib,
+                         layer_activations(shape, b, tp, False, policy) * mib,
+                         r["seconds"][policy], r["ratio"][policy]])
+    print(format_table(["layout", "recompute", "one layer MiB", "planner (paper) MiB", "step s", "step / none"],
+                       rows))
+
+
+if __name__ == "__main__":
+    main()
