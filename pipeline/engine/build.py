@@ -66,6 +66,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         ds_config = sequence_parallel_ds_config(ds_config, state)
     if activation_checkpointing:
         recompute = "full"
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")
     checkpoint_fn = None
     if recompute != "none":  # DeepSpeed's checkpoint restores the model-parallel RNG tracker: same dropout masks
         deepspeed.checkpointing.configure(state, deepspeed_config=ds_config)

@@ -37,7 +37,7 @@ def test_config_trains(name):
     ds.pop("train_micro_batch_size_per_gpu")
     ds["train_batch_size"] = 8
     fp16 = ds.get("fp16", {}).get("enabled", False)
-    results = run_distributed(train_worker, world, tp, pp, ds, None, 6, micro, False, fp16)
+    results = run_distributed(train_worker, world, tp, pp, ds, None, 6, micro, "none", fp16)
     losses = results[-1]["loss"]
     print(name, losses, results[-1]["scale"])
     assert all(l == l for l in losses), "losses must be finite"
