@@ -1,6 +1,6 @@
 """Expert parallelism (``--expert-parallel``, DeepSpeed-MoE) through the main job: a tiny llama MoE (4 experts,
 top-2, dropless, fp32, dropout 0), 5 steps; per-step losses at (EP2, DP2) under ZeRO-1 and ZeRO-2 equal one
-process; the refusals, one line each, before any work."""
+process; the refusals, one line each, before any work (resuming at another EP among them)."""
 import json
 
 import pytest
@@ -76,6 +76,9 @@ def test_refusals_before_any_work(moe, tmp_path):
              (("--expert-parallel", "3"), "ds.json", "moe.json", "--expert-parallel 3 does not divide num_experts 4"),
              ((), "ds_z3.json", "moe.json", "zero_optimization.stage 3 with MoE layers"),
              (("--expert-parallel", "2"), "ds.json", "dense.json", "the model has no experts")]
+    if (moe / "ep2_ds.json").is_dir():  # saved at EP2 by the test above: experts are not resharded yet
+        cases.append((("--load", str(moe / "ep2_ds.json")), "ds.json", "moe.json",
+                      "the run was saved at --expert-parallel 2, this job runs at 1"))
     argvs = [_argv(moe, tmp_path / f"run{i}", *extra, ds=ds, model=model)
              for i, (extra, ds, model, _) in enumerate(cases)]
     for i, ((code, err), (*_, message)) in enumerate(zip(run_distributed(_refusals, 1, argvs)[0], cases)):
