@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 VARIANTS = ("gpt2", "llama")
-MOE_FIELDS = ("num_experts", "moe_top_k", "moe_layer_freq", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
+MOE_FIELDS = ("num_experts", "moe_top_k", "moe_layer_freq", "moe_dense_layers", "moe_ffn_hidden_size",
+              "moe_aux_loss_coeff",
               "moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity", "moe_norm_topk_prob",
               "moe_expert_parallel")
 
@@ -67,6 +68,7 @@ class GPTConfig:
     num_experts: int = 0                   # experts per MoE layer
     moe_top_k: int = 2                     # experts per token
     moe_layer_freq: int = 1                # every n-th layer is MoE (layers n-1, 2n-1, ...; 1: every layer)
+    moe_dense_layers: list[int] = field(default_factory=list)  # layers kept dense (Qwen3-MoE's mlp_only_layers)
     moe_ffn_hidden_size: int | None = None  # each expert's intermediate size; None: ffn_hidden_size
     moe_aux_loss_coeff: float = 0.01       # load-balancing loss coefficient (Switch/GShard, Mixtral's formula)
     moe_z_loss_coeff: float = 0.0          # router z-loss coefficient (ST-MoE); 0: off
@@ -161,6 +163,11 @@ class GPTConfig:
             return f"num_experts must be 0 (dense) or a positive integer, got {c.num_experts!r}"
         if c.num_experts == 0:
             return None
+        dense = c.moe_dense_layers
+        if not isinstance(dense, (list, tuple)) or any(not isinstance(i, int) or not 0 <= i < c.num_layers
+                                                       for i in dense):
+            return f"moe_dense_layers must be a list of layer indices in [0, {c.num_layers}), got {dense!r}"
+        c.moe_dense_layers = sorted(set(dense))
         for name in ("moe_top_k", "moe_layer_freq", "moe_expert_parallel"):
             if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
                 return f"{name} must be a positive integer, got {getattr(c, name)!r}"
@@ -179,6 +186,13 @@ class GPTConfig:
         if c.sequence_parallel or c.tiled_mlp > 1:
             return "MoE layers (num_experts > 0) do not take sequence_parallel or tiled_mlp yet"
         return None
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) has experts: every ``moe_layer_freq``-th layer (Qwen3-MoE's
+        ``decoder_sparse_step``: layers freq-1, 2 freq-1, ...; freq 1 is every layer, as Mixtral) that is not
+        among ``moe_dense_layers`` (Qwen3-MoE's ``mlp_only_layers``)."""
+        return (self.num_experts > 0 and (index + 1) % self.moe_layer_freq == 0
+                and index not in self.moe_dense_layers)
 
     @property
     def max_sequence_length(self) -> int:
@@ -286,7 +300,7 @@ class GPTConfig:
         h, L = self.hidden_size, self.num_layers
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         per_ffn = (2 if self.variant == "gpt2" else 3) * h
-        moe = sum(1 for i in range(L) if self.num_experts and (i + 1) % self.moe_layer_freq == 0)
+        moe = sum(1 for i in range(L) if self.is_moe_layer(i))
         # an MoE layer's token meets its router and its top-k experts only (the active parameters)
         active = self.moe_top_k * per_ffn * (self.moe_ffn_hidden_size or self.ffn_hidden_size) + h * self.num_experts
         n_mlp = (L - moe) * per_ffn * self.ffn_hidden_size + moe * active

@@ -22,6 +22,8 @@ once an expert's ``max(min_capacity, ceil(k * tokens / E * capacity_factor))`` s
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +34,8 @@ from .parallel import get_parallel_state
 
 
 def is_moe_layer(config: GPTConfig, index: int) -> bool:
-    """Whether layer ``index`` (0-based) has experts: every ``moe_layer_freq``-th layer (Qwen3-MoE's
-    ``decoder_sparse_step``: layers freq-1, 2 freq-1, ...; freq 1 is every layer, as Mixtral)."""
-    return config.num_experts > 0 and (index + 1) % config.moe_layer_freq == 0
+    """Whether layer ``index`` (0-based) has experts (``GPTConfig.is_moe_layer``)."""
+    return config.is_moe_layer(index)
 
 
 class ExpertMLP(nn.Module):
@@ -153,6 +154,7 @@ class MoEMLP(nn.Module):
         local = self.moe.deepspeed_moe.experts.deepspeed_experts
         # DeepSpeed's expert groups (TP 1): consecutive data-parallel ranks, its rank there = dp rank mod EP
         first = get_parallel_state().get_data_parallel_rank() % config.moe_expert_parallel * len(local)
+        self.first_expert = first  # the global index of local expert 0 (expert_slice)
         for e in range(config.num_experts):
             ours = local[e - first] if first <= e < first + len(local) else None
             for lin, std in (("fc_in", init_std), ("fc_out", out_std)):
@@ -176,6 +178,34 @@ class MoEMLP(nn.Module):
                                                                     torch.ones_like(routes)]).float()])
             self.stat_sums = sums if self.stat_sums is None else self.stat_sums + sums
         return out
+
+
+_EXPERT_INDEX = re.compile(r"(?<=\.deepspeed_experts\.)(\d+)(?=\.)")
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """This rank's experts among an MoE layer's: local expert i is global expert ``first + i`` (of ``count``
+    here). A full state dict names every expert by its global index; the model's parameters by the local one."""
+    first: int = 0
+    count: int = 0
+
+    def full_name(self, name: str) -> str:
+        """The full state dict's name of this rank's parameter ``name``."""
+        return _EXPERT_INDEX.sub(lambda m: str(self.first + int(m.group(1))), name) if self.first else name
+
+    def holds(self, full_name: str) -> bool:
+        """Whether this rank has the tensor ``full_name`` of a full state dict (another rank's expert: no)."""
+        m = _EXPERT_INDEX.search(full_name)
+        return m is None or not self.count or self.first <= int(m.group(1)) < self.first + self.count
+
+
+def expert_slice(model: nn.Module) -> ExpertSlice:
+    """The experts of this rank (every MoE layer splits its experts alike); ExpertSlice() for a dense model."""
+    for m in model.modules():
+        if isinstance(m, MoEMLP):
+            return ExpertSlice(m.first_expert, len(m.moe.deepspeed_moe.experts.deepspeed_experts))
+    return ExpertSlice()
 
 
 def moe_step_stats(model: nn.Module, group=None) -> dict:

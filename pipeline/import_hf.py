@@ -1,4 +1,5 @@
-"""Import a Hugging Face GPT-2, Llama, Qwen2, Qwen3 or Mistral causal LM (a directory or a GGUF file) for training here.
+"""Import a Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral or Qwen3-MoE causal LM (a directory or a GGUF
+file) for training here.
 
     python -m pipeline.import_hf --model DIR_OR_GGUF --out DIR --tensor-parallel T --pipeline-parallel P
                                  [--dtype float32|bfloat16|float16] [--force]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from models.moe import expert_slice
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline.job.errors import UserError
 from pipeline.checkpoints.safe_load import UnsafeCheckpointError, safe_torch_load
@@ -44,9 +45,10 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
     key in ``full`` (e.g. a pipeline stage's layer index into ``layers.N``). Values are cast to
     each parameter's dtype and device.
     """
-    params = {(name_map(n) if name_map else n): p for n, p in model.named_parameters()}
+    experts = expert_slice(model)  # under expert parallelism a rank's experts are some of the full dict's
+    params = {experts.full_name(name_map(n) if name_map else n): p for n, p in model.named_parameters()}
     missing = [k for k in params if k not in full]
-    unexpected = [] if partial else [k for k in full if k not in params]
+    unexpected = [] if partial else [k for k in full if k not in params and experts.holds(k)]
     if missing or unexpected:
         msg = [f"{source} does not match the model ({type(model).__name__})"]
         if missing:

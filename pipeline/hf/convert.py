@@ -1,4 +1,5 @@
-"""Weight and config mapping between the project's GPT and Hugging Face's GPT-2, Llama, Qwen2, Qwen3 and Mistral.
+"""Weight and config mapping between the project's GPT and Hugging Face's GPT-2, Llama, Qwen2, Qwen3, Mistral,
+Mixtral and Qwen3-MoE.
 
 Pure functions on *full* (TP=1) state dicts: ``to_hf`` and ``from_hf`` never see a
 process group. Sharding to a tensor-parallel size happens afterwards, with
@@ -16,8 +17,9 @@ export and an import cannot disagree. The two conventions differ in only three w
 
 The Hugging Face families are one table, ``HF_FAMILIES`` (at the end of the config readers): each entry
 names its classes, reads its config into the project's (Qwen2, Qwen3 and Mistral are options of the llama
-variant: ``qkv_bias``, ``qk_norm``, ``sliding_window``) and writes it back; ``GPTConfig.hf_model_type``
-records the family an import came from, so that it exports as that family again.
+variant: ``qkv_bias``, ``qk_norm``, ``sliding_window``; Mixtral and Qwen3-MoE add the MoE fields, and name their
+experts' tensors with ``pipeline.hf.experts``) and writes it back; ``GPTConfig.hf_model_type`` records the family
+an import came from, so that it exports as that family again.
 
 What a Hugging Face config can express and the project's model cannot (RoPE scaling,
 other activations, partial rotary, ...) is refused with the field named, never
@@ -35,8 +37,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from models.config import ConfigError, GPTConfig
-from models.moe import is_moe_layer
 from pipeline.job.errors import UserError
+from pipeline.hf.experts import MIXTRAL_EXPERTS, QWEN3_MOE_EXPERTS, ExpertNames, is_fused, unfuse_experts
 from pipeline.hf.safetensors_io import PlannedTensor, SafetensorsFiles, dtype_of, hf_weight_files, materialize, shape_of
 
 GPT2_ARCH = "GPT2LMHeadModel"
@@ -48,6 +50,8 @@ _SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # vocabulary padding): kept under this key of config.json so that project -> HF -> project is lossless.
 TRAINING_KEY = "megatron_ds_training"
 _TRAINING_FIELDS = ("hidden_dropout", "attention_dropout", "seq_length", "make_vocab_size_divisible_by")
+# an MoE model's training-only routing settings (evaluation is dropless, the z-loss only trains the router)
+_MOE_TRAINING_FIELDS = ("moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -152,8 +156,8 @@ def _llama_map(c: GPTConfig) -> list[WeightRule]:
                   R(p + "post_attention_norm.weight", (h,), (t + "post_attention_layernorm.weight",)),
                   R(p + "mlp.fc_in.weight", (2 * f, h), tuple(n + ".weight" for n in gate_up), (f, f)),
                   R(p + "mlp.fc_out.weight", (h, f), (t + "mlp.down_proj.weight",))]
-        if is_moe_layer(c, i):
-            rules = rules[:-2] + _mixtral_expert_rules(c, p, t)
+        if c.is_moe_layer(i):
+            rules = rules[:-2] + _expert_rules(c, p, t)
         if c.qk_norm:
             rules += [R(p + f"attention.{n}_norm.weight", (d,), (t + f"self_attn.{n}_norm.weight",)) for n in "qk"]
         if c.bias or c.qkv_bias:
@@ -168,40 +172,18 @@ def _llama_map(c: GPTConfig) -> list[WeightRule]:
     return rules
 
 
-def _mixtral_expert_rules(c: GPTConfig, p: str, t: str) -> list[WeightRule]:
-    """An MoE layer's router and experts (DeepSpeed's names: ``mlp.moe.deepspeed_moe``) and Mixtral's files'
-    (``block_sparse_moe``: w1 gate, w3 up, w2 down per expert; transformers 5 fuses them in memory only)."""
+def _expert_rules(c: GPTConfig, p: str, t: str) -> list[WeightRule]:
+    """An MoE layer's router and experts (DeepSpeed's names: ``mlp.moe.deepspeed_moe``) and their names in the
+    files of the config's Hugging Face family (``pipeline.hf.experts``)."""
     h, f, E = c.hidden_size, c.moe_ffn_hidden_size or c.ffn_hidden_size, c.num_experts
-    ours, theirs = p + "mlp.moe.deepspeed_moe.", t + "block_sparse_moe."
-    rules = [WeightRule(ours + "gate.wg.weight", (E, h), (theirs + "gate.weight",))]
+    names, ours = hf_family(c).experts, p + "mlp.moe.deepspeed_moe."
+    rules = [WeightRule(ours + "gate.wg.weight", (E, h), (names.router(t),))]
     for e in range(E):
-        x, y = f"{ours}experts.deepspeed_experts.{e}.", f"{theirs}experts.{e}."
-        rules += [WeightRule(x + "fc_in.weight", (2 * f, h), (y + "w1.weight", y + "w3.weight"), (f, f)),
-                  WeightRule(x + "fc_out.weight", (h, f), (y + "w2.weight",))]
+        x = f"{ours}experts.deepspeed_experts.{e}."
+        gate, up, down = names.expert(t, e)
+        rules += [WeightRule(x + "fc_in.weight", (2 * f, h), (gate, up), (f, f)),
+                  WeightRule(x + "fc_out.weight", (h, f), (down,))]
     return rules
-
-
-def unfuse_mixtral_experts(hf_sd: Mapping) -> dict:
-    """A transformers 5 Mixtral's in-memory state dict (``mlp.gate``, ``mlp.experts.gate_up_proj`` [E, 2f, h],
-    ``mlp.experts.down_proj`` [E, h, f]) with the names and per-expert tensors of its files (views, no copy)."""
-    out = {}
-    for name, value in hf_sd.items():
-        head, sep, leaf = name.partition(".mlp.")
-        if not sep:
-            out[name] = value
-        elif leaf == "gate.weight":
-            out[f"{head}.block_sparse_moe.gate.weight"] = value
-        elif leaf == "experts.gate_up_proj":
-            for e, w in enumerate(value):
-                gate, up = w.chunk(2, dim=0)
-                out[f"{head}.block_sparse_moe.experts.{e}.w1.weight"] = gate
-                out[f"{head}.block_sparse_moe.experts.{e}.w3.weight"] = up
-        elif leaf == "experts.down_proj":
-            for e, w in enumerate(value):
-                out[f"{head}.block_sparse_moe.experts.{e}.w2.weight"] = w
-        else:
-            out[name] = value
-    return out
 
 
 # -- project -> Hugging Face ----------------------------------------------------------------------------------------
@@ -220,7 +202,7 @@ def hf_config(config: GPTConfig, dtype: torch.dtype | None = None, special_token
     family = hf_family(config)
     cfg = getattr(transformers, family.config_class)(**family.write(config), **tokens)
     cfg.architectures = [family.architecture]
-    record = {k: getattr(config, k) for k in _TRAINING_FIELDS}
+    record = {k: getattr(config, k) for k in _TRAINING_FIELDS + (_MOE_TRAINING_FIELDS if config.num_experts else ())}
     if config.variant == "gpt2" and not config.bias:
         record["bias"] = False  # GPT-2 in transformers always has biases: these are exported as zeros
     setattr(cfg, TRAINING_KEY, record)
@@ -270,10 +252,19 @@ def _mistral_config_to_hf(config: GPTConfig) -> dict:
 
 
 def _mixtral_config_to_hf(config: GPTConfig) -> dict:
+    default_head = config.head_dim == config.hidden_size // config.num_heads  # MixtralConfig keeps None there
     return dict(_decoder_config_to_hf(config), sliding_window=config.sliding_window,
+                head_dim=None if default_head else config.head_dim,
                 intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
                 num_local_experts=config.num_experts, num_experts_per_tok=config.moe_top_k,
                 router_aux_loss_coef=config.moe_aux_loss_coeff, router_jitter_noise=0.0)
+
+
+def _qwen3_moe_config_to_hf(config: GPTConfig) -> dict:
+    return dict(_qwen3_config_to_hf(config), moe_intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+                num_experts=config.num_experts, num_experts_per_tok=config.moe_top_k,
+                norm_topk_prob=config.moe_norm_topk_prob, decoder_sparse_step=config.moe_layer_freq,
+                mlp_only_layers=list(config.moe_dense_layers), router_aux_loss_coef=config.moe_aux_loss_coeff)
 
 
 def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | str | None = None,
@@ -376,7 +367,7 @@ def config_from_hf(cfg, source: str = "Hugging Face config") -> GPTConfig:
         out = family.read(cfg, source)
         if model_type == "gpt2":
             out["bias"] = training.get("bias", True) is not False  # from_hf checks the biases are still zero
-        out.update({k: training[k] for k in _TRAINING_FIELDS if k in training})
+        out.update({k: training[k] for k in _TRAINING_FIELDS + _MOE_TRAINING_FIELDS if k in training})
         return GPTConfig(**out, hf_model_type=model_type, extra={"hf": hf_meta})
     except ConfigError as e:
         raise ConversionError(f"{source}: {e}") from None
@@ -479,6 +470,19 @@ def _mixtral_config_from_hf(cfg, source: str) -> dict:
                 moe_aux_loss_coeff=float(cfg.router_aux_loss_coef), moe_norm_topk_prob=True, moe_layer_freq=1)
 
 
+def _qwen3_moe_config_from_hf(cfg, source: str) -> dict:
+    """Qwen3-MoE: Qwen3's attention; every ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` a mixture
+    of ``num_experts`` SwiGLU experts of ``moe_intermediate_size`` (softmax, top-k, renormalised if
+    ``norm_topk_prob``; dropless), the others a dense SwiGLU of ``intermediate_size``. It has no shared expert
+    (Qwen2-MoE's ``shared_expert`` is another family, not imported)."""
+    if not cfg.num_experts:
+        _refuse(source, "num_experts", cfg.num_experts, "an MoE model (import a dense model as Qwen3)")
+    return dict(_qwen3_config_from_hf(cfg, source), num_experts=cfg.num_experts, moe_top_k=cfg.num_experts_per_tok,
+                moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_aux_loss_coeff=float(cfg.router_aux_loss_coef),
+                moe_norm_topk_prob=bool(cfg.norm_topk_prob), moe_layer_freq=cfg.decoder_sparse_step,
+                moe_dense_layers=list(cfg.mlp_only_layers or []))
+
+
 # -- the Hugging Face families -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -494,6 +498,7 @@ class HFFamily:
     read: Callable[[Any, str], dict]      # (HF config, source) -> GPTConfig fields, refusing what it cannot hold
     write: Callable[[GPTConfig], dict]    # config -> the transformers config's fields (special tokens aside)
     holds: Callable[[GPTConfig], str | None]  # None, or what of the config the family cannot express
+    experts: ExpertNames | None = None    # an MoE family's names of an MoE layer's tensors in its files
 
     @property
     def accepted(self) -> set[str]:
@@ -501,7 +506,7 @@ class HFFamily:
 
 
 def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: bool = False, bias: bool = True,
-           moe: bool = False):
+           moe: bool = False, sparse_layers: bool = False):
     """A family's ``holds``: the settings of the config it cannot express, named as ``field=value``."""
     def problem(c: GPTConfig) -> str | None:
         lacks = []
@@ -515,9 +520,9 @@ def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: boo
             lacks.append("bias=True")
         if bool(c.num_experts) != moe:
             lacks.append(f"num_experts={c.num_experts}")
-        elif moe and (c.moe_layer_freq != 1 or not c.moe_norm_topk_prob or c.moe_z_loss_coeff):
-            lacks.append(f"moe_layer_freq={c.moe_layer_freq}, moe_norm_topk_prob={c.moe_norm_topk_prob}, "
-                         f"moe_z_loss_coeff={c.moe_z_loss_coeff} (Mixtral: 1, True, 0)")
+        elif moe and not sparse_layers and (c.moe_layer_freq != 1 or c.moe_dense_layers or not c.moe_norm_topk_prob):
+            lacks.append(f"moe_layer_freq={c.moe_layer_freq}, moe_dense_layers={c.moe_dense_layers}, "
+                         f"moe_norm_topk_prob={c.moe_norm_topk_prob} (every layer MoE, top-k renormalised)")
         return ", ".join(lacks) or None
     return problem
 
@@ -535,7 +540,10 @@ HF_FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
              "MistralModel", _mistral_config_from_hf, _mistral_config_to_hf, _holds(sliding_window=True, bias=False)),
     HFFamily("mixtral", "llama", "MixtralConfig", "MixtralForCausalLM", "MixtralForSequenceClassification",
              "MixtralModel", _mixtral_config_from_hf, _mixtral_config_to_hf,
-             _holds(sliding_window=True, bias=False, moe=True)),
+             _holds(sliding_window=True, bias=False, moe=True), MIXTRAL_EXPERTS),
+    HFFamily("qwen3_moe", "llama", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification",
+             "Qwen3MoeModel", _qwen3_moe_config_from_hf, _qwen3_moe_config_to_hf,
+             _holds(qk_norm=True, bias=False, moe=True, sparse_layers=True), QWEN3_MOE_EXPERTS),
 )}
 HF_ARCHITECTURE = {name: f.architecture for name, f in HF_FAMILIES.items()}
 
@@ -708,8 +716,8 @@ def from_hf(hf_model_or_dir, *, gguf_file: str | None = None, dtype: torch.dtype
         model = hf_model_or_dir
         name = source or getattr(model.config, "_name_or_path", None) or type(model).__name__
         config, hf_sd = config_from_hf(model.config, name), model.state_dict()
-    if config.num_experts and any(k.endswith(".mlp.experts.gate_up_proj") for k in hf_sd):
-        hf_sd = unfuse_mixtral_experts(hf_sd)  # a loaded transformers 5 Mixtral
+    if config.num_experts and is_fused(hf_sd):  # a loaded transformers 5 MoE
+        hf_sd = unfuse_experts(hf_sd, hf_family(config).experts)
     if config.variant == "gpt2" and not config.bias and any(hf_sd[n].any() for n in _gpt2_bias_names(config)
                                                             if n in hf_sd):
         config = dataclasses.replace(config, bias=True)  # exported bias-free, then trained with biases

@@ -1,0 +1,160 @@
+"""Mixtral and Qwen3-MoE in and out of Hugging Face: tiny random models that transformers builds here (nothing is
+downloaded), saved with save_pretrained (per-expert tensors in the files), import through the command and give
+transformers' logits (fp32, dropless) in one process and at EP2 (2 gloo ranks, each holding half of the experts,
+built by the training engine from the imported directory); the export of the import has the original files'
+tensors bit for bit, loads back as the same class and gives the same logits. Qwen3-MoE with layers kept dense
+(decoder_sparse_step 2, mlp_only_layers) and norm_topk_prob false; neither family has shared experts."""
+import dataclasses
+import json
+import sys
+
+import pytest
+import torch
+from dist import run_distributed
+from engine_utils import BASE_DS
+from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from models import GPT, GPTConfig
+from models.parallel import full_state_dict, initialize_model_parallel
+from pipeline.checkpoints.state_dicts import load_full_state_dict, read_state_dict
+from pipeline.engine.build import build_engine
+from pipeline.engine.ds_config import resolve_ds_config
+from pipeline.hf.convert import ConversionError, to_hf
+from pipeline.hf.export import export_hf
+from pipeline.hf.importer import import_hf
+from pipeline.hf.safetensors_io import SafetensorsFiles, hf_weight_files
+from pipeline.import_hf import main as import_main
+
+TOL = 1e-5
+COMMON = dict(vocab_size=101, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=24, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
+              eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+FAMILIES = {  # name -> (model class, its config)
+    "mixtral": (MixtralForCausalLM, lambda: MixtralConfig(**COMMON, intermediate_size=24, num_hidden_layers=2,
+                                                          num_local_experts=4, num_experts_per_tok=2,
+                                                          sliding_window=24)),
+    # layers 1, 3, 5 sparse by the step, 3 kept dense: MoE at 1 and 5, dense SwiGLU (intermediate 40) elsewhere
+    "qwen3_moe": (Qwen3MoeForCausalLM, lambda: Qwen3MoeConfig(
+        **COMMON, head_dim=12, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=6, num_experts=4,
+        num_experts_per_tok=3, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False)),
+}
+TOKENS = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """name -> (saved HF directory, HF logits on TOKENS)."""
+    out = {}
+    for name, (model_class, config) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = model_class(config()).eval()
+        with torch.no_grad():  # transformers starts norms at 1: a swap would go unseen
+            for pname, p in model.named_parameters():
+                if "norm" in pname:
+                    p.add_(torch.randn_like(p) * 0.3)
+            logits = model(TOKENS).logits
+        path = tmp_path_factory.mktemp(f"hf-{name}")
+        model.save_pretrained(path)
+        out[name] = (path, logits)
+    return out
+
+
+@pytest.fixture(scope="module")
+def imported(hf_models, tmp_path_factory):
+    out = {}
+    for name, (path, _) in hf_models.items():
+        out[name] = tmp_path_factory.mktemp("imported") / name
+        assert import_main(["--model", str(path), "--out", str(out[name])]) == 0
+    return out
+
+
+def _one_process_logits(path):
+    model = GPT(GPTConfig.from_file(path / "config.json")).eval()
+    load_full_state_dict(model, read_state_dict(path / "model.safetensors", lazy=True))
+    with torch.no_grad():
+        return model(TOKENS)
+
+
+def _expert_parallel_logits(rank, model_dirs, ep):
+    """Each imported model built by the training engine at (EP ep, DP world) from its directory (each rank
+    taking its experts of the full state dict), its logits in evaluation."""
+    state = initialize_model_parallel(tensor_parallel=1)
+    ds = resolve_ds_config({**BASE_DS, "train_batch_size": state.data_parallel}, data_parallel=state.data_parallel,
+                           pipeline_parallel=1, micro_batch_size=1)
+    out = {}
+    for name, path in model_dirs.items():
+        config = dataclasses.replace(GPTConfig.from_file(f"{path}/config.json"), moe_expert_parallel=ep)
+        engine = build_engine(config, ds, state, init_seed=0,
+                              full_state_dict=read_state_dict(f"{path}/model.safetensors", lazy=True))
+        engine.eval()
+        local = engine.module.layers[1].mlp.moe.deepspeed_moe.experts.deepspeed_experts
+        with torch.no_grad():
+            out[name] = (engine(TOKENS), local[0].fc_out.weight.clone())
+    return out
+
+
+def test_imported_logits_equal_transformers_at_ep1_and_ep2(hf_models, imported):
+    configs = {name: GPTConfig.from_file(path / "config.json") for name, path in imported.items()}
+    assert [configs["qwen3_moe"].is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert (configs["qwen3_moe"].moe_norm_topk_prob, configs["qwen3_moe"].moe_top_k) == (False, 3)
+    assert (configs["mixtral"].num_experts, configs["mixtral"].moe_layer_freq) == (4, 1)
+    ep2 = run_distributed(_expert_parallel_logits, 2, {k: str(v) for k, v in imported.items()}, 2)
+    for name, (_, theirs) in hf_models.items():
+        assert theirs.abs().max() > 0.1
+        diff = (_one_process_logits(imported[name]) - theirs).abs().max().item()
+        print(f"{name} (EP1, TP1): max |logit difference| {diff:.2e}", file=sys.stderr)
+        assert diff < TOL
+        full = read_state_dict(imported[name] / "model.safetensors")
+        layer = "layers.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts"
+        for rank in range(2):
+            logits, first_expert = ep2[rank][name]
+            diff = (logits - theirs).abs().max().item()
+            print(f"{name} (EP2) rank {rank}: max |logit difference| {diff:.2e}", file=sys.stderr)
+            assert diff < TOL
+            assert torch.equal(first_expert, full[f"{layer}.{2 * rank}.fc_out.weight"])  # rank r: experts 2r, 2r+1
+
+
+def _file_tensors(directory) -> dict:
+    files = SafetensorsFiles(hf_weight_files(directory))
+    return {k: files[k] for k in files}
+
+
+def test_hf_to_project_to_hf_is_exact(hf_models, imported, tmp_path):
+    for name, (path, logits) in hf_models.items():
+        config = GPTConfig.from_file(imported[name] / "config.json")
+        export_hf(config, read_state_dict(imported[name] / "model.safetensors", lazy=True), tmp_path / name)
+        theirs, ours = _file_tensors(path), _file_tensors(tmp_path / name)
+        assert ours.keys() == theirs.keys(), name
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs), name
+        hf_cfg = json.loads((path / "config.json").read_text())
+        our_cfg = json.loads((tmp_path / name / "config.json").read_text())
+        differ = {k for k in hf_cfg.keys() | our_cfg.keys() if hf_cfg.get(k) != our_cfg.get(k)}
+        assert differ <= {"megatron_ds_training", "transformers_version", "initializer_range"}, (name, differ)
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / name), dtype=torch.float32).eval()
+        assert type(hf) is FAMILIES[name][0]
+        with torch.no_grad():
+            assert torch.equal(hf(TOKENS).logits, logits), name
+
+
+def test_project_moe_exports_as_the_family_that_holds_it_and_back(tmp_path):
+    """A model trained here: every layer MoE -> Mixtral, with QK-norm and every other layer -> Qwen3-MoE; back
+    through the import, the same tensors and config (the z-loss and capacity, training-only, travel in the
+    training record); a layout Mixtral cannot hold is refused by name."""
+    base = dict(variant="llama", vocab_size=101, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                ffn_hidden_size=40, max_position_embeddings=24, seq_length=16, num_experts=4, moe_ffn_hidden_size=16,
+                moe_z_loss_coeff=0.001, moe_capacity_factor=1.5)
+    # (Mixtral has one intermediate size: its experts'; a dense ffn_hidden_size beside it would not come back)
+    for options, arch in ((dict(moe_ffn_hidden_size=40), "MixtralForCausalLM"),
+                          (dict(qk_norm=True, moe_layer_freq=2, moe_norm_topk_prob=False), "Qwen3MoeForCausalLM")):
+        config = GPTConfig(**{**base, **options})
+        sd = full_state_dict(GPT(config, init_seed=1))
+        export_hf(config, sd, tmp_path / arch)
+        assert json.loads((tmp_path / arch / "config.json").read_text())["architectures"] == [arch]
+        back_config, _ = import_hf(tmp_path / arch, tmp_path / f"{arch}-back")
+        back = read_state_dict(tmp_path / f"{arch}-back" / "model.safetensors")
+        assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+        strip = lambda d: {k: v for k, v in d.items() if k not in ("extra", "hf_model_type")}  # noqa: E731
+        assert strip(back_config.to_dict()) == strip(config.to_dict())
+    config = GPTConfig(**base, moe_layer_freq=2, hf_model_type="mixtral")
+    with pytest.raises(ConversionError, match=r"cannot be exported as MixtralForCausalLM .*moe_layer_freq=2"):
+        to_hf(full_state_dict(GPT(config, init_seed=0)), config)
