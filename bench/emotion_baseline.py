@@ -29,31 +29,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sklearn.feature_extraction.text import TfidfVectorizer
-from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import KFold
-from sklearn.multiclass import OneVsRestClassifier
-from sklearn.pipeline import make_pipeline, make_union
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from finetune.data import LabeledTexts, load_semeval_ec  # noqa: E402
+from finetune.ensemble.tfidf import build_model  # noqa: E402  (the model finetune.ensemble serves)
 from finetune.scoring.metrics import evaluate_probabilities, format_comparison, plot_per_class_f1, write_eval_json  # noqa: E402
 from finetune.normalize import TweetNormalizer  # noqa: E402
 from finetune.scoring.thresholds import tune_thresholds  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "semeval2018-ec"
-
-
-def build_model(C: float = 1.0, class_weight: str | None = "balanced", n_jobs: int = 1):
-    """TF-IDF word 1-2-grams + char 2-5-grams (sublinear tf, min_df 2) -> one logistic regression per label."""
-
-    features = make_union(
-        TfidfVectorizer(analyzer="word", ngram_range=(1, 2), min_df=2, sublinear_tf=True),
-        TfidfVectorizer(analyzer="char", ngram_range=(2, 5), min_df=2, sublinear_tf=True))
-    classifier = OneVsRestClassifier(LogisticRegression(C=C, class_weight=class_weight, solver="liblinear",
-                                                        max_iter=1000), n_jobs=n_jobs)
-    return make_pipeline(features, classifier)
 
 
 def out_of_fold_probabilities(texts: list[str], labels: np.ndarray, folds: int = 5, seed: int = 0,

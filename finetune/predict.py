@@ -1,4 +1,5 @@
-"""Classify a file of texts with a finetuned classifier; write the predictions in the official E-c format.
+"""Classify a file of texts with a finetuned classifier or an ensemble (``finetune.ensemble``); write the
+predictions in the official E-c format.
 
     python -m finetune.predict --model runs/ec --data E-c-En-test.txt --out E-C_en_pred.txt
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from finetune._io import atomic_write_text
 from finetune.data import read_texts
-from finetune.saved import load_classifier
+from finetune.ensemble import load_predictor
 from finetune.scoring.metrics import evaluate_probabilities, format_comparison, single_label_scores, write_eval_json
 from finetune.scoring.predictions import write_predictions
 from finetune.scoring.thresholds import apply_thresholds
@@ -34,7 +35,8 @@ from pipeline.job.files import check_output_file, refuse_overlap
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m finetune.predict", description=__doc__)
-    p.add_argument("--model", required=True, help="classifier directory (finetune/train.py --save)")
+    p.add_argument("--model", required=True, help="classifier directory (finetune/train.py --save) or ensemble "
+                                                  "(python -m finetune.ensemble --save)")
     p.add_argument("--data", required=True, help="texts to classify (E-c file, or CSV/TSV/JSON(L))")
     p.add_argument("--out", required=True, help="predictions file to write (E-c format)")
     p.add_argument("--text-column", default=None, help="text column of a non-E-c file (default 'text')")
@@ -71,8 +73,7 @@ def check_outputs(args) -> None:
 def main(argv=None) -> dict:
     parser, args = parse_args(argv)
 
-
-    clf = load_classifier(args.model, dtype=parse_dtype(args.dtype))
+    clf = load_predictor(args.model, dtype=parse_dtype(args.dtype))
     data = read_texts(args.data, clf.label_names, args.text_column, args.id_column)
     names = clf.label_names
     t0 = time.perf_counter()

@@ -20,6 +20,10 @@ label-correlation loss at SpanEmo's weight 0.2 (Alhuzali and Ananiadou 2021): +0
 ``*ForSequenceClassification`` cannot hold such a head (it pools the last token into one linear layer), so this
 classifier is served by ``finetune.predict`` and is not exported.
 
+``EC_ENSEMBLE``, past SpanEmo on dev (``python -m finetune.ensemble``): two ``EC_LABEL_RECIPE`` classifiers (seeds
+1234 and 7), one ``EC_RECIPE`` classifier and the TF-IDF model, all holding out the same tenth of train, their
+probabilities averaged and the thresholds tuned on that tenth (bench/README.md has the combinations tried).
+
 ``LINEAR_PROBE``: the cheap reference (the encoder frozen, mean-pooled features of its first 16 layers
 computed once, a linear head trained on them).
 """
@@ -32,3 +36,6 @@ EC_LABEL_RECIPE = [*EC_RECIPE[2:], "--pooling", "labels", "--label-correlation",
 LINEAR_PROBE = ["--freeze-encoder", "--encoder-layers", "16", "--pooling", "mean", "--epochs", "20", "--lr", "2e-3",
                 "--global-batch-size", "32", "--max-length", "64", "--threshold-objective", "micro",
                 "--holdout", "0.1"]
+
+RECIPES = {"last": EC_RECIPE, "labels": EC_LABEL_RECIPE}  # the names python -m finetune.ensemble --recipe takes
+EC_ENSEMBLE = ["--recipe", "labels:1234", "--recipe", "labels:7", "--recipe", "last:1234", "--tfidf"]

@@ -236,4 +236,4 @@ def run_settings(args, base: Base, data: Splits, head: Head, job: Job, steps: tu
             "precision": precision(job.ds), "tensor_parallel": job.state.tensor_parallel,
             "sequence_parallel": bool(getattr(base.config, "sequence_parallel", False)),
             "data_parallel": job.state.data_parallel, "seed": args.seed,
-            "holdout_seed": args.holdout_seed}
+            "holdout": args.holdout, "holdout_seed": args.holdout_seed}

@@ -1,9 +1,14 @@
-"""The documented E-c recipe (``finetune.recipes.EC_RECIPE``, which bench/emotion_finetune.py runs) end to end on
-a few hundred real tweets: it trains, tunes per-class thresholds on held-out train, and the Hugging Face classifier it exports gives
-``finetune.predict``'s probabilities (fp32, within 1e-5) and, with the thresholds stored in its config, the same
-decisions on every dev tweet. And the threshold objectives: per-class F1 maximises macro-F1 where the micro-F1
-refinement does not; the balanced refinement serves the mean of both."""
+"""The documented E-c recipes end to end on a few hundred real tweets, trained by the ensemble command
+(``python -m finetune.ensemble``, ``finetune.recipes.EC_ENSEMBLE``'s members): the last-token recipe
+(``EC_RECIPE``) trains, tunes per-class thresholds on held-out train, and the Hugging Face classifier it exports
+gives ``finetune.predict``'s probabilities (fp32, within 1e-5) and, with the thresholds stored in its config, the
+same decisions on every dev tweet. The ensemble of it, a label-words classifier and the TF-IDF model averages
+their probabilities, tunes its thresholds on the held-out tweets (never on dev), and ``finetune.predict`` serves
+it with the scores the command wrote; a rerun reuses the trained members. The TF-IDF model saved without pickle
+gives scikit-learn's probabilities. And the threshold objectives: per-class F1 maximises macro-F1 where the
+micro-F1 refinement does not; the balanced refinement serves the mean of both."""
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -13,11 +18,17 @@ from sklearn.metrics import f1_score
 from test_finetune_train import FP32_DS, ec_slice, run, write_base
 from transformers import pipeline
 
-from finetune.scoring.metrics import multilabel_scores
+from finetune.data import load_semeval_ec
+from finetune.ensemble import load_member
+from finetune.ensemble.build import main as ensemble_main
+from finetune.job.inputs import holdout_split
 from finetune.normalize import TweetNormalizer
-from finetune.scoring.predictions import read_predictions
 from finetune.recipes import EC_RECIPE as RECIPE
-from finetune.scoring.thresholds import DEFAULT_GRID, apply_thresholds, tune_thresholds
+from finetune.scoring.metrics import multilabel_scores
+from finetune.scoring.predictions import read_predictions
+from finetune.scoring.thresholds import (DEFAULT_GRID, apply_thresholds, bagged_thresholds, load_thresholds,
+                                         tune_thresholds)
+from finetune.ensemble.tfidf import TfidfClassifier, build_model
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +38,15 @@ def recipe_run(tmp_path_factory):
     (d / "ds.json").write_text(json.dumps(FP32_DS))
     base = write_base(d / "base", variant="llama")  # the recipe's base (SmolLM2) is a llama
     train, dev = ec_slice(ec / "train.tsv", d / "train.tsv", 400), ec_slice(ec / "dev.tsv", d / "dev.tsv", 120)
-    save = d / "clf"
-    # the recipe as documented, on a tiny base and a few hundred tweets: fewer epochs, an fp32 config
-    run([sys.executable, "-m", "finetune.train", "--base", str(base), "--train", str(train), "--dev", str(dev),
-         "--deepspeed_config", str(d / "ds.json"), "--save", str(save), *RECIPE, "--epochs", "2", "--lr", "1e-3",
-         "--max-length", "24"],  # short enough that many tweets are cut: the export must cut them the same way
-        d)
-    return {"dir": d, "save": save, "dev": dev}
+    ens = d / "ensemble"
+    # the recipes as documented, on a tiny base and a few hundred tweets: fewer epochs, an fp32 config
+    command = [sys.executable, "-m", "finetune.ensemble", "--save", str(ens), "--base", str(base),
+               "--train", str(train), "--dev", str(dev), "--recipe", "last:1234", "--recipe", "labels:7", "--tfidf",
+               "--dtype", "float32", "--", "--deepspeed_config", str(d / "ds.json"), "--epochs", "2", "--lr", "1e-3",
+               "--max-length", "24"]  # short enough that many tweets are cut: the export must cut them the same way
+    log = run(command, d).stdout
+    return {"dir": d, "save": ens / "members" / "last-1234", "dev": dev, "train": train, "ensemble": ens,
+            "command": command, "log": log}
 
 
 def test_recipe_trains_tunes_and_exports(recipe_run):
@@ -69,6 +82,66 @@ def test_exported_recipe_classifier_equals_predict_on_every_dev_tweet(recipe_run
     hf_decisions = apply_thresholds(theirs, config["thresholds"])
     assert np.array_equal(hf_decisions, decided.labels)
     assert len(decided.ids) == 120
+
+
+def test_ensemble_thresholds_come_from_the_held_out_tweets_and_predict_serves_it(recipe_run):
+    ens, d = recipe_run["ensemble"], recipe_run["dir"]
+    info = json.loads((ens / "ensemble.json").read_text())
+    assert info["members"] == ["members/last-1234", "members/labels-7", "members/tfidf"]  # relative: movable
+    members = [load_member(ens / m) for m in info["members"]]
+    for m in members[:2]:  # the classifiers trained on the other nine tenths of the same file
+        assert (m.info["training"]["holdout"], m.info["training"]["holdout_seed"]) == (0.1, 1234)
+    assert members[2].training["holdout_seed"] == 1234
+    train, dev = load_semeval_ec(recipe_run["train"]), load_semeval_ec(recipe_run["dev"])
+    fit, held = holdout_split(len(train), 0.1, 1234)
+    tune = train.subset(held)
+    averaged = np.mean([m.predict_proba(tune.texts) for m in members], axis=0)
+    expected = bagged_thresholds(tune.labels, averaged, refine="mean", resamples=100, seed=1234)
+    np.testing.assert_allclose(load_thresholds(ens, list(dev.label_names)), expected, atol=1e-12)
+
+    out, probs_file, ev_file = d / "ens_pred.txt", d / "ens_probs.tsv", d / "ens_eval.json"
+    run([sys.executable, "-m", "finetune.predict", "--model", str(ens), "--data", str(recipe_run["dev"]),
+         "--out", str(out), "--probabilities", str(probs_file), "--eval-json", str(ev_file)], d)
+    served = np.array([[float(x) for x in r.split("\t")[1:]] for r in probs_file.read_text().splitlines()[1:]])
+    assert served.std() > 1e-3
+    np.testing.assert_allclose(served, np.mean([m.predict_proba(dev.texts) for m in members], axis=0), atol=2e-6)
+    written = json.loads((ens / "eval.json").read_text())
+    for key in ("micro_f1", "macro_f1", "jaccard"):
+        assert json.loads(ev_file.read_text())["tuned"][key] == pytest.approx(written["dev"]["tuned"][key], abs=1e-6)
+    assert len(written["members"]) == 3
+    assert read_predictions(out).labels.shape == dev.labels.shape
+
+
+def test_ensemble_rerun_reuses_its_members_and_refuses_a_different_split(recipe_run, capsys):
+    d, ens, command = recipe_run["dir"], recipe_run["ensemble"], recipe_run["command"][3:]
+    with pytest.raises(SystemExit) as e:
+        ensemble_main(command)
+    assert e.value.code == 2 and "already holds an ensemble; pass --force" in capsys.readouterr().err
+    ensemble_main([*command[:command.index("--")], "--force"])
+    log = capsys.readouterr().out
+    assert log.count("already trained, reused") == 2 and "already fitted, reused" in log
+    other = d / "other_member"  # a classifier that held out other tweets
+    shutil.copytree(ens / "members" / "labels-7", other)
+    doc = json.loads((other / "classifier.json").read_text())
+    doc["training"]["holdout_seed"] = 99
+    (other / "classifier.json").write_text(json.dumps(doc))
+    with pytest.raises(SystemExit):
+        ensemble_main(["--save", str(d / "ens2"), "--member", str(ens / "members" / "last-1234"),
+                       "--member", str(other)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "differ in holdout_seed (1234 and 99)" in err[0] and not (d / "ens2").exists()
+
+
+def test_tfidf_member_saved_without_pickle_gives_scikit_learns_probabilities(recipe_run):
+    loaded = load_member(recipe_run["ensemble"] / "members" / "tfidf")
+    train, dev = load_semeval_ec(recipe_run["train"]), load_semeval_ec(recipe_run["dev"])
+    fit, _ = holdout_split(len(train), 0.1, 1234)
+    normalizer = loaded.normalizer
+    sub = train.subset(fit)
+    reference = build_model().fit([normalizer(t) for t in sub.texts], sub.labels)
+    theirs = reference.predict_proba([normalizer(t) for t in dev.texts])
+    assert isinstance(loaded, TfidfClassifier) and theirs.std() > 1e-3
+    np.testing.assert_allclose(loaded.predict_proba(dev.texts), theirs, atol=1e-6)
 
 
 def _scores(y, p, t):
