@@ -109,6 +109,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
                                            lr_scheduler=lr_scheduler)
     safe_load.install(engine)  # loads weights only, hashes what it saves
     engine.is_pipe = state.pipeline_parallel > 1
+    if engine.is_pipe:  # a non-finite gradient is named as the GPT's parameter (grad_watch)
+        engine.param_display_name = lambda n: pipe_to_gpt_name(n, model_config)
     if not engine.is_pipe and zero_stage(ds_config) == 0 and state.get_sequence_data_parallel_world_size() == 1:
         # Without ZeRO, DeepSpeed flattens every gradient into buckets, all-reduces them over the
         # data-parallel group and copies them back, even when that group is this one process. (Under context

@@ -8,10 +8,10 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-from deepspeed.utils import safe_get_full_grad
 
 from models.moe import moe_step_stats
 from models.parallel import collectives
+from pipeline.engine.grad_watch import watch
 
 
 def lm_batches(loader):
@@ -50,8 +50,8 @@ def optimizer_step(engine, batches, forward: Callable = lm_forward, *, counts: S
     log. Each is averaged over the micro-batches and the data-parallel ranks, except the ``counts``
     (summed). Returns floats, after one device sync.
     """
-    global _nonfinite_grad
     gas = engine.gradient_accumulation_steps()
+    grads = watch(engine)
     totals, keys = None, None
     for i in range(gas):
         out = forward(engine, next(batches))
@@ -61,39 +61,37 @@ def optimizer_step(engine, batches, forward: Callable = lm_forward, *, counts: S
         values = torch.stack([torch.as_tensor(parts[k], device=engine.device).detach().double().reshape(())
                               for k in keys])
         totals = values if totals is None else totals + values
-        if i == gas - 1:  # the mean before the step: its gradients are still there to be named if it is bad
-            summed = torch.tensor([k in counts for k in keys], device=engine.device)
-            totals = torch.where(summed, totals, totals / gas)
-            totals = data_parallel_mean(engine, totals, summed=summed).cpu()
-            # the same mean on every DP rank, so all of them take part in the (collective) gradient read
-            _nonfinite_grad = None if math.isfinite(totals[keys.index("loss")]) else first_nonfinite_grad(engine)
         engine.step()
+    summed = torch.tensor([k in counts for k in keys], device=engine.device)
+    totals = data_parallel_mean(engine, torch.where(summed, totals, totals / gas), summed=summed)
+    totals = _read(grads, totals)
     return {k: float(v) for k, v in zip(keys, totals)}
 
 
-_nonfinite_grad: str | None = None
+def _read(grads, values: torch.Tensor) -> torch.Tensor:
+    """``values`` on the host, with the step's gradient check in the same copy when there is one."""
+    global _nonfinite_grad
+    if grads is None:
+        return values.cpu()
+    values = grads.take(values)
+    _nonfinite_grad = grads.first
+    return values
 
 
-def nonfinite_grad() -> str | None:
-    """The first parameter whose gradient was NaN or Inf in the last ``optimizer_step`` whose loss was not
-    finite (None when it was finite, or every gradient was)."""
+_nonfinite_grad: tuple[int, str] | None = None
+
+
+def nonfinite_grad() -> tuple[int, str] | None:
+    """(its position in the module's order, "name (nan|inf)") of the first parameter of this rank whose local
+    gradient was NaN or Inf in the last step; None when every one was finite, or under fp16."""
     return _nonfinite_grad
-
-
-def first_nonfinite_grad(engine) -> str | None:
-    """Named in the module's parameter order; read through DeepSpeed's ``safe_get_full_grad`` (the fp32
-    gradient at any ZeRO stage; a collective over the DP group), so only on a step already found bad."""
-    for name, param in engine.module.named_parameters():
-        grad = safe_get_full_grad(param) if param.requires_grad else None
-        if grad is not None and not bool(torch.isfinite(grad).all()):
-            return f"{name} ({'nan' if bool(torch.isnan(grad).any()) else 'inf'})"
-    return None
 
 
 def train_step(engine, batches) -> float:
     """One optimizer step (all micro-batches of the global batch); the mean loss over them and over DP."""
     if engine.is_pipe:
-        return float(engine.train_batch(data_iter=batches))
+        loss = engine.train_batch(data_iter=batches)
+        return float(_read(watch(engine), torch.as_tensor(loss).reshape(1))[0])
     return optimizer_step(engine, batches)["loss"]
 
 

@@ -5,8 +5,9 @@ one ``--save``. ``setup`` makes the run's ``Guard`` (``configure``); ``train_loo
   optimizer-step boundary every rank learns of it (one all-reduce a step, the same one that carries the
   non-finite flag), the step is treated as the last (the commands' save hooks write a complete checkpoint),
   and the loop ends; the command exits 0. ``--no-exit-signal-handler`` keeps the default signal behaviour.
-- A non-finite loss (bf16/fp32; fp16 keeps DeepSpeed's loss scaling, which skips such steps itself): the
-  step's hooks do not run (no log record, no checkpoint of that state); after ``--max-bad-steps`` such steps
+- A non-finite loss or gradient (bf16/fp32; fp16 keeps DeepSpeed's loss scaling, which skips such steps
+  itself; the gradients are checked by ``pipeline.engine.grad_watch``, read with the loss): the step's hooks
+  do not run (no log record, no checkpoint of that state); after ``--max-bad-steps`` such steps
   the run stops with one line naming the steps and the last good checkpoint (exit code 2).
 - The run lock: ``<save>/.run.lock`` (host, pid, start time) held with ``flock`` by rank 0 for the job's
   life; a second run on the same ``--save`` is refused at start naming the holder. The kernel drops a flock
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from models.parallel import get_parallel_state
 from pipeline.engine.steps import nonfinite_grad
 from pipeline.job.errors import UserError
 
@@ -91,27 +93,29 @@ class Guard:
             print(f"{self.signal_name} received: stopping after this step", file=sys.stderr, flush=True)
 
     def after_step(self, step: int, out) -> tuple[bool, bool]:
-        """(stop now, this step was bad), the same on every rank (collective)."""
+        """(stop now, this step was bad: a loss or a gradient not finite), the same on every rank (collective)."""
         loss = _loss_of(out)
-        bad = self.check_finite and loss is not None and not math.isfinite(loss)
-        flags = _agree([self.signal_name is not None, bad])
-        stop, bad = bool(flags[0]), bool(flags[1])
+        bad_loss = self.check_finite and loss is not None and not math.isfinite(loss)
+        bad_grad = self.check_finite and nonfinite_grad() is not None
+        stop, bad_loss, bad = (bool(f) for f in _agree([self.signal_name is not None, bad_loss, bad_loss or bad_grad]))
         if stop and self.signal_name is None:
             self.signal_name = "a stop signal to another rank"
         if bad:
-            self._bad(step, loss)
+            self._bad(step, loss, bad_loss)
         return stop, bad
 
-    def _bad(self, step: int, loss) -> None:
+    def _bad(self, step: int, loss, bad_loss: bool) -> None:
         self.bad_steps.append(step)
-        what = f"the loss is {loss}" if loss is not None and not math.isfinite(loss) else \
-            "the loss is not finite on another rank"
-        grad = nonfinite_grad()
+        grad = _first_over_ranks(nonfinite_grad())  # collective, on bad steps only
+        if bad_loss:
+            what = f"the loss is {loss}" if not math.isfinite(loss) else "the loss is not finite on another rank"
+        else:
+            what = "the loss is finite" + (f" ({loss:.6g})" if loss is not None else "") + " but a gradient is not"
         what += f", the first non-finite gradient: {grad}" if grad else ""
         if len(self.bad_steps) >= max(self.max_bad_steps, 1):
             steps = ", ".join(map(str, self.bad_steps[-5:]))
             raise NonFiniteLossError(
-                f"step {step}: {what} ({len(self.bad_steps)} step(s) with a non-finite loss: {steps}; "
+                f"step {step}: {what} ({len(self.bad_steps)} step(s) with a non-finite loss or gradient: {steps}; "
                 f"--max-bad-steps {self.max_bad_steps}); the run stopped without saving them"
                 f"{self._last_good()}; lower the learning rate, check the data, or resume from it with --load")
         if _rank() == 0:
@@ -163,6 +167,25 @@ def _loss_of(out) -> float | None:
     if isinstance(value, torch.Tensor):
         value = value.detach().float().cpu().item() if value.numel() == 1 else None
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def _first_over_ranks(local: tuple[int, str] | None) -> str | None:
+    """The first non-finite gradient of all ranks: the earliest pipeline stage's, then the earliest parameter's
+    (ranks of one stage share the parameter order)."""
+    mine = None if local is None else (_pipe_stage(), *local)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    else:
+        every = [mine]
+    found = sorted(e for e in every if e is not None)
+    return found[0][2] if found else None
+
+
+def _pipe_stage() -> int:
+    with contextlib.suppress(RuntimeError):  # no parallel state: a single process
+        return get_parallel_state().get_pipe_parallel_rank()
+    return 0
 
 
 def _agree(flags: list[bool]) -> list[int]:

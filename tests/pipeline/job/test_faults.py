@@ -157,7 +157,7 @@ def test_nan_loss_stops_without_saving_the_bad_state(work):
                    work, check=False)
     assert proc.returncode != 0
     line = (f"error: step 3: the loss is nan, the first non-finite gradient: embedding.word_embeddings.weight (nan) "
-            f"(2 step(s) with a non-finite loss: 2, 3; --max-bad-steps 2); the run "
+            f"(2 step(s) with a non-finite loss or gradient: 2, 3; --max-bad-steps 2); the run "
             f"stopped without saving them (the last good checkpoint: {run}/global_step1)")
     assert line in proc.stderr, [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert (run / "latest").read_text().strip() == "global_step1"
