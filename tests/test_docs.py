@@ -19,7 +19,8 @@ LAUNCHERS = ("deepspeed", "torchrun")
 SCRIPTS = {name: target.split(":")[0]
            for name, target in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"].items()}
 FILES = {"pipeline/pretrain.py": "pipeline.pretrain", "finetune/train.py": "finetune.train",
-         "finetune/predict.py": "finetune.predict"}
+         "finetune/predict.py": "finetune.predict", "finetune/ensemble/build.py": "finetune.ensemble.build"}
+PACKAGES = {"finetune.ensemble": "finetune.ensemble.build"}  # python -m PACKAGE: its __main__ runs this command
 
 
 def code_lines(path: Path) -> list[str]:
@@ -70,7 +71,7 @@ def commands(path: Path) -> list[tuple[str, list[str]]]:
             if words[:1] == ["-m"] or words[:2] in (["python", "-m"], ["python3", "-m"]):
                 words = words[words.index("-m") + 1:]
                 if words and words[0].split(".")[0] in ("pipeline", "finetune"):
-                    found.append((words[0], words[1:]))
+                    found.append((PACKAGES.get(words[0], words[0]), words[1:]))
             elif words and words[0] in SCRIPTS:
                 found.append((SCRIPTS[words[0]], words[1:]))
             elif words and words[0] in FILES:

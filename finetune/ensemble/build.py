@@ -23,35 +23,25 @@ with the last-token recipe has its own (``SAVE/members/last-SEED/hf``).
 """
 from __future__ import annotations
 
-import os
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
+if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torchrun: the project root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
 import torch.distributed as dist
 
-from finetune.data import SEMEVAL_EC_LABELS, load_data
-from finetune.ensemble import ENSEMBLE_FILE, Ensemble, EnsembleError, check_labels, load_member, save_ensemble_dir
-from finetune.job.args import parse_args as parse_finetune_args
-from finetune.job.inputs import holdout_split
-from finetune.normalize import TweetNormalizer
+from finetune.ensemble import ENSEMBLE_FILE
+from finetune.ensemble.assemble import build
+from finetune.ensemble.members import DEFAULT_HOLDOUT, DEFAULT_HOLDOUT_SEED, MEMBERS_DIR, train_members
 from finetune.recipes import RECIPES
-from finetune.saved import CLASSIFIER_FILE, LoadedClassifier
-from finetune.scoring.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison,
-                                      plot_per_class_f1, write_eval_json)
-from finetune.scoring.predictions import write_predictions
-from finetune.scoring.thresholds import THRESHOLDS_FILE, apply_thresholds, bagged_thresholds, tune_thresholds
-from finetune.ensemble.tfidf import TFIDF_FILE, TfidfClassifier
-from finetune.train import run as train_classifier
-from pipeline.hf.convert import add_dtype_arg, parse_dtype
+from finetune.scoring.thresholds import THRESHOLDS_FILE
+from pipeline.hf.convert import add_dtype_arg
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.files import OutputError, refuse_overlap
 
-MEMBERS_DIR = "members"
 OUTPUTS = {ENSEMBLE_FILE, THRESHOLDS_FILE, "eval.json", "dev_predictions.txt", "test_predictions.txt",
            "per_class_f1.png", MEMBERS_DIR}
-DEFAULT_HOLDOUT, DEFAULT_HOLDOUT_SEED = 0.1, 1234
 
 
 def parse_args(argv=None):
@@ -117,138 +107,6 @@ def check_save(args) -> Path:
             raise OutputError(f"--save {save} already holds an ensemble; pass --force to rebuild it (its members "
                               f"are reused) or choose a new directory")
     return save
-
-
-# ------------------------------------------------------------------------------------------------ members
-
-def train_members(args, save: Path) -> list[Path]:
-    """The --recipe members, each trained unless already complete in SAVE/members/NAME-SEED."""
-    dirs = []
-    for name, seed in args.recipes:
-        d = save / MEMBERS_DIR / f"{name}-{seed}"
-        dirs.append(d)
-        if (d / CLASSIFIER_FILE).is_file():
-            _rank0_print(f"member {d}: already trained, reused")
-            continue
-        holdout = ["--holdout", str(args.holdout or DEFAULT_HOLDOUT),
-                   "--holdout-seed", str(DEFAULT_HOLDOUT_SEED if args.holdout_seed is None else args.holdout_seed)]
-        _rank0_print(f"member {d}: training recipe {name!r} at seed {seed}")
-        train_classifier(parse_finetune_args([
-            "--base", str(args.base), "--train", str(args.train), "--dev", str(args.dev), "--save", str(d),
-            *RECIPES[name], *holdout, "--seed", str(seed), *args.extra]))
-    return dirs
-
-
-def common_split(args, members, dirs) -> dict:
-    """The training file and held-out split every member shares (their records, the flags, the defaults)."""
-    records = [(d, m.info.get("training", {})) if isinstance(m, LoadedClassifier) else (d, m.training)
-               for m, d in zip(members, dirs)]
-    for d, t in records:
-        if t.get("thresholds_tuned_on", "holdout") != "holdout":
-            raise EnsembleError(f"{d} tuned its thresholds on dev and trained on all of train: nothing is held out "
-                                f"for the ensemble's thresholds; train it with --holdout")
-    split = {}
-    for key, flag, default in (("train", args.train, None), ("holdout", args.holdout, DEFAULT_HOLDOUT),
-                               ("holdout_seed", args.holdout_seed, DEFAULT_HOLDOUT_SEED)):
-        seen = {(_same_file_key(t[key]) if key == "train" else t[key]): d for d, t in records if key in t}
-        if flag is not None:
-            seen.setdefault(_same_file_key(flag) if key == "train" else flag, "--" + key.replace("_", "-"))
-        if len(seen) > 1:
-            (a, da), (b, db) = list(seen.items())[:2]
-            raise EnsembleError(f"{da} and {db} differ in {key} ({a} and {b}): an ensemble's members hold out the "
-                                f"same tweets of the same file; retrain with the same --holdout and --holdout-seed")
-        if not seen and default is None:
-            raise EnsembleError("no member records its training file: give --train")
-        split[key] = next(iter(seen)) if seen else default
-    split["train"] = str(args.train or next(t["train"] for _, t in records if "train" in t))
-    split["dev"] = str(args.dev or next((t["dev"] for _, t in records if t.get("dev")), "")) or None
-    if split["dev"] is None:
-        raise EnsembleError("no member records its dev file: give --dev")
-    return split
-
-
-def _same_file_key(path: str) -> str:
-    return os.path.realpath(path)
-
-
-def fit_tfidf(save: Path, train, fit_idx, split: dict, normalizer) -> Path:
-    d = save / MEMBERS_DIR / "tfidf"
-    training = {"train": split["train"], "holdout": split["holdout"], "holdout_seed": split["holdout_seed"],
-                "thresholds_tuned_on": "holdout"}
-    if (d / TFIDF_FILE).is_file() and TfidfClassifier.load(d).training == training:
-        print(f"member {d}: already fitted, reused")
-        return d
-    print(f"member {d}: fitting TF-IDF + logistic regression on {len(fit_idx)} texts")
-    sub = train.subset(fit_idx)
-    TfidfClassifier.fit(sub.texts, sub.labels, sub.label_names, normalizer=normalizer, training=training).save(d)
-    return d
-
-
-# ------------------------------------------------------------------------------------------------ the ensemble
-
-def tune(labels, probs, args, seed: int) -> np.ndarray:
-    refine = None if args.threshold_objective == "macro" else args.threshold_objective
-    if args.threshold_bagging:
-        return bagged_thresholds(labels, probs, refine=refine, resamples=args.threshold_bagging, seed=seed)
-    return tune_thresholds(labels, probs, refine=refine)
-
-
-def build(args, save: Path, dirs: list[Path]) -> dict:
-    dtype = parse_dtype(args.dtype)
-    members = [load_member(d, dtype) for d in dirs]
-    split = common_split(args, members, dirs)
-    train, dev = load_data(split["train"]), load_data(split["dev"])
-    test = load_data(args.test) if args.test else None
-    fit_idx, held_idx = holdout_split(len(train), split["holdout"], split["holdout_seed"])
-    if args.tfidf:
-        normalizer = next((m.info["normalizer"] for m in members if isinstance(m, LoadedClassifier)), TweetNormalizer())
-        dirs = [*dirs, fit_tfidf(save, train, fit_idx, split, normalizer)]
-        members.append(TfidfClassifier.load(dirs[-1]))
-    names = check_labels(members, dirs, train.label_names)
-    held = train.subset(held_idx)
-    ensemble = Ensemble(members, dirs, None)
-    t0 = time.perf_counter()
-    probs = {name: ensemble.member_probabilities(data.texts, args.batch_size, progress=True)
-             for name, data in (("held", held), ("dev", dev), ("test", test)) if data is not None}
-    seconds = time.perf_counter() - t0
-    seed = split["holdout_seed"]  # the bootstrap resamples of the held-out tweets, as the members drew theirs
-    thresholds = tune(held.labels, np.mean(probs["held"], axis=0), args, seed)
-    results = {"dev": evaluate_probabilities(dev.labels, np.mean(probs["dev"], axis=0), names, thresholds)}
-    if test is not None and test.labels is not None:
-        results["test"] = evaluate_probabilities(test.labels, np.mean(probs["test"], axis=0), names, thresholds)
-    results["members"] = {str(d): evaluate_probabilities(dev.labels, p, names,
-                                                         tune(held.labels, h, args, seed))["tuned"]
-                          for d, p, h in zip(dirs, probs["dev"], probs["held"])}
-    write_outputs(save, results, dev, test, names, probs, thresholds)
-    info = {"split": split, "threshold_objective": args.threshold_objective,
-            "threshold_bagging": args.threshold_bagging, "held_out_texts": len(held),
-            "dev_tuned": {k: results["dev"]["tuned"][k] for k in ("micro_f1", "macro_f1", "jaccard")}}
-    save_ensemble_dir(save, dirs, names, thresholds, **info)
-    shown = [Path(d).name for d in results["members"]]
-    shown = shown if len(set(shown)) == len(shown) else ["/".join(Path(d).parts[-2:]) for d in results["members"]]
-    systems = {**dict(zip(shown, results["members"].values())), "ensemble": results["dev"]["tuned"]}
-    print(f"dev ({len(dev)} texts), every threshold tuned on the {len(held)} held-out training texts:\n"
-          + format_comparison(systems))
-    print(f"wrote the ensemble of {len(dirs)} members to {save} (predictions {seconds:.0f} s)")
-    return {**results, "thresholds": thresholds, "members": dirs, "dev_probabilities": np.mean(probs["dev"], 0)}
-
-
-def write_outputs(save: Path, results: dict, dev, test, names, probs, thresholds) -> None:
-    write_eval_json(save / "eval.json", results)
-    write_predictions(save / "dev_predictions.txt", dev.ids, dev.texts,
-                      apply_thresholds(np.mean(probs["dev"], axis=0), thresholds), names)
-    if test is not None:
-        write_predictions(save / "test_predictions.txt", test.ids, test.texts,
-                          apply_thresholds(np.mean(probs["test"], axis=0), thresholds), names)
-    published = PUBLISHED_EC_TEST_F1 if set(names) <= set(SEMEVAL_EC_LABELS) else None
-    plot_per_class_f1(save / "per_class_f1.png", results["dev"], reference=published,
-                      reference_label="Kant et al. 2018, E-c test (the values the paper gives)",
-                      title=f"Ensemble of {len(probs['dev'])}: per-class F1 on dev ({Path(dev.source).name})")
-
-
-def _rank0_print(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 @command

@@ -1,0 +1,82 @@
+"""An ensemble assembled from its members: their probabilities on the held-out tweets, dev (and test), the
+thresholds of the averaged probabilities tuned on the held-out tweets, the scores, predictions, chart and
+``ensemble.json``."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from finetune.data import SEMEVAL_EC_LABELS, load_data
+from finetune.ensemble import Ensemble, check_labels, load_member, save_ensemble_dir
+from finetune.ensemble.members import common_split, fit_tfidf
+from finetune.ensemble.tfidf import TfidfClassifier
+from finetune.job.inputs import holdout_split
+from finetune.normalize import TweetNormalizer
+from finetune.saved import LoadedClassifier
+from finetune.scoring.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison,
+                                      plot_per_class_f1, write_eval_json)
+from finetune.scoring.predictions import write_predictions
+from finetune.scoring.thresholds import apply_thresholds, bagged_thresholds, tune_thresholds
+from pipeline.hf.convert import parse_dtype
+
+
+def tune(labels, probs, args, seed: int) -> np.ndarray:
+    refine = None if args.threshold_objective == "macro" else args.threshold_objective
+    if args.threshold_bagging:
+        return bagged_thresholds(labels, probs, refine=refine, resamples=args.threshold_bagging, seed=seed)
+    return tune_thresholds(labels, probs, refine=refine)
+
+
+def build(args, save: Path, dirs: list[Path]) -> dict:
+    dtype = parse_dtype(args.dtype)
+    members = [load_member(d, dtype) for d in dirs]
+    split = common_split(args, members, dirs)
+    train, dev = load_data(split["train"]), load_data(split["dev"])
+    test = load_data(args.test) if args.test else None
+    fit_idx, held_idx = holdout_split(len(train), split["holdout"], split["holdout_seed"])
+    if args.tfidf:
+        normalizer = next((m.info["normalizer"] for m in members if isinstance(m, LoadedClassifier)), TweetNormalizer())
+        dirs = [*dirs, fit_tfidf(save, train, fit_idx, split, normalizer)]
+        members.append(TfidfClassifier.load(dirs[-1]))
+    names = check_labels(members, dirs, train.label_names)
+    held = train.subset(held_idx)
+    ensemble = Ensemble(members, dirs, None)
+    t0 = time.perf_counter()
+    probs = {name: ensemble.member_probabilities(data.texts, args.batch_size, progress=True)
+             for name, data in (("held", held), ("dev", dev), ("test", test)) if data is not None}
+    seconds = time.perf_counter() - t0
+    seed = split["holdout_seed"]  # the bootstrap resamples of the held-out tweets, as the members drew theirs
+    thresholds = tune(held.labels, np.mean(probs["held"], axis=0), args, seed)
+    results = {"dev": evaluate_probabilities(dev.labels, np.mean(probs["dev"], axis=0), names, thresholds)}
+    if test is not None and test.labels is not None:
+        results["test"] = evaluate_probabilities(test.labels, np.mean(probs["test"], axis=0), names, thresholds)
+    results["members"] = {str(d): evaluate_probabilities(dev.labels, p, names,
+                                                         tune(held.labels, h, args, seed))["tuned"]
+                          for d, p, h in zip(dirs, probs["dev"], probs["held"])}
+    write_outputs(save, results, dev, test, names, probs, thresholds)
+    info = {"split": split, "threshold_objective": args.threshold_objective,
+            "threshold_bagging": args.threshold_bagging, "held_out_texts": len(held),
+            "dev_tuned": {k: results["dev"]["tuned"][k] for k in ("micro_f1", "macro_f1", "jaccard")}}
+    save_ensemble_dir(save, dirs, names, thresholds, **info)
+    shown = [Path(d).name for d in results["members"]]
+    shown = shown if len(set(shown)) == len(shown) else ["/".join(Path(d).parts[-2:]) for d in results["members"]]
+    systems = {**dict(zip(shown, results["members"].values())), "ensemble": results["dev"]["tuned"]}
+    print(f"dev ({len(dev)} texts), every threshold tuned on the {len(held)} held-out training texts:\n"
+          + format_comparison(systems))
+    print(f"wrote the ensemble of {len(dirs)} members to {save} (predictions {seconds:.0f} s)")
+    return {**results, "thresholds": thresholds, "members": dirs, "dev_probabilities": np.mean(probs["dev"], 0)}
+
+
+def write_outputs(save: Path, results: dict, dev, test, names, probs, thresholds) -> None:
+    write_eval_json(save / "eval.json", results)
+    write_predictions(save / "dev_predictions.txt", dev.ids, dev.texts,
+                      apply_thresholds(np.mean(probs["dev"], axis=0), thresholds), names)
+    if test is not None:
+        write_predictions(save / "test_predictions.txt", test.ids, test.texts,
+                          apply_thresholds(np.mean(probs["test"], axis=0), thresholds), names)
+    published = PUBLISHED_EC_TEST_F1 if set(names) <= set(SEMEVAL_EC_LABELS) else None
+    plot_per_class_f1(save / "per_class_f1.png", results["dev"], reference=published,
+                      reference_label="Kant et al. 2018, E-c test (the values the paper gives)",
+                      title=f"Ensemble of {len(probs['dev'])}: per-class F1 on dev ({Path(dev.source).name})")
