@@ -3,7 +3,8 @@
     python -m pipeline.plot runs/a runs/b [--label A --label B] --out curves.png
 
 Panels against the optimizer step: training loss (solid) with validation loss (dashed, circles), learning
-rate, and tokens/s, plus MFU when a run logged it. A RUN is a run directory or its metrics.jsonl.
+rate, and tokens/s, plus MFU when a run logged it and, for a mixture of experts, each MoE layer's max/mean
+expert load and dropped fraction and the auxiliary loss. A RUN is a run directory or its metrics.jsonl.
 """
 from __future__ import annotations
 

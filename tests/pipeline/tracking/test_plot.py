@@ -43,6 +43,23 @@ def test_runs_are_overlaid_panel_by_panel(tmp_path):
     assert set(lines(tput)) == {"tp2", "pp2"} and set(lines(mfu)) == {"tp2"}
 
 
+def test_moe_loads_dropped_fraction_and_aux_loss_get_panels_one_line_per_layer(tmp_path):
+    d = tmp_path / "moe"
+    d.mkdir()
+    with open(d / "metrics.jsonl", "w") as f:
+        for s in range(1, 5):
+            f.write(json.dumps({"step": s, "loss": 1.0 / s, "moe_tokens_per_expert_1": [3, 5], "moe_aux_loss": 0.2 / s,
+                                **{f"moe_load_ratio_{i}": 1.0 + i + 0.1 * s for i in (1, 3, 10)},
+                                **{f"moe_dropped_fraction_{i}": 0.01 * s for i in (1, 3, 10)}}) + "\n")
+    fig = curves_figure([read_series(d)], ["moe"])
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["loss", "MoE load max/mean", "MoE dropped fraction", "MoE aux loss"]
+    load = lines(fig.axes[1])
+    assert list(load) == ["moe, layer 1", "moe, layer 3", "moe, layer 10"]  # layer order, not string order
+    assert load["moe, layer 10"][1] == pytest.approx([11.1, 11.2, 11.3, 11.4])
+    assert lines(fig.axes[3])["moe"][1] == pytest.approx([0.2, 0.1, 0.2 / 3, 0.05])
+
+
 def test_a_resumed_run_keeps_the_last_value_of_a_step(tmp_path):
     d = write_run(tmp_path / "run", range(1, 6), 100, 1.0)
     with open(d / "metrics.jsonl", "a") as f:  # resumed from step 3
