@@ -22,7 +22,8 @@ from pipeline.engine.pipe_model import gpt_pipeline, pipe_to_gpt_name
 from pipeline.engine.schedules import LRSchedule, Scheduler
 from pipeline.checkpoints.state_dicts import load_full_state_dict
 from pipeline.checkpoints.universal import attach_info
-from pipeline.engine.ds_config import EngineConfigError, check_supported, sequence_parallel_ds_config, zero_stage
+from pipeline.engine.ds_config import (EngineConfigError, check_supported, context_parallel_ds_config,
+                                       sequence_parallel_ds_config, zero_stage)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> list[dict]:
@@ -44,6 +45,17 @@ def moe_param_groups(groups: list[dict]) -> list[dict]:
         return groups
     named = [{"name": f"group{i}", **g} for i, g in enumerate(groups)]
     return split_params_into_different_moe_groups_for_optimizer(named)
+
+
+def zero3_over_data_and_context(model: torch.nn.Module, ds_config: dict, state: ParallelState) -> dict:
+    """Partition the model for ZeRO-3 over data x context before DeepSpeed does: DeepSpeed's own conversion
+    (``DeepSpeedZeRoOffload._convert_to_zero_parameters``) partitions over ``mpu.get_data_parallel_group()``, and
+    stage 3 reduces each gradient over its parameter's partition group, so the chunks' gradients would never be
+    summed. Returns the config with the all-reduce reduction path (``context_parallel_ds_config``)."""
+    ds_config = context_parallel_ds_config(ds_config, largest_param=max(p.numel() for p in model.parameters()))
+    deepspeed.zero.Init(module=model, data_parallel_group=state.get_sequence_data_parallel_group(),
+                        config_dict_or_path=ds_config, mpu=state)
+    return ds_config
 
 
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
@@ -104,7 +116,9 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         raise EngineConfigError("the DeepSpeed config has a \"scheduler\" section and a learning-rate schedule was "
                                 "given too; remove one of them")
     lr_scheduler = (lambda opt: Scheduler(opt, schedule)) if schedule is not None else None
-    groups = moe_param_groups((param_groups_fn or param_groups)(model))
+    groups = moe_param_groups((param_groups_fn or param_groups)(model))  # before ZeRO-3 flattens the parameters
+    if zero_stage(ds_config) == 3 and state.context_parallel > 1:
+        ds_config = zero3_over_data_and_context(model, ds_config, state)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu,
                                            lr_scheduler=lr_scheduler)
     safe_load.install(engine)  # loads weights only, hashes what it saves

@@ -126,6 +126,30 @@ def check_context_parallel_options(options) -> None:
                                 f"--context-parallel 1)")
 
 
+def context_parallel_ds_config(ds: dict, source: str = "DeepSpeed config", largest_param: int = 0) -> dict:
+    """The DeepSpeed config under context parallelism; refuses what would mis-scale ZeRO-3's gradients.
+
+    ZeRO-3 sums the chunks' gradients over data x context (and averages over data) only on its all-reduce path
+    (``stage3.__avg_scatter_contiguous_grads`` divides by data x context / C); its reduce-scatter path
+    (``__avg_scatter_grads``: ``reduce_scatter_coalesced``) divides by data x context, 1/C of the gradient. The
+    all-reduce path is taken for a bucket with ``reduce_scatter`` false, ``contiguous_gradients`` true and no more
+    than ``reduce_bucket_size`` elements: the bucket is raised to ``largest_param`` (a parameter alone in its bucket).
+    """
+    if zero_stage(ds) != 3:
+        return ds
+    ds = copy.deepcopy(ds)
+    zero = ds["zero_optimization"]
+    for key, needed in (("reduce_scatter", False), ("contiguous_gradients", True)):
+        if zero.get(key, needed) != needed:
+            raise EngineConfigError(f"{source}: zero_optimization.{key} {str(not needed).lower()} with "
+                                    f"--context-parallel at ZeRO stage 3: DeepSpeed would give 1/C of the summed "
+                                    f"gradients of the sequence chunks (docs/long_context.md); set it to "
+                                    f"{str(needed).lower()} (or leave it out)")
+        zero[key] = needed
+    zero["reduce_bucket_size"] = max(int(float(zero.get("reduce_bucket_size", 5e8))), largest_param)
+    return ds
+
+
 def sequence_parallel_ds_config(ds: dict, state: ParallelState, source: str = "DeepSpeed config") -> dict:
     """The DeepSpeed config for a sequence-parallel model; refuses what would mix up the ranks' chunks.
 

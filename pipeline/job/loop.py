@@ -29,8 +29,9 @@ from tqdm import tqdm
 
 from models.parallel import ParallelState, initialize_model_parallel, model_parallel_seed
 from pipeline.engine.distributed import init_distributed
-from pipeline.engine.ds_config import (EngineConfigError, check_context_parallel_options, load_ds_config, precision,
-                                       resolve_ds_config, sequence_parallel_ds_config, zero_stage)
+from pipeline.engine.ds_config import (EngineConfigError, check_context_parallel_options, context_parallel_ds_config,
+                                       load_ds_config, precision, resolve_ds_config, sequence_parallel_ds_config,
+                                       zero_stage)
 from pipeline.tracking.metrics import StepTimer, place_monitor_outputs
 from pipeline.job import faults
 from pipeline.job.options import EngineOptions, default_ds_config
@@ -93,6 +94,8 @@ def setup(options: EngineOptions) -> Job:
                            source=source)
     if options.sequence_parallel:
         sequence_parallel_ds_config(ds, state, source)  # its refusals, before any work
+    if state.context_parallel > 1:
+        context_parallel_ds_config(ds, source)  # its refusals, before any work
     faults.configure(options.save, exit_signal_handler=options.exit_signal_handler,
                      max_bad_steps=options.max_bad_steps, fp16=precision(ds) == "fp16")
     ds = place_monitor_outputs(ds, Path(options.save) if options.save else None)
