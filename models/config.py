@@ -201,15 +201,18 @@ class GPTConfig:
 
     def check_parallel(self, tensor_parallel: int, pipeline_parallel: int = 1, context_parallel: int = 1) -> None:
         """Raise ConfigError if the model cannot be split this way."""
-        if self.num_experts and max(tensor_parallel, pipeline_parallel, context_parallel) > 1:
+        if self.num_experts and max(pipeline_parallel, context_parallel) > 1:
             raise ConfigError(f"invalid model config: MoE layers (num_experts {self.num_experts}) run at "
-                              f"tensor/pipeline/context parallel 1 only for now (asked: TP {tensor_parallel}, "
-                              f"PP {pipeline_parallel}, CP {context_parallel}); see docs/moe.md")
+                              f"pipeline/context parallel 1 only for now (asked: PP {pipeline_parallel}, "
+                              f"CP {context_parallel}); see docs/moe.md")
         if context_parallel > 1:
             self.check_context_parallel(tensor_parallel, context_parallel)
         checks = [("num_heads", self.num_heads, tensor_parallel, "tensor-parallel size"),
                   ("num_kv_heads", self.num_kv_heads, tensor_parallel, "tensor-parallel size"),
                   ("ffn_hidden_size", self.ffn_hidden_size, tensor_parallel, "tensor-parallel size")]
+        if self.num_experts:  # each expert's columns are split as the dense MLP's
+            checks.append(("moe_ffn_hidden_size", self.moe_ffn_hidden_size or self.ffn_hidden_size, tensor_parallel,
+                           "tensor-parallel size"))
         for name, value, by, what in checks:
             if value % by:
                 raise ConfigError(f"invalid model config for tensor_parallel={tensor_parallel}: {name} {value} "

@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .parallel import get_parallel_state
+from .parallel import (ColumnParallelLinear, RowParallelLinear, gather_from_sequence_parallel_region,
+                       get_parallel_state, get_shard_spec, scatter_to_sequence_parallel_region, tp_rank, tp_world_size)
+from .parallel.sharding import set_shard_spec
 
 
 def is_moe_layer(config: GPTConfig, index: int) -> bool:
@@ -39,15 +41,17 @@ def is_moe_layer(config: GPTConfig, index: int) -> bool:
 
 
 class ExpertMLP(nn.Module):
-    """One expert: the project's MLP (SwiGLU for llama, GELU-tanh for gpt2), whole on every rank (the experts
-    are not split by tensor parallelism). ``fc_in`` holds [gate; up] as the dense MLP's does."""
+    """One expert: the project's MLP (SwiGLU for llama, GELU-tanh for gpt2), its columns split over the TP ranks
+    as the dense MLP's (DeepSpeed's ``enable_expert_tensor_parallelism``; docs/moe.md says why). ``fc_in`` holds
+    [gate; up] as the dense MLP's does. Built with zero weights: ``MoEMLP`` draws every expert's."""
 
     def __init__(self, config: GPTConfig, ffn: int):
         super().__init__()
         self.gated = config.variant == "llama"
         h = config.hidden_size
-        self.fc_in = nn.Linear(h, 2 * ffn if self.gated else ffn, bias=config.bias)
-        self.fc_out = nn.Linear(ffn, h, bias=config.bias)
+        self.fc_in = ColumnParallelLinear(h, output_sizes=(ffn, ffn) if self.gated else (ffn,), bias=config.bias,
+                                          init_method=nn.init.zeros_)
+        self.fc_out = RowParallelLinear(ffn, h, bias=config.bias, input_is_parallel=True, init_method=nn.init.zeros_)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc_in(x)
@@ -55,6 +59,12 @@ class ExpertMLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             return self.fc_out(F.silu(gate) * up)
         return self.fc_out(F.gelu(h, approximate="tanh"))
+
+
+def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    shape, spec = list(param.shape), get_shard_spec(param)
+    shape[spec.dim] = sum(spec.parts)
+    return tuple(shape)
 
 
 def _topk_gate_class():
@@ -107,6 +117,9 @@ class ReferenceGate(nn.Module):
         capacity_t = torch.tensor(capacity, device=logits.device)
         if factor is None and self.ep_group is not None and torch.distributed.get_world_size(self.ep_group) > 1:
             torch.distributed.all_reduce(capacity_t, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
+        # DeepSpeed splits each expert's slots over the TP ranks: the buffer is rounded up to a multiple of TP
+        # (empty slots; the drops above used the capacity itself)
+        capacity_t = -(-capacity_t // tp_world_size()) * tp_world_size()
         self.z_loss = z_loss
         self.dropped_fraction = (1.0 - kept.float().mean()).detach()
         indices = torch.where(kept, experts, torch.full_like(experts, -1))
@@ -115,6 +128,38 @@ class ReferenceGate(nn.Module):
             gates = gates / gates.sum(-1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
         return (l_aux, capacity_t, logits.shape[1], indices.t().contiguous().to(torch.int32),
                 (locations * kept).t().contiguous().to(torch.int32), gates.t().contiguous(), counts.detach())
+
+
+def _moe_layer_class():
+    """DeepSpeed's ``MOELayer`` with the dispatch of ``dispatch`` (built where an MoE is, as the gate is)."""
+    from deepspeed.moe.sharded_moe import MOELayer  # noqa: PLC0415
+    return type("TensorParallelMOELayer", (MOELayer,), {"forward": dispatch})
+
+
+def dispatch(self, x: torch.Tensor, used_token=None) -> torch.Tensor:
+    """``MOELayer.forward`` (gate, slots, all-to-all, experts, all-to-all, combine) with the tokens split over the
+    TP ranks by the project's collectives: DeepSpeed's ``drop_tokens``/``gather_tokens`` all-gather into a flat
+    buffer, which gloo refuses, and need no split at all at EP 1. Under TP the ranks hold the same tokens and
+    route them alike; each sends its 1/TP of every expert's slots through the all-to-all, and the TP-split
+    experts read all slots (gathered again) of their EP rank's experts."""
+    from deepspeed.moe.sharded_moe import _AllToAll, _route_slots, _sparse_decode, _sparse_encode  # noqa: PLC0415
+    d = x.shape[-1]
+    flat = x.reshape(-1, d)
+    self.l_aux, C, E, indices, locations, gates, self.exp_counts = self.gate(flat, used_token, True, False)
+    C = int(C)
+    slots = _route_slots(indices, locations, E, C)
+    buffer = _sparse_encode(flat, slots, E, C)  # [E, C, d]
+    split = tp_world_size() > 1 and self.ep_size > 1
+    if self.ep_size > 1:
+        buffer = _AllToAll.apply(self.ep_group, scatter_to_sequence_parallel_region(buffer, 1) if split else buffer)
+    if split:
+        buffer = gather_from_sequence_parallel_region(buffer, 1, tensor_parallel_output_grad=False)
+    out = self.experts(buffer.reshape(self.ep_size, self.num_local_experts, -1, d)).reshape(E, -1, d)
+    if self.ep_size > 1:
+        out = _AllToAll.apply(self.ep_group, scatter_to_sequence_parallel_region(out, 1) if split else out)
+    if split:
+        out = gather_from_sequence_parallel_region(out, 1, tensor_parallel_output_grad=False)
+    return _sparse_decode(out.reshape(E * C, d), slots, gates, flat.shape[0]).reshape(x.shape)
 
 
 def make_gate(config: GPTConfig) -> nn.Module:
@@ -134,39 +179,46 @@ class MoEMLP(nn.Module):
         super().__init__()
         from deepspeed.moe.layer import MoE  # noqa: PLC0415
         ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
-        self.moe = MoE(config.hidden_size, ExpertMLP(config, ffn), num_experts=config.num_experts,
+        expert = ExpertMLP(config, ffn)
+        self.moe = MoE(config.hidden_size, expert, num_experts=config.num_experts,
                        ep_size=config.moe_expert_parallel, k=config.moe_top_k,
                        capacity_factor=config.moe_capacity_factor or 1.0,
                        min_capacity=config.moe_min_capacity, drop_tokens=config.moe_capacity_factor is not None,
-                       use_rts=False, top2_2nd_expert_sampling=False)
-        self.moe.deepspeed_moe.gate = make_gate(config)
+                       use_rts=False, top2_2nd_expert_sampling=False,
+                       enable_expert_tensor_parallelism=tp_world_size() > 1)
+        ds_layer = self.moe.deepspeed_moe
+        self.moe.deepspeed_moe = _moe_layer_class()(make_gate(config), ds_layer.experts, ds_layer.ep_group_name,
+                                                    ds_layer.ep_size, ds_layer.num_local_experts)
         self.coeff, self.z_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
         self.aux_loss = None
         self.exp_counts = None
         self.stat_sums = None  # [tokens per expert..., dropped routes, routes, aux loss, forwards] (training)
-        self._init_experts(config, init_std, out_std)
+        self._init_experts(config, expert, init_std, out_std)
         nn.init.normal_(self.moe.deepspeed_moe.gate.wg.weight, std=init_std)
 
-    def _init_experts(self, config: GPTConfig, init_std: float, out_std: float) -> None:
-        """DeepSpeed deep-copies one expert: every expert gets its own draw. Every rank draws all
-        ``num_experts`` in global order and keeps its own (``ep_rank x local + i``), so that the weights and
-        the RNG stream after them are the same at every expert-parallel size."""
+    def _init_experts(self, config: GPTConfig, template: ExpertMLP, init_std: float, out_std: float) -> None:
+        """DeepSpeed deep-copies one expert (the copies lose the ShardSpecs, given back here): every expert gets
+        its own draw. Every rank draws all ``num_experts`` full (TP=1) weights in global order and keeps its own
+        (``ep_rank x local + i``), its TP shard of them, so that the weights and the RNG stream after them are
+        the same at every expert- and tensor-parallel size."""
         local = self.moe.deepspeed_moe.experts.deepspeed_experts
-        # DeepSpeed's expert groups (TP 1): consecutive data-parallel ranks, its rank there = dp rank mod EP
+        specs = {name: get_shard_spec(p) for name, p in template.named_parameters()}
+        for expert in local:
+            for name, p in expert.named_parameters():
+                if specs[name] is not None:
+                    set_shard_spec(p, specs[name])
+        # DeepSpeed's expert groups: consecutive ranks of the data-parallel group, its rank there = dp rank mod EP
         first = get_parallel_state().get_data_parallel_rank() % config.moe_expert_parallel * len(local)
         self.first_expert = first  # the global index of local expert 0 (expert_slice)
         for e in range(config.num_experts):
             ours = local[e - first] if first <= e < first + len(local) else None
             for lin, std in (("fc_in", init_std), ("fc_out", out_std)):
                 weight = getattr(ours or local[0], lin).weight
-                drawn = nn.init.normal_(torch.empty_like(weight), std=std)
+                spec = get_shard_spec(weight)
+                drawn = nn.init.normal_(weight.new_empty(_full_shape(weight)), std=std)
                 if ours is not None:
                     with torch.no_grad():
-                        weight.copy_(drawn)
-        for expert in local:
-            for lin in (expert.fc_in, expert.fc_out):
-                if lin.bias is not None:
-                    nn.init.zeros_(lin.bias)
+                        weight.copy_(spec.shard(drawn, tp_rank(), tp_world_size()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, l_aux, self.exp_counts = self.moe(x)
@@ -206,6 +258,17 @@ def expert_slice(model: nn.Module) -> ExpertSlice:
         if isinstance(m, MoEMLP):
             return ExpertSlice(m.first_expert, len(m.moe.deepspeed_moe.experts.deepspeed_experts))
     return ExpertSlice()
+
+
+def forget_expert_groups() -> None:
+    """Forget DeepSpeed's expert and expert-data groups of an engine built before in this process: DeepSpeed
+    keeps them by name (``ep_size_E``) for the process's life, so a second engine at another layout (a test, a
+    notebook) would reuse groups of the first's ranks. The new engine creates its own."""
+    from deepspeed.utils import groups  # noqa: PLC0415
+    for cache in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                  groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        cache.clear()
+    groups.expert_tensor_parallel_world_size = 1
 
 
 def moe_step_stats(model: nn.Module, group=None) -> dict:

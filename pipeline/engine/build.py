@@ -15,6 +15,7 @@ from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_gr
 
 from models import GPT
 from models.gpt import select_core_attention
+from models.moe import forget_expert_groups
 from models.parallel import ParallelState
 
 from pipeline.checkpoints import safe_load
@@ -119,6 +120,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     groups = moe_param_groups((param_groups_fn or param_groups)(model))  # before ZeRO-3 flattens the parameters
     if zero_stage(ds_config) == 3 and state.context_parallel > 1:
         ds_config = zero3_over_data_and_context(model, ds_config, state)
+    if any(is_moe_param(p) for g in groups for p in g["params"]):
+        forget_expert_groups()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu,
                                            lr_scheduler=lr_scheduler)
     safe_load.install(engine)  # loads weights only, hashes what it saves

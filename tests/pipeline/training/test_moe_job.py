@@ -1,6 +1,8 @@
 """Expert parallelism (``--expert-parallel``, DeepSpeed-MoE) through the main job: a tiny llama MoE (4 experts,
-top-2, dropless, fp32, dropout 0), 5 steps; per-step losses at (EP2, DP2) under ZeRO-1 and ZeRO-2 equal one
-process; the refusals, one line each, before any work (resuming at another EP among them)."""
+top-2, dropless, fp32, dropout 0), 5 steps of 8 sequences; per-step losses at (EP2, DP4) under ZeRO-1 and ZeRO-2
+and at (EP2, TP2) equal one process; the refusals, one line each, before any work (resuming at another EP among
+them). Two launches: every 4-rank layout, then the one-process references and the refusals, one after the
+other in the same processes (``_jobs``)."""
 import json
 
 import pytest
@@ -13,16 +15,26 @@ from pipeline.engine.distributed import init_distributed
 
 MOE = {**LLAMA, "num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.1}
 STEPS = 5
+BATCH = 8  # micro-batches of 2: four at one process, two per rank at DP2, one at DP4 (the same micro-batches)
+EP2 = ("--expert-parallel", "2")
+LAYOUTS = {  # name: (world size, extra arguments, DeepSpeed config); 4 ranks each
+    "EP2 DP4": (4, EP2, "ds.json"),  # expert-data groups of 2 ranks: ZeRO partitions the experts over them
+    "EP2 DP4 ZeRO-2": (4, EP2, "ds_z2.json"),
+    "EP2 TP2": (4, (*EP2, "--tensor-parallel", "2"), "ds.json"),
+}
 __all__ = ["setup"]  # the fixture of the sequence-parallel job tests
 
 
 @pytest.fixture(scope="module")
-def moe(setup):
-    """The sequence-parallel job tests' corpus and DeepSpeed configs (ds.json: ZeRO-1), with MoE models."""
-    (setup / "moe.json").write_text(json.dumps(MOE))
-    (setup / "dense.json").write_text(json.dumps(LLAMA))
-    (setup / "ds_z3.json").write_text(json.dumps({**DS, "zero_optimization": {"stage": 3}}))
-    return setup
+def moe(setup, tmp_path_factory):
+    """The sequence-parallel job tests' corpus, with MoE models and DeepSpeed configs of 8 sequences a step."""
+    d = tmp_path_factory.mktemp("moe")
+    (d / "corpus.txt").symlink_to(setup / "corpus.txt")
+    (d / "moe.json").write_text(json.dumps(MOE))
+    (d / "dense.json").write_text(json.dumps(LLAMA))
+    for name, stage in (("ds.json", 1), ("ds_z2.json", 2), ("ds_z3.json", 3)):
+        (d / name).write_text(json.dumps({**DS, "train_batch_size": BATCH, "zero_optimization": {"stage": stage}}))
+    return d
 
 
 def _argv(setup, save, *extra, ds="ds.json", model="moe.json"):
@@ -31,29 +43,55 @@ def _argv(setup, save, *extra, ds="ds.json", model="moe.json"):
     return argv
 
 
-def _job(setup, save, world, *extra, ds="ds.json"):
-    run_distributed(_pretrain, world, _argv(setup, save, *extra, ds=ds))
-    return losses(save)
+def _save(moe, name):
+    return moe / name.replace(" ", "_")
+
+
+def _jobs(rank, argvs, refusals=()):
+    for argv in argvs:
+        _pretrain(rank, argv)
+    out = []
+    for argv in refusals:
+        out.append(_refusal_worker(rank, argv))
+        if not dist.is_initialized():
+            init_distributed("gloo")
+    return out
+
+
+def _refusal_cases(moe):
+    return [(("--expert-parallel", "2"), "ds.json", "moe.json",
+             "--expert-parallel 2 does not divide the data-parallel size 1"),
+            (("--expert-parallel", "3"), "ds.json", "moe.json", "--expert-parallel 3 does not divide num_experts 4"),
+            ((), "ds_z3.json", "moe.json", "zero_optimization.stage 3 with MoE layers"),
+            (("--expert-parallel", "2"), "ds.json", "dense.json", "the model has no experts"),
+            (("--load", str(_save(moe, "EP2 DP4"))), "ds.json", "moe.json",  # experts are not resharded yet
+             "the run was saved at --expert-parallel 2, this job runs at 1")]
 
 
 @pytest.fixture(scope="module")
-def single(moe):
-    return _job(moe, moe / "single", 1)
+def runs(moe):
+    """The losses of every layout and of one process, and the refusals' (exit code, stderr): two launches."""
+    run_distributed(_jobs, 4, [_argv(moe, _save(moe, name), *extra, ds=ds) for name, (_, extra, ds) in LAYOUTS.items()])
+    refusals = [_argv(moe, moe / f"refused{i}", *extra, ds=ds, model=model)
+                for i, (extra, ds, model, _) in enumerate(_refusal_cases(moe))]
+    out = run_distributed(_jobs, 1, [_argv(moe, _save(moe, "single"))], refusals)[0]
+    return {"refusals": out, **{name: losses(_save(moe, name)) for name in ("single", *LAYOUTS)}}
 
 
-@pytest.mark.parametrize("ds", ["ds.json", "ds_z2.json"])
-def test_expert_parallel_equals_single_process(moe, single, ds):
-    """Each rank holds 2 of the 4 experts; ZeRO-1/2 partition them over the expert-data group (1 rank here)."""
-    got = _job(moe, moe / f"ep2_{ds}", 2, "--expert-parallel", "2", ds=ds)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_parallel_equals_single_process(moe, runs, layout):
+    """Each rank holds 2 of the 4 experts; ZeRO-1/2 partition them over the expert-data group (1 rank here); at
+    TP2 each expert's columns are split over the TP ranks as the dense MLP's."""
+    got, single = runs[layout], runs["single"]
     rel = _max_rel(got, single)
-    print(f"EP2 DP2 {ds}: max relative loss difference over {STEPS} steps {rel:.2e}")
-    assert rel < 1e-5, (ds, got, single)
+    print(f"{layout}: max relative loss difference over {STEPS} steps {rel:.2e}")
+    assert rel < 1e-5, (layout, got, single)
     assert len(set(single.values())) == STEPS  # it trained
-    ours, theirs = _moe_records(moe / f"ep2_{ds}"), _moe_records(moe / "single")
+    ours, theirs = _moe_records(_save(moe, layout)), _moe_records(_save(moe, "single"))
     assert [r["moe_tokens_per_expert_1"] for r in ours] == [r["moe_tokens_per_expert_1"] for r in theirs]
-    for r in ours:  # global batch 4 x 32 tokens, 2 routes each, per MoE layer (both layers)
+    for r in ours:  # global batch 8 x 32 tokens, 2 routes each, per MoE layer (both layers)
         counts = r["moe_tokens_per_expert_0"]
-        assert sum(counts) == 4 * 32 * 2 and r["moe_load_ratio_0"] == max(counts) / (sum(counts) / 4)
+        assert sum(counts) == BATCH * 32 * 2 and r["moe_load_ratio_0"] == max(counts) / (sum(counts) / 4)
         assert r["moe_dropped_fraction_0"] == 0.0 and r["moe_aux_loss"] > 0.1 * 2 * 0.9  # coeff x ~1 per layer
 
 
@@ -61,28 +99,10 @@ def _moe_records(save):
     return [r for r in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if "moe_aux_loss" in r]
 
 
-def _refusals(rank, argvs):
-    out = []
-    for argv in argvs:
-        out.append(_refusal_worker(rank, argv))
-        if not dist.is_initialized():
-            init_distributed("gloo")
-    return out
-
-
-def test_refusals_before_any_work(moe, tmp_path):
-    cases = [(("--expert-parallel", "2"), "ds.json", "moe.json",
-              "--expert-parallel 2 does not divide the data-parallel size 1"),
-             (("--expert-parallel", "3"), "ds.json", "moe.json", "--expert-parallel 3 does not divide num_experts 4"),
-             ((), "ds_z3.json", "moe.json", "zero_optimization.stage 3 with MoE layers"),
-             (("--expert-parallel", "2"), "ds.json", "dense.json", "the model has no experts")]
-    if (moe / "ep2_ds.json").is_dir():  # saved at EP2 by the test above: experts are not resharded yet
-        cases.append((("--load", str(moe / "ep2_ds.json")), "ds.json", "moe.json",
-                      "the run was saved at --expert-parallel 2, this job runs at 1"))
-    argvs = [_argv(moe, tmp_path / f"run{i}", *extra, ds=ds, model=model)
-             for i, (extra, ds, model, _) in enumerate(cases)]
-    for i, ((code, err), (*_, message)) in enumerate(zip(run_distributed(_refusals, 1, argvs)[0], cases)):
+def test_refusals_before_any_work(moe, runs):
+    for i, ((code, err), (*_, message)) in enumerate(zip(runs["refusals"], _refusal_cases(moe))):
         line = err.strip().splitlines()[-1]
         assert code == 2 and line.startswith("error: ") and message in line, err
         assert err.count("error: ") == 1 and "Traceback" not in err, err
-        assert not (tmp_path / f"run{i}").exists() or [p.name for p in (tmp_path / f"run{i}").iterdir()] == [".run.lock"]
+        run = moe / f"refused{i}"
+        assert not run.exists() or [p.name for p in run.iterdir()] == [".run.lock"]
