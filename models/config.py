@@ -201,10 +201,9 @@ class GPTConfig:
 
     def check_parallel(self, tensor_parallel: int, pipeline_parallel: int = 1, context_parallel: int = 1) -> None:
         """Raise ConfigError if the model cannot be split this way."""
-        if self.num_experts and max(pipeline_parallel, context_parallel) > 1:
+        if self.num_experts and context_parallel > 1:
             raise ConfigError(f"invalid model config: MoE layers (num_experts {self.num_experts}) run at "
-                              f"pipeline/context parallel 1 only for now (asked: PP {pipeline_parallel}, "
-                              f"CP {context_parallel}); see docs/moe.md")
+                              f"context parallel 1 only for now (asked: CP {context_parallel}); see docs/moe.md")
         if context_parallel > 1:
             self.check_context_parallel(tensor_parallel, context_parallel)
         checks = [("num_heads", self.num_heads, tensor_parallel, "tensor-parallel size"),

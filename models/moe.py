@@ -271,18 +271,26 @@ def forget_expert_groups() -> None:
     groups.expert_tensor_parallel_world_size = 1
 
 
-def moe_step_stats(model: nn.Module, group=None) -> dict:
+def moe_step_stats(model: nn.Module, group=None, pipe_group=None) -> dict:
     """The MoE layers' routing since the last call, summed over ``group`` (the data-parallel ranks): per layer
     the tokens per expert (DeepSpeed's exp_counts: top-k routes, before any drop), the max/mean load ratio and
     the fraction of routes dropped by the capacity; the mean auxiliary loss (coeff x loss, summed over layers).
+    ``pipe_group``: the pipeline stages, whose layers are gathered in stage order (every stage gets them all).
     Empty for a dense model."""
-    record, aux = {}, 0.0
-    for i, mlp in enumerate(m for m in model.modules() if isinstance(m, MoEMLP)):
+    layers = []
+    for mlp in (m for m in model.modules() if isinstance(m, MoEMLP)):
         if mlp.stat_sums is None:
             continue
         sums, mlp.stat_sums = mlp.stat_sums, None
         if group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(sums, group=group)
+        layers.append(sums.cpu())
+    if pipe_group is not None and torch.distributed.get_world_size(pipe_group) > 1:
+        stages = [None] * torch.distributed.get_world_size(pipe_group)
+        torch.distributed.all_gather_object(stages, layers, group=pipe_group)
+        layers = [sums for stage in stages for sums in stage]
+    record, aux = {}, 0.0
+    for i, sums in enumerate(layers):
         counts, (dropped, routes, aux_sum, forwards) = sums[:-4], sums[-4:].tolist()
         record[f"moe_tokens_per_expert_{i}"] = [int(c) for c in counts.tolist()]
         record[f"moe_load_ratio_{i}"] = float(counts.max() / counts.mean().clamp(min=1e-9))

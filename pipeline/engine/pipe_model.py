@@ -8,10 +8,12 @@ all-reduces its gradient between the first and last stage.
 """
 from __future__ import annotations
 
+import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from models import GPTConfig
 from models.gpt import Embedding, FinalNorm, LMHead, TransformerLayer, stage_seed
+from models.moe import MoEMLP, is_moe_layer
 from models.parallel import ParallelState, vocab_parallel_cross_entropy
 
 TIED_KEY = "embed"
@@ -21,29 +23,66 @@ def _tied_logits(embedding: Embedding, hidden):
     return embedding.logits(hidden)
 
 
+def _tied_logits_aux(embedding: Embedding, carried):
+    hidden, aux = carried
+    return embedding.logits(hidden), aux
+
+
 class VocabParallelLoss:
-    """``loss_fn`` of the last stage: mean cross-entropy over vocab-parallel logits."""
+    """``loss_fn`` of the last stage: mean cross-entropy over vocab-parallel logits (plus, for a mixture of
+    experts, the auxiliary losses the activations carried: ``MoETransformerLayer``)."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
     def __call__(self, logits, labels):
+        if isinstance(logits, tuple):
+            logits, aux = logits
+            return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size) + aux.sum()
         return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size)
+
+
+class MoETransformerLayer(TransformerLayer):
+    """A layer of a mixture of experts' pipeline: the activations are (hidden, aux), aux [1] the sum of the
+    auxiliary losses of the layers before (fp32), so that every stage's reach the last stage's loss, and their
+    gradient flows back through DeepSpeed's pipeline sends like the hidden states'. Not recomputed (as the GPT's
+    MoE layers: its name is not among the checkpointable layers)."""
+
+    def forward(self, x):
+        hidden, aux = x if isinstance(x, tuple) else (x, torch.zeros(1, device=x.device, requires_grad=True))
+        hidden = super().forward(hidden)
+        if isinstance(self.mlp, MoEMLP) and self.training:
+            aux = aux + self.mlp.aux_loss.float().reshape(1)
+        return hidden, aux
+
+
+class MoEFinalNorm(FinalNorm):
+    def forward(self, x):
+        hidden, aux = x
+        return self.norm(hidden), aux
+
+
+class MoELMHead(LMHead):
+    def forward(self, x):
+        hidden, aux = x
+        return super().forward(hidden), aux
 
 
 def layer_specs(config: GPTConfig, init_seed: int) -> list:
     """The stages in order; each draws its initial weights from the seed ``models.gpt.GPT`` gives it."""
-    L = config.num_layers
+    L, moe = config.num_layers, bool(config.num_experts)
     if config.tie_embeddings:
         first = TiedLayerSpec(TIED_KEY, Embedding, config, stage_seed(init_seed, 0),
                               tied_weight_attr=["word_embeddings.weight"])
-        last = TiedLayerSpec(TIED_KEY, Embedding, config, stage_seed(init_seed, 0), forward_fn=_tied_logits,
+        last = TiedLayerSpec(TIED_KEY, Embedding, config, stage_seed(init_seed, 0),
+                             forward_fn=_tied_logits_aux if moe else _tied_logits,
                              tied_weight_attr=["word_embeddings.weight"])
     else:
         first = LayerSpec(Embedding, config, stage_seed(init_seed, 0))
-        last = LayerSpec(LMHead, config, stage_seed(init_seed, L + 2))
-    return [first, *(LayerSpec(TransformerLayer, config, stage_seed(init_seed, i + 1)) for i in range(L)),
-            LayerSpec(FinalNorm, config), last]
+        last = LayerSpec(MoELMHead if moe else LMHead, config, stage_seed(init_seed, L + 2))
+    layer = MoETransformerLayer if moe else TransformerLayer
+    return [first, *(LayerSpec(layer, config, stage_seed(init_seed, i + 1), is_moe_layer(config, i)) for i in range(L)),
+            LayerSpec(MoEFinalNorm if moe else FinalNorm, config), last]
 
 
 def gpt_pipeline(config: GPTConfig, state: ParallelState, init_seed: int, *, activation_checkpointing: bool = False,

@@ -130,11 +130,12 @@ def lm_step_record(engine, r, *, tokens_per_step: int, flops_per_step: float, wo
     """What a language model's training step logs: loss, lr, loss scale, gradient norm, speed and MFU."""
     tflops = flops_per_step / r.seconds / world_size / 1e12
     dp_group = engine.mpu.get_data_parallel_group() if engine.mpu is not None else None
+    pipe_group = engine.mpu.get_pipe_parallel_group() if getattr(engine, "is_pipe", False) else None
     return {"step": r.step, "loss": r.out, "lr": engine.get_lr()[0], "loss_scale": loss_scale(engine),
             "grad_norm": grad_norm(engine), "skipped_steps": int(engine.skipped_steps),
             "tokens_per_s": tokens_per_step / r.seconds, "tflops_per_device": tflops,
             "mfu": tflops / peak_tflops if peak_tflops else None, "step_seconds": r.seconds,
-            **moe_step_stats(engine.module, dp_group)}
+            **moe_step_stats(engine.module, dp_group, pipe_group)}
 
 
 def lm_validation_record(engine, batches, num_batches: int, step: int, *, streams: bool) -> dict:

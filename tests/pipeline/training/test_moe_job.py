@@ -1,8 +1,8 @@
 """Expert parallelism (``--expert-parallel``, DeepSpeed-MoE) through the main job: a tiny llama MoE (4 experts,
-top-2, dropless, fp32, dropout 0), 5 steps of 8 sequences; per-step losses at (EP2, DP4) under ZeRO-1 and ZeRO-2
-and at (EP2, TP2) equal one process; the refusals, one line each, before any work (resuming at another EP among
-them). Two launches: every 4-rank layout, then the one-process references and the refusals, one after the
-other in the same processes (``_jobs``)."""
+top-2, dropless, fp32, dropout 0), 5 steps of 8 sequences; per-step losses at (EP2, DP4) under ZeRO-1 and ZeRO-2,
+at (EP2, TP2) and at (EP2, PP2) equal one process; the refusals, one line each, before any work (resuming at
+another EP among them). Two launches: every 4-rank layout, then the one-process references and the refusals,
+one after the other in the same processes (``_jobs``)."""
 import json
 
 import pytest
@@ -21,6 +21,7 @@ LAYOUTS = {  # name: (world size, extra arguments, DeepSpeed config); 4 ranks ea
     "EP2 DP4": (4, EP2, "ds.json"),  # expert-data groups of 2 ranks: ZeRO partitions the experts over them
     "EP2 DP4 ZeRO-2": (4, EP2, "ds_z2.json"),
     "EP2 TP2": (4, (*EP2, "--tensor-parallel", "2"), "ds.json"),
+    "EP2 PP2": (4, (*EP2, "--pipeline-parallel", "2"), "ds.json"),  # a layer per stage: stage 0's aux loss too
 }
 __all__ = ["setup"]  # the fixture of the sequence-parallel job tests
 
