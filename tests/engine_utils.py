@@ -54,7 +54,7 @@ class GlobalBatchLoader:
 
 
 def train_worker(rank, tp=1, pp=1, ds_overrides=None, model_overrides=None, steps=5, micro=None,
-                 recompute="none", fp16_on_cpu=False):
+                 recompute="none", fp16_on_cpu=False, after_step=None):
     if fp16_on_cpu:
         from deepspeed.accelerator import get_accelerator
         get_accelerator().is_fp16_supported = lambda: True
@@ -77,5 +77,7 @@ def train_worker(rank, tp=1, pp=1, ds_overrides=None, model_overrides=None, step
         out["lr"].append(engine.get_lr()[0])
         out["skipped"].append(int(engine.skipped_steps))
         out["gnorm"].append(float(engine.get_global_grad_norm() or 0.0))
+        if after_step:
+            after_step()
     return out
 

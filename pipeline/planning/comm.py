@@ -8,8 +8,9 @@ Per micro-batch of ``b`` sequences of ``s`` tokens, ``M = b s h`` activation ele
                     all-reduces its per-token max and sums (b s fp32 values, twice).
     TP + SP:        each all-reduce becomes an all-gather (out M) or a reduce-scatter (in M); the backward
                     all-gathers the two column-parallel inputs again for the weight gradients.
-    PP:             per micro-batch and stage boundary a send of the activation (M, or M/t under SP) forward
-                    and of its gradient backward.
+    PP:             per micro-batch and stage boundary a send of the activation (M/t under TP: sequence-split
+                    under SP, else split by DeepSpeed and all-gathered over TP on arrival) forward and of its
+                    gradient backward; a tied embedding's gradient all-reduced between the end stages.
     DP:             ZeRO-0 all-reduces the gradients once per step; ZeRO-1/2 (DeepSpeed 0.19.8) all-reduce
                     them every micro-batch, bucket by bucket (a bucket that spans several ranks' partitions
                     is all-reduced, not reduce-scattered: up to 2x the minimum), and all-gather the updated
@@ -92,13 +93,26 @@ def tp_collectives(b: int, s: int, h: int, act_bytes: int, layers: int, micro_ba
 
 
 def pp_collectives(b: int, s: int, h: int, act_bytes: int, micro_batches: int, tp: int, sp: bool,
-                   stages: int) -> list[Collective]:
-    """Sends of one step on one GPU of a middle stage (both directions)."""
+                   stages: int, stage: str | None = None, tied_grad_bytes: float = 0) -> list[Collective]:
+    """PP collectives of one step on one GPU of ``stage`` ("first", "last", None: a middle one), one message
+    each way per micro-batch. Without SP, DeepSpeed's pipeline engine sends 1/t of each activation and its
+    gradient (``pipe_partitioned``, Megatron 2021's scatter-gather) and all-gathers it over TP on arrival; the
+    sending stage also re-gathers its own output for the backward (it keeps only its part meanwhile). A tied
+    embedding's gradient is all-reduced between the first and the last stage once per step."""
     if stages <= 1:
         return []
-    M = b * s * h * act_bytes / (tp if sp else 1)
-    return [Collective("pp", "send", "activations forward", M, micro_batches),
-            Collective("pp", "send", "their gradients backward", M, micro_batches)]
+    M = b * s * h * act_bytes
+    partitioned = tp > 1 and not sp
+    out = [Collective("pp", "send", "activations forward", M / tp if sp or partitioned else M, micro_batches),
+           Collective("pp", "send", "their gradients backward", M / tp if sp or partitioned else M, micro_batches)]
+    if partitioned:
+        gathers = {"first": 2, "last": 1}.get(stage, 3)
+        out.append(Collective("tp", "all_gather", "pipeline messages joined on arrival (and the stage's own "
+                              "output again for the backward)", M, gathers * micro_batches))
+    if tied_grad_bytes and stage in ("first", "last", None):
+        out.append(Collective("pp", "all_reduce", "tied embedding gradient (first and last stage)",
+                              tied_grad_bytes, 1))
+    return out
 
 
 def dp_collectives(psi: float, zero: int, micro_batches: int, weight_bytes: int, grad_bytes: int,

@@ -98,18 +98,23 @@ def _compute_s(job: Job, lay: Layout) -> tuple[float, float]:
     return total, total * backward_share
 
 
-def step_collectives(job: Job, lay: Layout) -> list[Collective]:
+def step_collectives(job: Job, lay: Layout, stage: str | None = None) -> list[Collective]:
+    """One GPU's collectives of a step on pipeline ``stage`` ("first", "last"; None: the stage the planner
+    times, a middle one for the sends and the last for the TP collectives and the DP bytes of the fullest)."""
     m, mb = job.model, micro_batches(job, lay)
     w, g, _ = PRECISION_BYTES[job.precision]
     act = w
+    first, last = lay.pp == 1 or stage == "first", lay.pp == 1 or stage in ("last", None)
     out = []
     if lay.tp > 1:
         layers = -(-m.layers // lay.pp)
-        grads = tuple((e, layers) for e in m.replicated_per_layer) + tuple((e, 1) for e in m.replicated_outside)
+        outside = tuple(e for e in m.replicated_outside if (e == m.hidden and last) or (e != m.hidden and first))
+        grads = tuple((e, layers) for e in m.replicated_per_layer) + tuple((e, 1) for e in outside)
         out += tp_collectives(lay.micro_batch, m.seq, m.hidden, act, layers, mb, lay.sp, lay.recompute == "full",
-                              first_stage=lay.pp == 1, last_stage=True, sp_param_grads=grads)
-    out += pp_collectives(lay.micro_batch, m.seq, m.hidden, act, mb, lay.tp, lay.sp, lay.pp)
-    out += dp_collectives(m.stage_params(lay.tp, lay.pp), lay.zero, mb, w, job.reduce_bytes or g, lay.dp)
+                              first_stage=first, last_stage=last, sp_param_grads=grads)
+    tied = (m.hidden * m.vocab / lay.tp * (job.reduce_bytes or g)) if m.tied and not m.recurrent else 0
+    out += pp_collectives(lay.micro_batch, m.seq, m.hidden, act, mb, lay.tp, lay.sp, lay.pp, stage, tied)
+    out += dp_collectives(m.stage_params(lay.tp, lay.pp, stage), lay.zero, mb, w, job.reduce_bytes or g, lay.dp)
     return out
 
 

@@ -41,15 +41,28 @@ class ModelShape:
     def params(self) -> int:
         return self.layers * self.layer_params + self.embedding_params + self.head_params
 
-    def stage_params(self, tp: int, pp: int) -> float:
-        """Parameters on one GPU of the fullest pipeline stage (the first, or the last when the output layer
-        is heavier); TP splits matrices and embeddings (norms and biases are counted as split too)."""
-        per_stage = -(-self.layers // pp) * self.layer_params
+    @property
+    def tied(self) -> bool:
+        return self.head_params < self.hidden * self.vocab
+
+    def stage_params(self, tp: int, pp: int, stage: str | None = None) -> float:
+        """Parameters on one GPU of a pipeline stage: ``"first"``, ``"last"``, or (None) the fullest. TP splits
+        the matrices and the vocabulary; the norms, row-parallel biases and positions stay whole on every TP
+        rank (what each rank's optimizer and DP collectives hold). The last stage of a tied model keeps its own
+        copy of the embedding (DeepSpeed's TiedLayerSpec, positions included)."""
+        rep = sum(self.replicated_per_layer)
+        per_stage = -(-self.layers // pp) * ((self.layer_params - rep) / tp + rep)
+        if self.recurrent:  # the mLSTM: one GPU holds it all (no TP or PP)
+            return per_stage + self.embedding_params + self.head_params
+        words = self.hidden * self.vocab
+        positions = self.embedding_params - words
+        embedding = words / tp + positions
+        norm = self.head_params - (0 if self.tied else words)  # the final norm, whole on every rank
+        output = embedding if self.tied else words / tp         # the tied copy, or the output layer's shard
         if pp == 1:
-            return (per_stage + self.embedding_params + self.head_params) / tp
-        tied_copy = self.embedding_params if self.head_params < self.hidden * self.vocab else 0
-        last = per_stage + max(self.head_params, tied_copy)
-        return max(per_stage + self.embedding_params, last) / tp
+            return per_stage + embedding + norm + (0 if self.tied else output)
+        sizes = {"first": per_stage + embedding, "last": per_stage + norm + output}
+        return sizes[stage] if stage else max(sizes.values())
 
 
 def gpt_shape(c: GPTConfig, name: str = "gpt", seq: int | None = None) -> ModelShape:
