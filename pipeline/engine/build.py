@@ -93,6 +93,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         model = gpt_pipeline(model_config, state, init_seed, activation_checkpointing=activation_checkpointing,
                              checkpoint_fn=checkpoint_fn)
         mpu = None  # the PipelineEngine builds its grid from the module's topology
+        if state.context_parallel > 1:  # the grid counts every CP rank as a data-parallel one (pipe_topology)
+            ds_config = {**ds_config, "train_batch_size": ds_config["train_batch_size"] * state.context_parallel}
         if full_state_dict is not None:
             load_full_state_dict(model, full_state_dict, partial=True, source="checkpoint weights",
                                  name_map=lambda n: pipe_to_gpt_name(n, model_config))

@@ -117,13 +117,6 @@ def check_context_parallel_options(options) -> None:
     cp = options.context_parallel
     if cp < 1:
         raise EngineConfigError(f"--context-parallel {cp}: the context-parallel size must be 1 or more")
-    if cp > 1 and options.pipeline_parallel > 1:
-        # DeepSpeed's PipelineEngine builds its own grid from the module's topology and reduces gradients over
-        # its data-parallel axis only: it has no sequence-parallel (context) group.
-        raise EngineConfigError(f"--context-parallel {cp} with --pipeline-parallel {options.pipeline_parallel}: "
-                                f"DeepSpeed's pipeline engine has no context-parallel group (it would not sum the "
-                                f"gradients of the sequence chunks); use --pipeline-parallel 1 (or "
-                                f"--context-parallel 1)")
 
 
 def context_parallel_ds_config(ds: dict, source: str = "DeepSpeed config", largest_param: int = 0) -> dict:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from models import GPTConfig
-from models.gpt import Embedding, FinalNorm, LMHead, TransformerLayer, stage_seed
+from models.gpt import Embedding, FinalNorm, LMHead, TransformerLayer, context_parallel_cross_entropy, stage_seed
 from models.moe import MoEMLP, is_moe_layer
 from models.parallel import ParallelState, vocab_parallel_cross_entropy
 
@@ -30,16 +31,47 @@ def _tied_logits_aux(embedding: Embedding, carried):
 
 class VocabParallelLoss:
     """``loss_fn`` of the last stage: mean cross-entropy over vocab-parallel logits (plus, for a mixture of
-    experts, the auxiliary losses the activations carried: ``MoETransformerLayer``)."""
+    experts, the auxiliary losses the activations carried: ``MoETransformerLayer``; under context parallelism
+    over the whole sequence, from this rank's chunk of the logits, its gradient times C: see ``pipe_topology``)."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, context_parallel: int = 1):
         self.vocab_size = vocab_size
+        self.context_parallel = context_parallel
 
     def __call__(self, logits, labels):
         if isinstance(logits, tuple):
             logits, aux = logits
             return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size) + aux.sum()
-        return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size)
+        if self.context_parallel == 1:
+            return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size)
+        loss = context_parallel_cross_entropy(logits, labels, self.vocab_size)
+        return _ScaleGradient.apply(loss, float(self.context_parallel))
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def pipe_topology(state: ParallelState):
+    """The topology of the ``PipelineModule``, from which DeepSpeed's ``PipelineEngine`` builds its grid (it takes
+    no mpu, so no sequence-parallel group). Under context parallelism its data axis is data x context (state's
+    (pipe, data, context, model) ranks in the same order): the grid's data-parallel group, over which the engine and
+    ZeRO-1 reduce and partition a stage's gradients, is its data x context group; each stage's
+    model-parallel group (gradient norm, overflow) stays pipe x model; the tied-weight groups are built per
+    (data, context) rank. The engine averages the gradients over D x C ranks and every CP rank holds the whole
+    sequence's loss, so the loss's gradient is multiplied by C (``VocabParallelLoss``): the chunks' gradients
+    are summed, the data-parallel ones averaged, and the logged loss, a mean over D x C equal copies, is unchanged."""
+    if state.context_parallel == 1:
+        return state.topology
+    return PipeModelDataParallelTopology(num_pp=state.pipeline_parallel, num_mp=state.tensor_parallel,
+                                         num_dp=state.data_parallel * state.context_parallel)
 
 
 class MoETransformerLayer(TransformerLayer):
@@ -93,8 +125,9 @@ def gpt_pipeline(config: GPTConfig, state: ParallelState, init_seed: int, *, act
         kwargs.update(activation_checkpoint_interval=1, checkpointable_layers=["TransformerLayer"])
         if checkpoint_fn is not None:
             kwargs["activation_checkpoint_func"] = checkpoint_fn
-    return PipelineModule(layers=layer_specs(config, init_seed), loss_fn=VocabParallelLoss(config.vocab_size),
-                          topology=state.topology, partition_method="type:TransformerLayer", **kwargs)
+    return PipelineModule(layers=layer_specs(config, init_seed),
+                          loss_fn=VocabParallelLoss(config.vocab_size, state.context_parallel),
+                          topology=pipe_topology(state), partition_method="type:TransformerLayer", **kwargs)
 
 
 def pipe_to_gpt_name(name: str, config: GPTConfig) -> str:

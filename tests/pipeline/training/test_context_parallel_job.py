@@ -1,6 +1,6 @@
 """Context parallelism (``--context-parallel``, DeepSpeed-Ulysses) through the main job: 5 steps (2 micro-batches a
 step), fp32, dropout 0, per-step losses equal one process at (CP2, DP2), (TP2, CP2), (TP2, --sequence-parallel, CP2),
-(CP2, DP2, ZeRO-2), (CP2, DP2, ZeRO-3), CP4, with ALST's tiling, with activation checkpointing, on packed short
+(CP2, DP2, ZeRO-2), (CP2, DP2, ZeRO-3), (CP2, PP2), CP4, with ALST's tiling, with activation checkpointing, on packed short
 documents, and in fp16 (DeepSpeed's loss scaling) against fp16 in one process; resumes across layouts with the
 optimizer state ((TP2, CP2) -> one process, CP2 -> CP4); dropout masks differ across CP ranks and a CP2 run with
 dropout is reproducible; evaluation of a CP checkpoint; the refusals, one line each, before any work.
@@ -32,6 +32,7 @@ LAYOUTS = {
     "TP2 SP CP2": (CP + ("--tensor-parallel", "2", "--sequence-parallel"), "ds.json"),
     "CP2 DP2 ZeRO-2": (CP, "ds_z2.json"),
     "CP2 DP2 ZeRO-3": (CP, "ds_z3.json"),
+    "CP2 PP2": (CP + ("--pipeline-parallel", "2"), "ds.json"),
     "CP4": (("--context-parallel", "4"), "ds.json"),
     "CP2 DP2 tiled MLP and loss": (CP + ("--tiled-mlp", "2", "--tiled-loss", "4"), "ds.json"),
     "CP2 DP2 activation checkpointing": (CP + ("--activation-checkpointing",), "ds.json"),
@@ -213,11 +214,10 @@ def test_dropout_masks_differ_across_context_parallel_ranks(setup, cp_runs):
 
 def test_refusals_before_any_work(setup, cp_runs, capsys):
     with pytest.raises(SystemExit) as e:  # refused before the process group is joined: in this process
-        command(main)(_argv(setup, "refused PP", CP + ("--pipeline-parallel", "2")))
+        command(main)(_argv(setup, "refused CP0", ("--context-parallel", "0")))
     err = capsys.readouterr().err
-    assert e.value.code == 2 and not (setup / "refused_PP").exists(), err
-    assert err.strip().startswith("error: --context-parallel 2 with --pipeline-parallel 2: DeepSpeed's pipeline "
-                                  "engine has no context-parallel group"), err
+    assert e.value.code == 2 and not (setup / "refused_CP0").exists(), err
+    assert err.strip().startswith("error: --context-parallel 0: the context-parallel size must be 1 or more"), err
     assert err.count("error: ") == 1 and "Traceback" not in err
     for name, (*_, message) in REFUSALS.items():
         (code0, err0), *others = (rank[f"refused {name}"] for rank in cp_runs[0])
