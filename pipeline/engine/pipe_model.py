@@ -119,7 +119,7 @@ def layer_specs(config: GPTConfig, init_seed: int) -> list:
 
 def gpt_pipeline(config: GPTConfig, state: ParallelState, init_seed: int, *, activation_checkpointing: bool = False,
                  checkpoint_fn=None) -> PipelineModule:
-    config.check_parallel(state.tensor_parallel, state.pipeline_parallel)
+    config.check_parallel(state.tensor_parallel, state.pipeline_parallel, state.context_parallel)
     kwargs = {}
     if activation_checkpointing:
         kwargs.update(activation_checkpoint_interval=1, checkpointable_layers=["TransformerLayer"])
