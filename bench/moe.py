@@ -1,0 +1,161 @@
+"""A mixture of experts against the dense GPT of the same active FLOPs, trained by the main job on the same tokens.
+
+    python bench/moe.py [--steps 200] [--work DIR] [--out bench/results/moe.json]
+
+Every system is ``pipeline.pretrain`` (DeepSpeed, ``ds_configs/cpu.json``: bf16, ZeRO-1) on the same corpus
+(the shared English Wikipedia sample, byte tokenizer), the same seed, batch and schedule, so every one sees the
+same tokens in the same order:
+
+- ``dense``: a small llama (h 128, 4 layers, SwiGLU FFN 512);
+- ``moe``: every layer's FFN replaced by 8 experts of FFN 256, top-2, dropless, load-balancing loss 0.01: the
+  active FFN FLOPs per token equal the dense model's (2 x 256 = 512; the router adds 8 x h per token);
+- ``moe without balancing loss``: the same with the coefficient 0, to see the load without it;
+- ``dense DP2`` and ``moe EP2``: the first two on 2 ranks (torchrun), the experts split 4 + 4 (EP2 = DP2);
+- ``dense micro 4`` and ``moe micro 4``: the first two with 4 micro-batches of 4 sequences (512 tokens) per
+  step instead of one of 16: DeepSpeed's dispatch is a one-hot einsum over [tokens, experts, capacity], whose
+  cost grows with the square of a micro-batch's tokens.
+
+Each rank computes on one thread (a 1-rank system on one core, a 2-rank one on two). Reported per system:
+tokens/s (the median of the job's logged intervals after the first), the peak RSS of a rank, the validation
+loss after the same tokens, and the max/mean expert load (the mean over MoE layers of the job's
+``moe_load_ratio_i``) over training. Goals (issue 24): the MoE's validation loss below the dense one's at
+equal active FLOPs, its tokens/s within 25% of the dense model's. Writes JSON and a plot (load over training,
+validation loss against tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common import machine_note  # noqa: E402
+from pipeline.job.files import atomic_write_bytes, atomic_write_json  # noqa: E402
+
+CORPUS = ROOT.parent / "shared" / "data" / "corpora" / "wikipedia.txt"
+DENSE = {"variant": "llama", "hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
+         "ffn_hidden_size": 512, "max_position_embeddings": 256, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+         "tie_embeddings": False}
+MOE = {**DENSE, "num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 256, "moe_aux_loss_coeff": 0.01}
+SYSTEMS = {  # name -> (model, ranks, extra flags)
+    "dense": (DENSE, 1, []),
+    "moe": (MOE, 1, []),
+    "moe without balancing loss": ({**MOE, "moe_aux_loss_coeff": 0.0}, 1, []),
+    "dense DP2": (DENSE, 2, []),
+    "moe EP2": (MOE, 2, ["--expert-parallel", "2"]),
+    "dense micro 4": (DENSE, 1, ["--micro-batch-size", "4"]),
+    "moe micro 4": (MOE, 1, ["--micro-batch-size", "4"]),
+}
+BASELINES = {"dense DP2": "dense DP2", "moe EP2": "dense DP2", "dense micro 4": "dense micro 4",
+             "moe micro 4": "dense micro 4"}  # the dense system each one's tokens/s is compared with (else dense)
+# peak RSS of the job's processes (the launcher's children included), read after it ends
+_MEASURED = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[2:]).returncode; "
+             "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+             "sys.exit(r)")
+
+
+def command(work: Path, name: str, steps: int, seq: int, batch: int) -> list[str]:
+    model, ranks, extra = SYSTEMS[name]
+    d = work / name.replace(" ", "_").replace(",", "")
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model.json").write_text(json.dumps(model))
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+              if ranks > 1 else [sys.executable])
+    return [*launch, "-m", "pipeline.pretrain", "--model-config", str(d / "model.json"),
+            "--deepspeed_config", str(ROOT / "ds_configs" / "cpu.json"), "--data", str(CORPUS),
+            "--tokenizer", "bytes", "--seq-length", str(seq), "--global-batch-size", str(batch),
+            "--micro-batch-size", str(batch // ranks), "--train-steps", str(steps), "--lr", "2e-3",
+            "--lr-warmup-steps", str(steps // 10), "--lr-decay-style", "cosine", "--eval-interval", str(steps // 4),
+            "--eval-iters", "8", "--log-interval", "10", "--cache-dir", str(work / "cache"), "--seed", "1234",
+            "--save", str(d / "run"), "--save-interval", str(10 * steps), *extra]
+
+
+def run_system(work: Path, name: str, args) -> dict:
+    cmd = command(work, name, args.steps, args.seq_length, args.global_batch_size)
+    run_dir = Path(cmd[cmd.index("--save") + 1])
+    records_file = run_dir / "metrics.jsonl"
+    if not records_file.is_file() or not any('"valid_loss"' in line and f'"step": {args.steps}' in line
+                                             for line in records_file.read_text().splitlines()):
+        rss_file = run_dir.parent / "max_rss_kib"
+        env = {**os.environ, "OMP_NUM_THREADS": "1",  # one thread per rank: the same share of a shared machine
+               "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        print(f"{name}: training {args.steps} steps", flush=True)
+        before = os.getloadavg()
+        subprocess.run([sys.executable, "-c", _MEASURED, str(rss_file), *cmd], check=True, cwd=work, env=env)
+        (run_dir.parent / "load_average.json").write_text(json.dumps({"before": before, "after": os.getloadavg()}))
+    records = [json.loads(line) for line in records_file.read_text().splitlines() if line.strip()]
+    load_file = run_dir.parent / "load_average.json"
+    return {**summarize(records, (run_dir.parent / "max_rss_kib").read_text()),
+            "load_average": json.loads(load_file.read_text()) if load_file.is_file() else None}
+
+
+def summarize(records: list[dict], max_rss_kib: str) -> dict:
+    steps = [r for r in records if "tokens_per_s" in r]
+    valid = [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r]
+    loads = [(r["step"], statistics.mean(v for k, v in r.items() if k.startswith("moe_load_ratio_")))
+             for r in records if any(k.startswith("moe_load_ratio_") for k in r)]
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps[1:]),
+            "final_valid_loss": valid[-1][1], "valid_loss": valid,
+            "final_train_loss": statistics.mean(r["loss"] for r in steps[-3:]),
+            "max_rss_mib_per_rank": int(max_rss_kib) / 1024,
+            "load_max_mean": loads, "final_load_max_mean": statistics.mean(v for _, v in loads[-3:]) if loads else None}
+
+
+def plot(results: dict, tokens_per_step: int, out: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415  (matplotlib only to draw)
+    from matplotlib.figure import Figure  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    load, valid = fig.subplots(1, 2)
+    for i, (name, r) in enumerate(results.items()):  # one color per system in both panels
+        if r["load_max_mean"]:
+            load.plot(*zip(*r["load_max_mean"]), color=f"C{i}", label=name)
+        valid.plot([s * tokens_per_step for s, _ in r["valid_loss"]], [v for _, v in r["valid_loss"]], marker="o",
+                   color=f"C{i}", label=name)
+    load.set(title="max/mean expert load (mean over MoE layers)", xlabel="step", ylabel="max / mean tokens")
+    valid.set(title="validation loss", xlabel="tokens", ylabel="loss (nats/byte)")
+    for ax in (load, valid):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return atomic_write_bytes(out, buf.getvalue())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated names of SYSTEMS")
+    p.add_argument("--work", default=None, help="directory for the runs (reused: a complete run is not redone)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe.json"))
+    args = p.parse_args(argv)
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_moe_"))
+    results = {name: run_system(work, name, args) for name in args.systems.split(",")}
+    dense = results.get("dense")
+    print(f"{'system':24s} {'tok/s':>8s} {'vs dense':>8s} {'valid loss':>10s} {'RSS MiB/rank':>12s} {'load max/mean':>13s}")
+    for name, r in results.items():
+        base = results.get(BASELINES.get(name, "dense"), dense)
+        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        load = f"{r['final_load_max_mean']:.2f}" if r["final_load_max_mean"] else "-"
+        print(f"{name:24s} {r['tokens_per_s']:8.0f} {ratio:8.2f} {r['final_valid_loss']:10.4f} "
+              f"{r['max_rss_mib_per_rank']:12.0f} {load:>13s}")
+    out = Path(args.out)
+    note = {"machine": machine_note(), "steps": args.steps, "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
+            "models": {"dense": DENSE, "moe": MOE}}
+    atomic_write_json(out, {"benchmark": "moe", **note, "systems": results}, indent=1)
+    print("wrote", out, "and", plot(results, args.seq_length * args.global_batch_size, out.with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()
