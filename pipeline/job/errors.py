@@ -38,6 +38,7 @@ import functools
 import json
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -123,6 +124,9 @@ def _leave_launcher_a_line(line: str, rank0: bool) -> None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     if not rank0:
+        with contextlib.suppress(ValueError):  # the agent's stop ends this process, not a training step
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, signal.SIG_DFL)
         time.sleep(1.0)
 
 

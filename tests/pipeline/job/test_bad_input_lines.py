@@ -129,15 +129,19 @@ def test_bad_input_is_one_line(work, name, argv, message):
 
 
 def test_layout_refusal_under_torchrun(work):
-    """TP 2 with 3 heads under torchrun: the one line from rank 0, and the same line (not "To enable traceback")
-    in torchrun's summary of the failed worker; no worker traceback."""
+    """TP 2 with 3 heads under torchrun's code (``python -m pipeline.launch``): rank 0's one line, then the
+    launcher's one line naming the first failed rank, its exit code and its line (from the worker's error file,
+    not "To enable traceback"); exit code 2; no traceback of the launcher or of a worker."""
     (work / "m3.json").write_text(json.dumps({**MODEL, "hidden_size": 24, "num_heads": 3}))
     argv = pretrain(work, "--tensor-parallel", "2")[2:]
     argv[argv.index("--model-config") + 1] = str(work / "m3.json")
-    proc = run_cli(["torchrun", "--nproc_per_node", "2", "--master-port", "29731", ROOT / "pipeline" / "pretrain.py",
-                    *argv], work, check=False)
-    line = "error: invalid model config for tensor_parallel=2: num_heads 3 is not divisible by the tensor-parallel size 2"
-    assert proc.returncode != 0
-    assert proc.stderr.count(line) >= 2, proc.stderr[-3000:]  # rank 0's line and the summary's root cause
-    assert "To enable traceback" not in proc.stderr
-    assert f'  File "{ROOT / "pipeline"}' not in proc.stderr  # no frame of a worker
+    proc = run_cli([sys.executable, "-m", "pipeline.launch", "--nproc_per_node", "2", "--master-port", "29731",
+                    ROOT / "pipeline" / "pretrain.py", *argv], work, check=False)
+    line = "invalid model config for tensor_parallel=2: num_heads 3 is not divisible by the tensor-parallel size 2"
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert errors[0] == f"error: {line}", proc.stderr[-3000:]
+    assert errors[-1].startswith("error: torchrun: rank ") and errors[-1].endswith(f"exit code 2 (2 worker(s) "
+                                                                                  f"failed): {line}"), errors
+    assert len(errors) == 2 and "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert "SIGTERM received" not in proc.stderr  # the agent's stop of rank 1 is not a preemption
