@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from models import GPT, MLSTM, MLSTMConfig
-from models.parallel import tp_world_size, vocab_parallel_cross_entropy
+from models.parallel import cp_world_size, scale_gradient, tp_world_size, vocab_parallel_cross_entropy
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_named, family_of
 
@@ -70,10 +70,10 @@ class GPTEncoder(LayerDepths, GPT):
         return self.config.hidden_size
 
     def features(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        # causal: the padding after each row's length changes nothing. Sequence parallelism cuts the sequence
-        # into TP equal chunks, so a batch is padded to a multiple of TP here and cut back after the gather.
+        # causal: the padding after each row's length changes nothing. Sequence and context parallelism cut the
+        # sequence into TP (x CP) equal chunks: a batch is padded to that multiple here, cut back after the gather.
         s = input_ids.shape[1]
-        pad = -s % tp_world_size() if self.config.sequence_parallel else 0
+        pad = -s % ((tp_world_size() if self.config.sequence_parallel else 1) * cp_world_size())
         if pad:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
         return self.hidden_states(input_ids)[:, :s]
@@ -227,7 +227,9 @@ class Classifier(nn.Module):
             features = None
         else:
             lengths = self._lengths(input_ids, lengths, attention_mask)
-            features = self._features(input_ids, lengths)
+            # under context parallelism the head and the aux LM loss run replicated on the C ranks, whose
+            # gradients DeepSpeed sums: the loss passes 1 / C of its gradient back, the encoder's chunks C times that
+            features = scale_gradient(self._features(input_ids, lengths), cp_world_size())
             if features.dim() == 2:  # the encoder summarises each text itself ([b, h]; pooling "none")
                 logits = self.head(features)
             else:
@@ -240,6 +242,7 @@ class Classifier(nn.Module):
             lm = self.encoder.lm_loss(features, input_ids, lengths)
             parts["lm_loss"] = lm.detach()
             loss = loss + self.aux_lm_weight * lm
+        loss = scale_gradient(loss, 1 / cp_world_size())
         return {"loss": loss, **parts} if return_parts else loss
 
     def classification_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Megatron-LM tensor-parallel primitives (2019), sequence parallelism (2022) and context parallelism
 (DeepSpeed-Ulysses, 2023). Nothing here knows about any model."""
 from .context import (UlyssesAttention, chunk_start, context_chunk, gather_from_context_parallel_region, global_count,
-                      reduce_from_context_parallel_region)
+                      reduce_from_context_parallel_region, scale_gradient)
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, normal_init,
                      sequence_gather_linear, sharded_parameter, vocab_parallel_parameter)
@@ -33,5 +33,5 @@ __all__ = [
     "ParallelConfigError", "ParallelState", "initialize_model_parallel", "get_parallel_state",
     "destroy_model_parallel", "tp_group", "tp_rank", "tp_world_size",
     "UlyssesAttention", "chunk_start", "context_chunk", "gather_from_context_parallel_region", "global_count",
-    "reduce_from_context_parallel_region", "cp_group", "cp_rank", "cp_world_size",
+    "reduce_from_context_parallel_region", "scale_gradient", "cp_group", "cp_rank", "cp_world_size",
 ]

@@ -74,6 +74,23 @@ class _ReduceFromContextParallelRegion(torch.autograd.Function):
         return grad
 
 
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_gradient(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` in the forward, its gradient times ``scale`` in the backward (DeepSpeed sums gradients over data x
+    context: a replicated consumer's, or a loss that a D x C average reduces, needs a 1 / C or C there)."""
+    return x if scale == 1 else _ScaleGradient.apply(x, float(scale))
+
+
 def gather_from_context_parallel_region(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """The whole sequence from the chunks (all-gather along ``dim``); the backward keeps this rank's chunk."""
     if cp_world_size() == 1:

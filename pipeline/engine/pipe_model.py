@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from models import GPTConfig
 from models.gpt import Embedding, FinalNorm, LMHead, TransformerLayer, context_parallel_cross_entropy, stage_seed
 from models.moe import MoEMLP, is_moe_layer
-from models.parallel import ParallelState, vocab_parallel_cross_entropy
+from models.parallel import ParallelState, scale_gradient, vocab_parallel_cross_entropy
 
 TIED_KEY = "embed"
 
@@ -45,18 +45,7 @@ class VocabParallelLoss:
         if self.context_parallel == 1:
             return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size)
         loss = context_parallel_cross_entropy(logits, labels, self.vocab_size)
-        return _ScaleGradient.apply(loss, float(self.context_parallel))
-
-
-class _ScaleGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
+        return scale_gradient(loss, self.context_parallel)
 
 
 def pipe_topology(state: ParallelState):

@@ -185,14 +185,21 @@ def test_tensor_and_data_parallel_finetune_equals_single_process(work, single):
     assert lrs[1.0] == pytest.approx(3e-3) and lrs[0.5 ** 3] == pytest.approx(3e-3 * 0.125)  # embedding: L + 1 down
 
 
-def test_sequence_parallel_finetune_equals_single_process(work, single):
-    # TP=2 with sequence parallelism: batches of any width (padded to a multiple of TP inside the encoder), the
-    # hidden states gathered for the head, the aux LM loss on them; the same losses and dev probabilities
-    results = run_distributed(_finetune_worker, 2, _layout_argv(work, "--tensor-parallel", "2",
-                                                                "--sequence-parallel"))
-    assert not single["sp"] and all(r["sp"] for r in results)
-    for r in results:
-        _same(r, single, "TP=2 + SP")
+def _finetune_layouts_worker(rank, argvs):
+    return [_finetune_worker(rank, argv) for argv in argvs]
+
+
+def test_sequence_and_context_parallel_finetune_equal_single_process(work, single):
+    # one 2-rank launch. TP=2 with sequence parallelism: batches of any width (padded to a multiple of TP inside the
+    # encoder), the hidden states gathered for the head, the aux LM loss on them. CP=2: each rank encodes its chunk
+    # (padded to a multiple of CP), the head and the aux LM loss run replicated on both ranks. The same losses and
+    # dev probabilities as one process
+    results = run_distributed(_finetune_layouts_worker, 2, [
+        _layout_argv(work, "--tensor-parallel", "2", "--sequence-parallel"), _layout_argv(work, "--context-parallel", "2")])
+    assert not single["sp"] and all(r[0]["sp"] and not r[1]["sp"] for r in results)
+    for sp, cp in results:
+        _same(sp, single, "TP=2 + SP")
+        _same(cp, single, "CP=2")
 
 
 def _label_words_worker(rank, argv):
