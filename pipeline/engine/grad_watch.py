@@ -1,9 +1,11 @@
 """Which gradient went NaN or Inf in a step, at no host sync of its own (Megatron's
 ``--check-for-nan-in-loss-and-grad``, at any ZeRO stage and with pipeline stages).
 
-A hook on every trainable parameter adds the sum of each local gradient (every micro-batch, before
-DeepSpeed reduces or partitions it) into one fp32 slot of a device vector: a NaN or Inf anywhere in the
-gradient makes its slot NaN or Inf (NaN also when +Inf and -Inf meet: the name says "nan" then). The step
+A hook on every trainable parameter adds the 2-norm of each local gradient (every micro-batch, before
+DeepSpeed reduces or partitions it) into one fp32 slot of a device vector: a NaN anywhere in the gradient
+makes its slot NaN, an Inf (and no NaN) Inf. The norm, not the sum: on a CPU ``vector_norm`` of a bf16
+gradient runs 3x faster than its bf16 sum and 30x faster than its fp32 sum (2.5 / 8 / 84 ms for the 28M
+embedding gradient of SmolLM2-135M; the fp32 sum cost the E-c finetune step 7%). The step
 functions read the vector together with the loss they read anyway (one copy to the host), so a good step
 costs two small kernels per parameter and micro-batch and no extra sync. DeepSpeed's own check (the grad
 norm; ``engine.skipped_steps`` counts the steps it skipped under ZeRO 1-3) comes after the optimizer has
@@ -22,7 +24,7 @@ _watches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class GradWatch:
-    """Per trainable parameter of ``module``, the sum of its local gradients since the last ``take``."""
+    """Per trainable parameter of ``module``, the sum of its local gradients' norms since the last ``take``."""
 
     def __init__(self, module: torch.nn.Module, device, rename=None):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -33,7 +35,7 @@ class GradWatch:
 
     def _adder(self, i: int):
         def add(grad: torch.Tensor) -> None:
-            self.sums[i].add_(grad.detach().sum(dtype=torch.float32))
+            self.sums[i].add_(torch.linalg.vector_norm(grad.detach()).float())
         return add
 
     def take(self, values: torch.Tensor) -> torch.Tensor:
