@@ -302,7 +302,7 @@ def read_full_model_state(load_dir, tag: str | None = None):
     elif pp == 1:
         for r in range(tp):
             state = safe_load.safe_torch_load(tag_dir / f"mp_rank_{r:02d}_model_states.pt", map_location="cpu")
-            per_rank[r] = state["module"]
+            per_rank[r] = {**state["module"], **_expert_weights(tag_dir, r)}
         if not per_rank[0] or any(v.numel() == 0 for v in per_rank[0].values()):
             per_rank = _zero3_weights(load_dir, tag, tp)
     else:
@@ -322,6 +322,16 @@ def read_full_model_state(load_dir, tag: str | None = None):
         shards = [per_rank[r][name] for r in range(tp)]
         full[name] = spec.gather(shards) if spec is not None else shards[0]
     return config, own_storage(full), tokenizer_dir
+
+
+def _expert_weights(tag_dir: Path, tp_rank: int) -> dict:
+    """The MoE experts of a TP rank: DeepSpeed-MoE saves each in a file of its own
+    (``layer_<MoE layer>_expert_<global id>_mp_rank_<TP rank>_model_states.pt``), named by its global expert
+    index whatever the expert-parallel size, and leaves them out of the model-states file."""
+    out = {}
+    for path in sorted(tag_dir.glob(f"layer_*_expert_*_mp_rank_{tp_rank:02d}_model_states.pt")):
+        out.update(safe_load.safe_torch_load(path, map_location="cpu"))
+    return out
 
 
 def _universal_weights(zero: Path, specs: dict) -> dict:

@@ -7,28 +7,34 @@ tensors bit for bit, loads back as the same class and gives the same logits. Qwe
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from dist import run_distributed
 from engine_utils import BASE_DS
+from run_utils import source_text
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from models import GPT, GPTConfig
 from models.parallel import full_state_dict, initialize_model_parallel
+from pipeline.checkpoints.checkpoint import read_full_checkpoint, save, save_run_files
 from pipeline.checkpoints.state_dicts import load_full_state_dict, read_state_dict
+from pipeline.data import load_tokenizer
 from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import resolve_ds_config
+from pipeline.evaluate import main as evaluate_main
 from pipeline.hf.convert import ConversionError, to_hf
 from pipeline.hf.export import export_hf
 from pipeline.hf.importer import import_hf
 from pipeline.hf.safetensors_io import SafetensorsFiles, hf_weight_files
+from pipeline.export_hf import main as export_main
 from pipeline.import_hf import main as import_main
 
 TOL = 1e-5
-COMMON = dict(vocab_size=101, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=24, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1,
-              eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+COMMON = dict(vocab_size=258,  # the byte tokenizer's vocabulary and special tokens hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=24, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=256,
+              eos_token_id=256, pad_token_id=257, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
 FAMILIES = {  # name -> (model class, its config)
     "mixtral": (MixtralForCausalLM, lambda: MixtralConfig(**COMMON, intermediate_size=24, num_hidden_layers=2,
                                                           num_local_experts=4, num_experts_per_tok=2,
@@ -38,7 +44,7 @@ FAMILIES = {  # name -> (model class, its config)
         **COMMON, head_dim=12, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=6, num_experts=4,
         num_experts_per_tok=3, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False)),
 }
-TOKENS = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(5))
+TOKENS = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(5))
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,7 @@ def hf_models(tmp_path_factory):
             logits = model(TOKENS).logits
         path = tmp_path_factory.mktemp(f"hf-{name}")
         model.save_pretrained(path)
+        load_tokenizer("bytes").save(path)  # travels with the import, and lets evaluate score text
         out[name] = (path, logits)
     return out
 
@@ -75,9 +82,10 @@ def _one_process_logits(path):
         return model(TOKENS)
 
 
-def _expert_parallel_logits(rank, model_dirs, ep):
+def _expert_parallel_logits(rank, model_dirs, ep, save_root):
     """Each imported model built by the training engine at (EP ep, DP world) from its directory (each rank
-    taking its experts of the full state dict), its logits in evaluation."""
+    taking its experts of the full state dict): its logits in evaluation, and a checkpoint of it (each rank
+    writing its experts' files) under ``save_root``."""
     state = initialize_model_parallel(tensor_parallel=1)
     ds = resolve_ds_config({**BASE_DS, "train_batch_size": state.data_parallel}, data_parallel=state.data_parallel,
                            pipeline_parallel=1, micro_batch_size=1)
@@ -90,15 +98,28 @@ def _expert_parallel_logits(rank, model_dirs, ep):
         local = engine.module.layers[1].mlp.moe.deepspeed_moe.experts.deepspeed_experts
         with torch.no_grad():
             out[name] = (engine(TOKENS), local[0].fc_out.weight.clone())
+        save_dir = Path(save_root) / name
+        if rank == 0:
+            save_run_files(save_dir, config, load_tokenizer("bytes"))
+        layout = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": state.data_parallel,
+                  "expert_parallel": ep, "model_type": "gpt", "precision": "fp32", "zero_stage": 1}
+        save(engine, save_dir, 0, data_state=None, layout=layout)
     return out
 
 
-def test_imported_logits_equal_transformers_at_ep1_and_ep2(hf_models, imported):
+@pytest.fixture(scope="module")
+def ep2(imported, tmp_path_factory):
+    """The EP2 launch: rank -> name -> (logits, the rank's first expert of layer 1); and the runs it saved."""
+    runs = tmp_path_factory.mktemp("ep2-runs")
+    return run_distributed(_expert_parallel_logits, 2, {k: str(v) for k, v in imported.items()}, 2, str(runs)), runs
+
+
+def test_imported_logits_equal_transformers_at_ep1_and_ep2(hf_models, imported, ep2):
     configs = {name: GPTConfig.from_file(path / "config.json") for name, path in imported.items()}
     assert [configs["qwen3_moe"].is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
     assert (configs["qwen3_moe"].moe_norm_topk_prob, configs["qwen3_moe"].moe_top_k) == (False, 3)
     assert (configs["mixtral"].num_experts, configs["mixtral"].moe_layer_freq) == (4, 1)
-    ep2 = run_distributed(_expert_parallel_logits, 2, {k: str(v) for k, v in imported.items()}, 2)
+    ep2, _ = ep2
     for name, (_, theirs) in hf_models.items():
         assert theirs.abs().max() > 0.1
         diff = (_one_process_logits(imported[name]) - theirs).abs().max().item()
@@ -114,15 +135,39 @@ def test_imported_logits_equal_transformers_at_ep1_and_ep2(hf_models, imported):
             assert torch.equal(first_expert, full[f"{layer}.{2 * rank}.fc_out.weight"])  # rank r: experts 2r, 2r+1
 
 
+def test_evaluate_checkpoint_scores_an_expert_parallel_run_as_transformers(hf_models, imported, ep2, tmp_path):
+    """The runs saved at EP2 (each expert in DeepSpeed's file of its own, written by its rank) read back as the
+    imported weights bit for bit, and ``evaluate --checkpoint`` gives the bits per character that
+    ``evaluate --hf`` gives the original Hugging Face model."""
+    _, runs = ep2
+    text = tmp_path / "held_out.txt"
+    text.write_text(source_text()[:1500])
+    for name, (path, _) in hf_models.items():
+        _, full, _ = read_full_checkpoint(runs / name)
+        want = read_state_dict(imported[name] / "model.safetensors")
+        assert full.keys() == want.keys() and all(torch.equal(full[k], want[k]) for k in want), name
+        bpc = {}
+        for flag, model in (("--checkpoint", runs / name), ("--hf", path)):
+            out = tmp_path / f"{name}{flag}.json"
+            evaluate_main(["--task", "bpc", "--data", str(text), flag, str(model), "--context-length", "24",
+                           "--out", str(out), "--no-progress"])
+            bpc[flag] = json.loads(out.read_text())["results"]["bits_per_character"]
+        print(f"{name}: evaluate --checkpoint (EP2 run) {bpc['--checkpoint']:.6f} bits/char, --hf "
+              f"{bpc['--hf']:.6f} (difference {abs(bpc['--checkpoint'] - bpc['--hf']):.1e})", file=sys.stderr)
+        assert abs(bpc["--checkpoint"] - bpc["--hf"]) < 1e-5 * bpc["--hf"]
+
+
 def _file_tensors(directory) -> dict:
     files = SafetensorsFiles(hf_weight_files(directory))
     return {k: files[k] for k in files}
 
 
-def test_hf_to_project_to_hf_is_exact(hf_models, imported, tmp_path):
+def test_hf_to_project_to_hf_is_exact(hf_models, ep2, tmp_path):
+    """Hugging Face -> import -> the EP2 engine -> its checkpoint -> ``export_hf --checkpoint``: the original
+    files' tensors, config and logits."""
+    _, runs = ep2
     for name, (path, logits) in hf_models.items():
-        config = GPTConfig.from_file(imported[name] / "config.json")
-        export_hf(config, read_state_dict(imported[name] / "model.safetensors", lazy=True), tmp_path / name)
+        assert export_main(["--checkpoint", str(runs / name), "--out", str(tmp_path / name)]) == 0
         theirs, ours = _file_tensors(path), _file_tensors(tmp_path / name)
         assert ours.keys() == theirs.keys(), name
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs), name
