@@ -1,9 +1,11 @@
 """Mixtral and Qwen3-MoE in and out of Hugging Face: tiny random models that transformers builds here (nothing is
 downloaded), saved with save_pretrained (per-expert tensors in the files), import through the command and give
-transformers' logits (fp32, dropless) in one process and at EP2 (2 gloo ranks, each holding half of the experts,
-built by the training engine from the imported directory); the export of the import has the original files'
-tensors bit for bit, loads back as the same class and gives the same logits. Qwen3-MoE with layers kept dense
-(decoder_sparse_step 2, mlp_only_layers) and norm_topk_prob false; neither family has shared experts."""
+transformers' logits (fp32, dropless) in one process and, in one 4-rank gloo launch, at EP2, TP2 and (EP2, TP2),
+built by the training engine from the imported directory (each rank taking its experts and its TP shard of
+them). The run saved at (EP2, TP2) reads back bit for bit, ``evaluate --checkpoint`` scores it as ``evaluate --hf``
+scores the original, and ``export_hf --checkpoint`` gives the original files' tensors, config and logits.
+Qwen3-MoE with layers kept dense (decoder_sparse_step 2, mlp_only_layers) and norm_topk_prob false; neither
+family has shared experts (Qwen3-MoE has none; Qwen2-MoE's shared expert is not imported)."""
 import dataclasses
 import json
 import sys
@@ -17,6 +19,7 @@ from run_utils import source_text
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from models import GPT, GPTConfig
+from models.moe import expert_slice
 from models.parallel import full_state_dict, initialize_model_parallel
 from pipeline.checkpoints.checkpoint import read_full_checkpoint, save, save_run_files
 from pipeline.checkpoints.state_dicts import load_full_state_dict, read_state_dict
@@ -71,7 +74,7 @@ def imported(hf_models, tmp_path_factory):
     out = {}
     for name, (path, _) in hf_models.items():
         out[name] = tmp_path_factory.mktemp("imported") / name
-        assert import_main(["--model", str(path), "--out", str(out[name])]) == 0
+        assert import_main(["--model", str(path), "--out", str(out[name]), "--tensor-parallel", "2"]) == 0
     return out
 
 
@@ -82,44 +85,53 @@ def _one_process_logits(path):
         return model(TOKENS)
 
 
-def _expert_parallel_logits(rank, model_dirs, ep, save_root):
-    """Each imported model built by the training engine at (EP ep, DP world) from its directory (each rank
-    taking its experts of the full state dict): its logits in evaluation, and a checkpoint of it (each rank
-    writing its experts' files) under ``save_root``."""
-    state = initialize_model_parallel(tensor_parallel=1)
-    ds = resolve_ds_config({**BASE_DS, "train_batch_size": state.data_parallel}, data_parallel=state.data_parallel,
-                           pipeline_parallel=1, micro_batch_size=1)
+# layout -> (TP, EP) on the 4 ranks of the one launch (data parallel: what is left; EP splits it)
+LAYOUTS = {"EP2": (1, 2), "TP2": (2, 1), "EP2, TP2": (2, 2)}
+SAVED_AT = "EP2, TP2"
+
+
+def _layout_logits(rank, model_dirs, save_root):
+    """Each imported model built by the training engine from its directory at every layout (each rank taking its
+    experts, and its TP shard of them, from the full state dict): its logits in evaluation, the global index of
+    the rank's first expert and that expert's fc_out at TP1; at ``SAVED_AT`` a checkpoint under ``save_root``
+    (each rank writing its experts' files)."""
     out = {}
-    for name, path in model_dirs.items():
-        config = dataclasses.replace(GPTConfig.from_file(f"{path}/config.json"), moe_expert_parallel=ep)
-        engine = build_engine(config, ds, state, init_seed=0,
-                              full_state_dict=read_state_dict(f"{path}/model.safetensors", lazy=True))
-        engine.eval()
-        local = engine.module.layers[1].mlp.moe.deepspeed_moe.experts.deepspeed_experts
-        with torch.no_grad():
-            out[name] = (engine(TOKENS), local[0].fc_out.weight.clone())
-        save_dir = Path(save_root) / name
-        if rank == 0:
-            save_run_files(save_dir, config, load_tokenizer("bytes"))
-        layout = {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": state.data_parallel,
-                  "expert_parallel": ep, "model_type": "gpt", "precision": "fp32", "zero_stage": 1}
-        save(engine, save_dir, 0, data_state=None, layout=layout)
+    for layout, (tp, ep) in LAYOUTS.items():
+        state = initialize_model_parallel(tensor_parallel=tp)
+        ds = resolve_ds_config({**BASE_DS, "train_batch_size": state.data_parallel},
+                               data_parallel=state.data_parallel, pipeline_parallel=1, micro_batch_size=1)
+        for name, path in model_dirs.items():
+            config = dataclasses.replace(GPTConfig.from_file(f"{path}/config.json"), moe_expert_parallel=ep)
+            engine = build_engine(config, ds, state, init_seed=0,
+                                  full_state_dict=read_state_dict(f"{path}/model.safetensors", lazy=True))
+            engine.eval()
+            local = engine.module.layers[1].mlp.moe.deepspeed_moe.experts.deepspeed_experts
+            with torch.no_grad():
+                out[layout, name] = (engine(TOKENS), expert_slice(engine.module).first,
+                                     local[0].fc_out.weight.clone() if tp == 1 else None)
+            if layout == SAVED_AT:
+                save_dir = Path(save_root) / name
+                if rank == 0:
+                    save_run_files(save_dir, config, load_tokenizer("bytes"))
+                save(engine, save_dir, 0, data_state=None, layout={
+                    "tensor_parallel": tp, "pipeline_parallel": 1, "data_parallel": state.data_parallel,
+                    "expert_parallel": ep, "model_type": "gpt", "precision": "fp32", "zero_stage": 1})
     return out
 
 
 @pytest.fixture(scope="module")
-def ep2(imported, tmp_path_factory):
-    """The EP2 launch: rank -> name -> (logits, the rank's first expert of layer 1); and the runs it saved."""
-    runs = tmp_path_factory.mktemp("ep2-runs")
-    return run_distributed(_expert_parallel_logits, 2, {k: str(v) for k, v in imported.items()}, 2, str(runs)), runs
+def launch(imported, tmp_path_factory):
+    """The one 4-rank launch: rank -> (layout, name) -> (logits, first expert, its fc_out); the runs saved."""
+    runs = tmp_path_factory.mktemp("runs")
+    return run_distributed(_layout_logits, 4, {k: str(v) for k, v in imported.items()}, str(runs)), runs
 
 
-def test_imported_logits_equal_transformers_at_ep1_and_ep2(hf_models, imported, ep2):
+def test_imported_logits_equal_transformers_at_every_layout(hf_models, imported, launch):
     configs = {name: GPTConfig.from_file(path / "config.json") for name, path in imported.items()}
     assert [configs["qwen3_moe"].is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
     assert (configs["qwen3_moe"].moe_norm_topk_prob, configs["qwen3_moe"].moe_top_k) == (False, 3)
     assert (configs["mixtral"].num_experts, configs["mixtral"].moe_layer_freq) == (4, 1)
-    ep2, _ = ep2
+    results, _ = launch
     for name, (_, theirs) in hf_models.items():
         assert theirs.abs().max() > 0.1
         diff = (_one_process_logits(imported[name]) - theirs).abs().max().item()
@@ -127,19 +139,22 @@ def test_imported_logits_equal_transformers_at_ep1_and_ep2(hf_models, imported, 
         assert diff < TOL
         full = read_state_dict(imported[name] / "model.safetensors")
         layer = "layers.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts"
-        for rank in range(2):
-            logits, first_expert = ep2[rank][name]
-            diff = (logits - theirs).abs().max().item()
-            print(f"{name} (EP2) rank {rank}: max |logit difference| {diff:.2e}", file=sys.stderr)
+        for layout, (_, ep) in LAYOUTS.items():
+            diff = max((r[layout, name][0] - theirs).abs().max().item() for r in results)
+            print(f"{name} ({layout}): max |logit difference| over the 4 ranks {diff:.2e}", file=sys.stderr)
             assert diff < TOL
-            assert torch.equal(first_expert, full[f"{layer}.{2 * rank}.fc_out.weight"])  # rank r: experts 2r, 2r+1
+            firsts = [r[layout, name][1] for r in results]
+            assert sorted(set(firsts)) == [0, 2][:ep] and all(firsts.count(f) == 4 // ep for f in set(firsts))
+        for r in results:  # at TP1 the expert itself: global index first
+            _, first, weight = r["EP2", name]
+            assert torch.equal(weight, full[f"{layer}.{first}.fc_out.weight"])
 
 
-def test_evaluate_checkpoint_scores_an_expert_parallel_run_as_transformers(hf_models, imported, ep2, tmp_path):
-    """The runs saved at EP2 (each expert in DeepSpeed's file of its own, written by its rank) read back as the
-    imported weights bit for bit, and ``evaluate --checkpoint`` gives the bits per character that
-    ``evaluate --hf`` gives the original Hugging Face model."""
-    _, runs = ep2
+def test_evaluate_checkpoint_scores_an_expert_parallel_run_as_transformers(hf_models, imported, launch, tmp_path):
+    """The runs saved at (EP2, TP2) (each expert's TP shard in DeepSpeed's file of its own, written by its rank)
+    read back as the imported weights bit for bit, and ``evaluate --checkpoint`` gives the bits per character
+    that ``evaluate --hf`` gives the original Hugging Face model."""
+    _, runs = launch
     text = tmp_path / "held_out.txt"
     text.write_text(source_text()[:1500])
     for name, (path, _) in hf_models.items():
@@ -152,7 +167,7 @@ def test_evaluate_checkpoint_scores_an_expert_parallel_run_as_transformers(hf_mo
             evaluate_main(["--task", "bpc", "--data", str(text), flag, str(model), "--context-length", "24",
                            "--out", str(out), "--no-progress"])
             bpc[flag] = json.loads(out.read_text())["results"]["bits_per_character"]
-        print(f"{name}: evaluate --checkpoint (EP2 run) {bpc['--checkpoint']:.6f} bits/char, --hf "
+        print(f"{name}: evaluate --checkpoint ({SAVED_AT} run) {bpc['--checkpoint']:.6f} bits/char, --hf "
               f"{bpc['--hf']:.6f} (difference {abs(bpc['--checkpoint'] - bpc['--hf']):.1e})", file=sys.stderr)
         assert abs(bpc["--checkpoint"] - bpc["--hf"]) < 1e-5 * bpc["--hf"]
 
@@ -162,10 +177,10 @@ def _file_tensors(directory) -> dict:
     return {k: files[k] for k in files}
 
 
-def test_hf_to_project_to_hf_is_exact(hf_models, ep2, tmp_path):
-    """Hugging Face -> import -> the EP2 engine -> its checkpoint -> ``export_hf --checkpoint``: the original
-    files' tensors, config and logits."""
-    _, runs = ep2
+def test_hf_to_project_to_hf_is_exact(hf_models, launch, tmp_path):
+    """Hugging Face -> import -> the (EP2, TP2) engine -> its checkpoint -> ``export_hf --checkpoint``: the
+    original files' tensors, config and logits."""
+    _, runs = launch
     for name, (path, logits) in hf_models.items():
         assert export_main(["--checkpoint", str(runs / name), "--out", str(tmp_path / name)]) == 0
         theirs, ours = _file_tensors(path), _file_tensors(tmp_path / name)
