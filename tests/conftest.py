@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -22,3 +23,25 @@ def shared_data(*parts) -> Path:
     if not path.exists():
         pytest.skip(f"shared data file {path} is absent (CI always has ../shared/data)")
     return path
+
+
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_in_pytest():
+    """A command run inside the pytest process must leave no process group and no launcher variables behind:
+    every later subprocess test would inherit MASTER_PORT and fail with EADDRINUSE, far from the cause. The leak
+    is undone here and fails the test that made it."""
+    before = {name: os.environ.get(name) for name in _LAUNCHER_VARIABLES}
+    yield
+    leaked = [name for name, value in before.items() if os.environ.get(name) != value]
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        leaked.append("a torch.distributed process group")
+    assert not leaked, f"the test left {', '.join(leaked)} in the pytest process; run the command in a rank of its own"

@@ -8,25 +8,17 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune.data import SEMEVAL_EC_LABELS, load_data
+from finetune.data import load_data
 from finetune.ensemble import Ensemble, check_labels, load_member, save_ensemble_dir
 from finetune.ensemble.members import common_split, fit_tfidf
 from finetune.ensemble.tfidf import TfidfClassifier
 from finetune.job.inputs import holdout_split
 from finetune.normalize import TweetNormalizer
 from finetune.saved import LoadedClassifier
-from finetune.scoring.metrics import (PUBLISHED_EC_TEST_F1, evaluate_probabilities, format_comparison,
-                                      plot_per_class_f1, write_eval_json)
+from finetune.scoring.metrics import evaluate_probabilities, format_comparison, plot_dev_per_class_f1, write_eval_json
 from finetune.scoring.predictions import write_predictions
-from finetune.scoring.thresholds import apply_thresholds, bagged_thresholds, tune_thresholds
+from finetune.scoring.thresholds import apply_thresholds, thresholds_for
 from pipeline.hf.convert import parse_dtype
-
-
-def tune(labels, probs, args, seed: int) -> np.ndarray:
-    refine = None if args.threshold_objective == "macro" else args.threshold_objective
-    if args.threshold_bagging:
-        return bagged_thresholds(labels, probs, refine=refine, resamples=args.threshold_bagging, seed=seed)
-    return tune_thresholds(labels, probs, refine=refine)
 
 
 def build(args, save: Path, dirs: list[Path]) -> dict:
@@ -47,15 +39,18 @@ def build(args, save: Path, dirs: list[Path]) -> dict:
     probs = {name: ensemble.member_probabilities(data.texts, args.batch_size, progress=True)
              for name, data in (("held", held), ("dev", dev), ("test", test)) if data is not None}
     seconds = time.perf_counter() - t0
-    seed = split["holdout_seed"]  # the bootstrap resamples of the held-out tweets, as the members drew theirs
-    thresholds = tune(held.labels, np.mean(probs["held"], axis=0), args, seed)
-    results = {"dev": evaluate_probabilities(dev.labels, np.mean(probs["dev"], axis=0), names, thresholds)}
+    mean = {name: np.mean(p, axis=0) for name, p in probs.items()}
+
+    def tune(held_probs):  # bootstrap seeded by the split, so a rebuild gives the same thresholds
+        return thresholds_for(held.labels, held_probs, args.threshold_objective, args.threshold_bagging,
+                              split["holdout_seed"])
+    thresholds = tune(mean["held"])
+    results = {"dev": evaluate_probabilities(dev.labels, mean["dev"], names, thresholds)}
     if test is not None and test.labels is not None:
-        results["test"] = evaluate_probabilities(test.labels, np.mean(probs["test"], axis=0), names, thresholds)
-    results["members"] = {str(d): evaluate_probabilities(dev.labels, p, names,
-                                                         tune(held.labels, h, args, seed))["tuned"]
+        results["test"] = evaluate_probabilities(test.labels, mean["test"], names, thresholds)
+    results["members"] = {str(d): evaluate_probabilities(dev.labels, p, names, tune(h))["tuned"]
                           for d, p, h in zip(dirs, probs["dev"], probs["held"])}
-    write_outputs(save, results, dev, test, names, probs, thresholds)
+    write_outputs(save, results, dev, test, names, mean, len(dirs), thresholds)
     info = {"split": split, "threshold_objective": args.threshold_objective,
             "threshold_bagging": args.threshold_bagging, "held_out_texts": len(held),
             "dev_tuned": {k: results["dev"]["tuned"][k] for k in ("micro_f1", "macro_f1", "jaccard")}}
@@ -66,17 +61,15 @@ def build(args, save: Path, dirs: list[Path]) -> dict:
     print(f"dev ({len(dev)} texts), every threshold tuned on the {len(held)} held-out training texts:\n"
           + format_comparison(systems))
     print(f"wrote the ensemble of {len(dirs)} members to {save} (predictions {seconds:.0f} s)")
-    return {**results, "thresholds": thresholds, "members": dirs, "dev_probabilities": np.mean(probs["dev"], 0)}
+    return {**results, "thresholds": thresholds, "members": dirs, "dev_probabilities": mean["dev"]}
 
 
-def write_outputs(save: Path, results: dict, dev, test, names, probs, thresholds) -> None:
+def write_outputs(save: Path, results: dict, dev, test, names, mean: dict, members: int, thresholds) -> None:
     write_eval_json(save / "eval.json", results)
-    write_predictions(save / "dev_predictions.txt", dev.ids, dev.texts,
-                      apply_thresholds(np.mean(probs["dev"], axis=0), thresholds), names)
+    write_predictions(save / "dev_predictions.txt", dev.ids, dev.texts, apply_thresholds(mean["dev"], thresholds),
+                      names)
     if test is not None:
         write_predictions(save / "test_predictions.txt", test.ids, test.texts,
-                          apply_thresholds(np.mean(probs["test"], axis=0), thresholds), names)
-    published = PUBLISHED_EC_TEST_F1 if set(names) <= set(SEMEVAL_EC_LABELS) else None
-    plot_per_class_f1(save / "per_class_f1.png", results["dev"], reference=published,
-                      reference_label="Kant et al. 2018, E-c test (the values the paper gives)",
-                      title=f"Ensemble of {len(probs['dev'])}: per-class F1 on dev ({Path(dev.source).name})")
+                          apply_thresholds(mean["test"], thresholds), names)
+    plot_dev_per_class_f1(save / "per_class_f1.png", results["dev"], names,
+                          f"Ensemble of {members}: per-class F1 on dev ({Path(dev.source).name})")

@@ -12,22 +12,20 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-from finetune.data import SEMEVAL_EC_LABELS
 from finetune.hf_export import ExportError, export_classifier
 from finetune.job.loop import full_fp32_state
 from finetune.job.providers import Base, Head, Splits
 from finetune.model import encoder_type_of
 from finetune.saved import save_classifier_dir
 from finetune.scoring.metrics import (
-    PUBLISHED_EC_TEST_F1,
     evaluate_probabilities,
     format_comparison,
-    plot_per_class_f1,
+    plot_dev_per_class_f1,
     single_label_scores,
     write_eval_json,
 )
 from finetune.scoring.predictions import write_predictions
-from finetune.scoring.thresholds import apply_thresholds, bagged_thresholds, tune_thresholds
+from finetune.scoring.thresholds import apply_thresholds, thresholds_for
 from pipeline.job.loop import is_rank0
 from pipeline.tracking.metrics import MetricsWriter
 
@@ -55,13 +53,8 @@ def finish(r: FinetuneRun) -> dict:
     dev_probs = predict("dev", progress=True)
     tune_probs = dev_probs if tune_on is dev else predict("tune", progress=True)
     test_probs = predict("test", progress=True) if test is not None else None
-    refine = None if args.threshold_objective == "macro" else args.threshold_objective
-    thresholds = None
-    if multilabel and args.threshold_bagging:
-        thresholds = bagged_thresholds(tune_on.labels, tune_probs, refine=refine, resamples=args.threshold_bagging,
-                                       seed=args.seed)
-    elif multilabel:
-        thresholds = tune_thresholds(tune_on.labels, tune_probs, refine=refine)
+    thresholds = thresholds_for(tune_on.labels, tune_probs, args.threshold_objective, args.threshold_bagging,
+                                args.seed) if multilabel else None
     results = {}
 
     def scores(data, probs):
@@ -89,10 +82,8 @@ def finish(r: FinetuneRun) -> dict:
         systems = {"threshold 0.5": results["dev"]["at_0.5"],
                    f"tuned on {settings['thresholds_tuned_on']}": results["dev"]["tuned"]}
         print(f"dev ({len(dev)} texts):\n" + format_comparison(systems))
-        published = PUBLISHED_EC_TEST_F1 if set(train.label_names) <= set(SEMEVAL_EC_LABELS) else None
-        plot_per_class_f1(save / "per_class_f1.png", results["dev"], reference=published,
-                          reference_label="Kant et al. 2018, E-c test (the values the paper gives)",
-                          title=f"Per-class F1 on dev ({Path(dev.source).name})")
+        plot_dev_per_class_f1(save / "per_class_f1.png", results["dev"], train.label_names,
+                              f"Per-class F1 on dev ({Path(dev.source).name})")
     else:
         s = results["dev"]["single_label"]
         print(f"dev ({len(dev)} texts): accuracy {s['accuracy']:.4f}, macro-F1 {s['macro_f1']:.4f}")

@@ -23,6 +23,7 @@ import numpy as np
 from sklearn.metrics import accuracy_score, f1_score, jaccard_score, precision_recall_fscore_support
 
 from finetune._io import atomic_write_bytes, atomic_write_text
+from finetune.data import SEMEVAL_EC_LABELS
 from finetune.scoring.thresholds import apply_thresholds
 
 AT_HALF, TUNED = "at_0.5", "tuned"
@@ -153,6 +154,14 @@ def plot_per_class_f1(path: str | os.PathLike, results: Mapping, title: str | No
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     return atomic_write_bytes(path, buf.getvalue())
+
+
+def plot_dev_per_class_f1(path: str | os.PathLike, results: Mapping, label_names: Sequence[str], title: str) -> Path:
+    """``plot_per_class_f1`` of a classifier's dev scores, with Kant et al.'s published E-c test values marked
+    when its labels are E-c's (or a subset of them)."""
+    published = PUBLISHED_EC_TEST_F1 if set(label_names) <= set(SEMEVAL_EC_LABELS) else None
+    return plot_per_class_f1(path, results, reference=published,
+                             reference_label="Kant et al. 2018, E-c test (the values the paper gives)", title=title)
 
 
 def format_comparison(systems: Mapping[str, Mapping], per_class: bool = True) -> str:

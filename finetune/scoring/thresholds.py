@@ -130,6 +130,15 @@ def bagged_thresholds(y_true: np.ndarray, probs: np.ndarray, *, resamples: int =
     return np.where(votes > 0, total / np.maximum(votes, 1), single)
 
 
+def thresholds_for(y_true: np.ndarray, probs: np.ndarray, objective: str, bagging: int, seed: int) -> np.ndarray:
+    """The thresholds a job's ``--threshold-objective`` (``macro``: each class its own best F1; ``micro``,
+    ``balanced``, ``mean``: that refinement) and ``--threshold-bagging`` (resamples; 0: none) ask for."""
+    refine = None if objective == "macro" else objective
+    if bagging:
+        return bagged_thresholds(y_true, probs, refine=refine, resamples=bagging, seed=seed)
+    return tune_thresholds(y_true, probs, refine=refine)
+
+
 def save_thresholds(path: str | os.PathLike, thresholds: Sequence[float] | np.ndarray, label_names: Sequence[str],
                     **metadata) -> Path:
     """Write thresholds as JSON (atomically), keyed by label so that a label-order mix-up cannot go unseen.

@@ -150,6 +150,14 @@ def test_imported_logits_equal_transformers_at_every_layout(hf_models, imported,
             assert torch.equal(weight, full[f"{layer}.{first}.fc_out.weight"])
 
 
+def _evaluate_bpc(rank, jobs):
+    out = {}
+    for key, argv in jobs.items():
+        evaluate_main(argv)
+        out[key] = json.loads(Path(argv[argv.index("--out") + 1]).read_text())["results"]["bits_per_character"]
+    return out
+
+
 def test_evaluate_checkpoint_scores_an_expert_parallel_run_as_transformers(hf_models, imported, launch, tmp_path):
     """The runs saved at (EP2, TP2) (each expert's TP shard in DeepSpeed's file of its own, written by its rank)
     read back as the imported weights bit for bit, and ``evaluate --checkpoint`` gives the bits per character
@@ -157,16 +165,15 @@ def test_evaluate_checkpoint_scores_an_expert_parallel_run_as_transformers(hf_mo
     _, runs = launch
     text = tmp_path / "held_out.txt"
     text.write_text(source_text()[:1500])
-    for name, (path, _) in hf_models.items():
+    jobs = {(name, flag): ["--task", "bpc", "--data", str(text), flag, str(model), "--context-length", "24",
+                           "--out", str(tmp_path / f"{name}{flag}.json"), "--no-progress"]
+            for name, (path, _) in hf_models.items() for flag, model in (("--checkpoint", runs / name), ("--hf", path))}
+    scores = run_distributed(_evaluate_bpc, 1, jobs)[0]  # a rank of its own: the command joins a process group
+    for name in hf_models:
         _, full, _ = read_full_checkpoint(runs / name)
         want = read_state_dict(imported[name] / "model.safetensors")
         assert full.keys() == want.keys() and all(torch.equal(full[k], want[k]) for k in want), name
-        bpc = {}
-        for flag, model in (("--checkpoint", runs / name), ("--hf", path)):
-            out = tmp_path / f"{name}{flag}.json"
-            evaluate_main(["--task", "bpc", "--data", str(text), flag, str(model), "--context-length", "24",
-                           "--out", str(out), "--no-progress"])
-            bpc[flag] = json.loads(out.read_text())["results"]["bits_per_character"]
+        bpc = {flag: scores[name, flag] for flag in ("--checkpoint", "--hf")}
         print(f"{name}: evaluate --checkpoint ({SAVED_AT} run) {bpc['--checkpoint']:.6f} bits/char, --hf "
               f"{bpc['--hf']:.6f} (difference {abs(bpc['--checkpoint'] - bpc['--hf']):.1e})", file=sys.stderr)
         assert abs(bpc["--checkpoint"] - bpc["--hf"]) < 1e-5 * bpc["--hf"]
