@@ -31,7 +31,7 @@ from pipeline.checkpoints.checkpoint import is_deepspeed_run_dir, read_full_mode
 from pipeline.job.families import family_named
 from pipeline.checkpoints.model_dir import CONFIG_FILE, read_model_dir, tokenizer_dir_of
 from pipeline.checkpoints.state_dicts import load_full_state_dict
-from pipeline.job.files import atomic_dir, atomic_path
+from pipeline.job.files import atomic_dir, atomic_path, crash_point
 
 from ._io import atomic_write_text
 from .batching import encode_texts, predict_encoded
@@ -80,6 +80,7 @@ def save_classifier_dir(directory: str | os.PathLike, *, full_state: Mapping[str
         "thresholds_file": THRESHOLDS_FILE if thresholds is not None else None,
         "training": training or {},
     }
+    crash_point("before:classifier.json")
     atomic_write_text(d / CLASSIFIER_FILE, json.dumps(info, indent=2) + "\n")
     return d
 

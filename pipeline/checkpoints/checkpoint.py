@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
@@ -37,7 +35,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from models.parallel import get_rng_tracker
 from pipeline.job.families import family_of_dict
-from pipeline.job.files import atomic_dir, atomic_write_text, disk_full, disk_full_cause, tree_size
+from pipeline.job.files import atomic_dir, atomic_write_text, crash_point, disk_full, disk_full_cause, tree_size
 from pipeline.checkpoints.model_dir import read_model_dir
 
 from pipeline.checkpoints import safe_load
@@ -124,7 +122,7 @@ def _save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict,
     if names is not None:
         client_state[OPTIMIZER_PARAM_NAMES] = names
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
-    _crash_point("after-deepspeed-files", step)
+    crash_point(f"after-deepspeed-files:{step}")
     state_file = tag_dir / f"rank{rank}_state.pt"
     digests = {**writer.written, str(state_file.resolve()): safe_load.save_hashed(
         {"data": data_state, "rng": rng_state()}, state_file)}
@@ -157,12 +155,6 @@ def write_complete(tag_dir: Path, step: int, digests: dict | None = None) -> Non
     sha256 the writers computed as the bytes went out ({absolute path: sha256}); a file none hashed is read back."""
     files = safe_load.file_manifest(tag_dir, digests, skip=(COMPLETE,))
     atomic_write_text(tag_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=2) + "\n")
-
-
-def _crash_point(where: str, step: int) -> None:
-    """Fault injection for the kill -9 tests: PIPELINE_CRASH_AT=<where>:<step> kills this process here."""
-    if os.environ.get("PIPELINE_CRASH_AT") == f"{where}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 LOAD_TAG = "with --load-tag"

@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,8 @@ from pipeline.job.errors import InputError, UserError
 
 __all__ = ["DiskFullError", "DISK_FULL", "disk_full", "disk_full_cause", "tree_size",
            "read_utf8_text", "atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
-           "atomic_dir", "check_output_dir", "check_output_file", "refuse_overlap", "OutputError", "fsync_tree"]
+           "atomic_dir", "check_output_dir", "check_output_file", "refuse_overlap", "OutputError", "fsync_tree",
+           "crash_point"]
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -205,10 +207,12 @@ def atomic_dir(out: str | os.PathLike, *, force: bool = False) -> Iterator[Path]
                               f"directory")
         os.chmod(tmp, 0o777 & ~_umask())
         fsync_tree(tmp)
+        crash_point(f"written:{out.name}")
         old = None
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / out.name)
+            crash_point(f"moved-aside:{out.name}")
         os.replace(tmp, out)
         _fsync(out.parent)
         if old is not None:
@@ -222,3 +226,10 @@ def atomic_dir(out: str | os.PathLike, *, force: bool = False) -> Iterator[Path]
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def crash_point(where: str) -> None:
+    """Fault injection for the kill -9 tests: ``PIPELINE_CRASH_AT=<where>`` kills this process here (SIGKILL: no
+    handler, no clean-up runs), e.g. ``written:<name>`` (an output directory complete under its temporary name)."""
+    if os.environ.get("PIPELINE_CRASH_AT") == where:
+        os.kill(os.getpid(), signal.SIGKILL)

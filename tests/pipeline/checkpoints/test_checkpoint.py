@@ -1,4 +1,5 @@
-"""Exact resume (also after kill -9 during a save), damaged checkpoints, resharding to other layouts."""
+"""Exact resume (also after kill -9 during a save), kill -9 of every conversion, damaged checkpoints, resharding
+to other layouts."""
 import json
 import shutil
 import subprocess
@@ -7,14 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli import cli_env
 from dist import run_distributed
 from run_utils import NO_DROPOUT, TINY_GPT2, ds_config, pretrain_worker, write_corpus
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models import GPT
-from pipeline.checkpoints import checkpoint
+from pipeline.checkpoints import checkpoint, universal
+from pipeline.checkpoints.model_dir import read_model_dir
 from pipeline.evaluate import main as evaluate_main
 from pipeline.export_hf import main as export_main
+from pipeline.import_hf import main as import_main
+from pipeline.reshard import main as reshard_main
 from pipeline.checkpoints.state_dicts import load_full_state_dict, read_state_dict
 
 MODEL = TINY_GPT2
@@ -77,6 +82,45 @@ def test_kill_during_save_leaves_previous_checkpoint(setup, uninterrupted):
     for s in res:
         assert res[s] == full[s], f"step {s}"
 
+
+
+def _killed_at(where: str, command: list, cwd: Path) -> None:
+    """Run ``command`` (a module and its arguments) in a process of its own that kills itself (SIGKILL) at
+    ``where`` (``pipeline.job.files.crash_point``)."""
+    proc = subprocess.run([sys.executable, "-m", *map(str, command)], cwd=cwd, env=cli_env(PIPELINE_CRASH_AT=where),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, f"{command[0]} was not killed at {where}: {proc.stderr[-2000:]}"
+
+
+def test_kill_at_any_point_of_a_conversion_then_the_same_command_succeeds(setup, uninterrupted, tmp_path):
+    """kill -9 of export_hf, import_hf, reshard and the universal conversion inside --load, each when its output
+    is complete under its temporary name (and export_hf --force when the earlier export is moved aside): no
+    output, or none that any reader takes for complete; the same command run again succeeds."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)  # the universal conversion writes into the run directory
+    hf, imported, resharded = tmp_path / "hf", tmp_path / "imported", tmp_path / "resharded"
+    commands = {"export_hf": (export_main, ["--checkpoint", run, "--out", hf], hf),
+                "import_hf": (import_main, ["--model", hf, "--out", imported], imported),
+                "reshard": (reshard_main, ["--checkpoint", run, "--out", resharded], resharded)}
+    for name, (main, argv, out) in commands.items():
+        _killed_at(f"written:{out.name}", [f"pipeline.{name}", *argv], tmp_path)
+        assert not out.exists() and list(tmp_path.glob(f".{out.name}.tmp-*")), name
+        assert main([str(a) for a in argv]) == 0  # the same command again (in this process: no launcher)
+    _killed_at(f"moved-aside:{hf.name}", ["pipeline.export_hf", *commands["export_hf"][1], "--force"], tmp_path)
+    assert not hf.exists()  # the earlier export is aside under a temporary name: no half-new, half-old output
+    assert export_main([str(a) for a in commands["export_hf"][1]] + ["--force"]) == 0
+    assert AutoModelForCausalLM.from_pretrained(hf) is not None
+    _, got, _ = read_model_dir(imported)
+    _, want, _ = checkpoint.read_full_checkpoint(run)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert checkpoint.resolve_tag(resharded) == "global_step6"
+
+    cache = run / "universal" / "global_step6"  # --load at TP1 of the TP2 run converts it on rank 0
+    load = args(setup, tmp_path / "tp1", 7, "--load", str(run))
+    _killed_at(f"written:{cache.name}", ["pipeline.pretrain", *load], setup)
+    assert not cache.exists()
+    run_distributed(_pretrain, 1, load)
+    assert (cache / universal.MANIFEST).is_file() and sorted(losses(tmp_path / "tp1")) == [7]
 
 def test_damaged_checkpoint_is_refused(setup, uninterrupted, tmp_path):
     copy = tmp_path / "copy"
