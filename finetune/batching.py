@@ -99,9 +99,10 @@ class TrainBatches:
         return self
 
     def __next__(self) -> dict:
-        if self._order is not None and self.consumed + self.global_micro > len(self._order):
-            self.epoch, self.consumed, self._order = self.epoch + 1, 0, None
         if self._order is None:
+            self._order = self.epoch_order(self.epoch)
+        if self.consumed + self.global_micro > len(self._order):
+            self.epoch, self.consumed = self.epoch + 1, 0
             self._order = self.epoch_order(self.epoch)
         start = self.consumed + self.rank * self.micro
         idx = self._order[start:start + self.micro]
@@ -111,6 +112,17 @@ class TrainBatches:
             return {"pooled": self.encoded[torch.as_tensor(idx)], "labels": labels}
         ids, lengths = pad_batch([self.encoded[i] for i in idx], self.pad_id)
         return {"input_ids": ids, "lengths": lengths, "labels": labels}
+
+    def state_dict(self) -> dict:
+        """The position in the ``(seed, epoch)`` order: the epoch and its examples taken so far (over all DP
+        ranks, so the same at every layout)."""
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "examples": len(self.encoded)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["seed"], state["examples"]) != (self.seed, len(self.encoded)):
+            raise ValueError(f"the saved position is one of {state['examples']} examples at seed {state['seed']}, "
+                             f"these batches hold {len(self.encoded)} at seed {self.seed}")
+        self.epoch, self.consumed, self._order = int(state["epoch"]), int(state["consumed"]), None
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The example indices of one epoch, in the order the global micro-batches take them."""

@@ -14,7 +14,8 @@ Writes into ``--save``: the classifier (classifier.json, model.safetensors as a 
 thresholds.json tuned on dev or on a held-out part of train, tokenizer/), metrics.jsonl, eval.json (scores at
 0.5 and at the tuned thresholds), per_class_f1.png, predictions in the official E-c format
 (dev_predictions.txt, test_predictions.txt) and, when the head is one Hugging Face can hold, the exported
-``transformers`` classifier in hf/.
+``transformers`` classifier in hf/. A stop signal (SIGTERM, SIGUSR1) or ``--save-interval`` saves the training
+state into SAVE/checkpoint; the same command run again continues from it (``finetune.job.resume``).
 """
 from __future__ import annotations
 

@@ -113,7 +113,10 @@ def check_save(args) -> Path:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     save = check_save(args)
-    dirs = train_members(args, save) + [Path(m) for m in args.member]
+    trained = train_members(args, save)
+    if trained is None:  # stopped by a signal
+        return None
+    dirs = trained + [Path(m) for m in args.member]
     if dist.is_initialized() and dist.get_rank() != 0:  # the members are trained; rank 0 builds the ensemble
         dist.barrier()
         return None

@@ -18,8 +18,9 @@ MEMBERS_DIR = "members"
 DEFAULT_HOLDOUT, DEFAULT_HOLDOUT_SEED = 0.1, 1234
 
 
-def train_members(args, save: Path) -> list[Path]:
-    """The --recipe members, each trained unless already complete in SAVE/members/NAME-SEED."""
+def train_members(args, save: Path) -> list[Path] | None:
+    """The --recipe members, each trained unless already complete in SAVE/members/NAME-SEED; None when a stop
+    signal ended the training of one (its state is saved: the same command continues it)."""
     dirs = []
     for name, seed in args.recipes:
         d = save / MEMBERS_DIR / f"{name}-{seed}"
@@ -30,9 +31,11 @@ def train_members(args, save: Path) -> list[Path]:
         holdout = ["--holdout", str(args.holdout or DEFAULT_HOLDOUT),
                    "--holdout-seed", str(DEFAULT_HOLDOUT_SEED if args.holdout_seed is None else args.holdout_seed)]
         rank0_print(f"member {d}: training recipe {name!r} at seed {seed}")
-        train_classifier(parse_finetune_args([
+        result = train_classifier(parse_finetune_args([
             "--base", str(args.base), "--train", str(args.train), "--dev", str(args.dev), "--save", str(d),
             *RECIPES[name], *holdout, "--seed", str(seed), *args.extra]))
+        if "stopped_after" in result:  # a stop signal: the member's state is saved; the same command continues
+            return None
     return dirs
 
 

@@ -22,7 +22,10 @@ def parse_args(argv=None):
     g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...); "
                                                 "new or empty unless --force")
     g.add_argument("--force", action="store_true", help="write into an existing --save that holds an earlier "
-                                                        "classifier of this job")
+                                                        "classifier of this job, or start an interrupted run afresh")
+    g.add_argument("--save-interval", type=int, default=None, metavar="N",
+                   help="also save the training state every N steps into SAVE/checkpoint (a stop signal saves it "
+                        "anyway); the same command continues an interrupted run from it")
     g.add_argument("--hf-export", choices=["auto", "no"], default="auto",
                    help="auto: write the Hugging Face classifier to SAVE/hf when the head allows it")
     g.add_argument("--eval-interval", type=int, default=None, help="steps between dev evaluations "
@@ -119,22 +122,17 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     problems = []
     if args.epochs <= 0 and args.train_steps is None:
         problems.append(f"--epochs must be > 0, got {args.epochs}")
-    if args.train_steps is not None and args.train_steps < 1:
-        problems.append(f"--train-steps must be >= 1, got {args.train_steps}")
+    at_least = {"--train-steps": (args.train_steps, 1), "--group-by-length": (args.group_by_length, 0),
+                "--threshold-bagging": (args.threshold_bagging, 0), "--encoder-layers": (args.encoder_layers, 1),
+                "--max-length": (args.max_length, 1), "--save-interval": (args.save_interval, 1)}
+    problems += [f"{flag} must be >= {low}, got {value}" for flag, (value, low) in at_least.items()
+                 if value is not None and value < low]
     if not 0.0 <= args.holdout < 1.0:
         problems.append(f"--holdout must be in [0, 1), got {args.holdout}")
-    if args.group_by_length < 0:
-        problems.append(f"--group-by-length must be >= 0, got {args.group_by_length}")
-    if args.threshold_bagging < 0:
-        problems.append(f"--threshold-bagging must be >= 0, got {args.threshold_bagging}")
     if not 0.0 <= args.warmup < 1.0:
         problems.append(f"--warmup is a fraction of the training steps in [0, 1), got {args.warmup}")
-    if args.encoder_layers is not None and args.encoder_layers < 1:
-        problems.append(f"--encoder-layers must be >= 1, got {args.encoder_layers}")
     if args.freeze_encoder and args.aux_lm_weight:
         problems.append("--aux-lm-weight trains the encoder: it cannot be combined with --freeze-encoder")
-    if args.max_length < 1:
-        problems.append(f"--max-length must be >= 1, got {args.max_length}")
     if not 0.0 <= args.label_correlation < 1.0:
         problems.append(f"--label-correlation must be in [0, 1), got {args.label_correlation}")
     if args.lr <= 0:

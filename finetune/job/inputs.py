@@ -4,6 +4,7 @@ positive weights, encoder options, the held-out split, and the --save directory.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import finetune.data as data
 from finetune.data import load_data, load_labeled_file, load_semeval_ec, require_rows
 from finetune.heads import pos_weight_from_labels
 from finetune.job.args import FinetuneError
+from finetune.job.resume import CHECKPOINT_DIR
 from finetune.saved import CLASSIFIER_FILE
 from pipeline.job.faults import LOCK_FILE
 from pipeline.job.files import OutputError, refuse_overlap
@@ -123,7 +125,13 @@ def check_save(args) -> None:
     refuse_overlap(args.save, [("--base", args.base), ("--train", args.train), ("--dev", args.dev),
                                ("--test", args.test), ("--tokenizer", args.tokenizer)], "--save")
     save = Path(args.save)
-    if _interrupted(save):  # a killed run of this job left its log and some outputs, never classifier.json
+    if (save / CHECKPOINT_DIR).is_dir() and _interrupted(save):
+        if not args.force:  # a stopped run's saved state: the job continues it (finetune.job.resume)
+            return
+        print(f"note: --force: the interrupted run in --save {save} is started afresh", file=sys.stderr)
+        shutil.rmtree(save / CHECKPOINT_DIR)
+        (save / "metrics.jsonl").unlink(missing_ok=True)
+    elif _interrupted(save):  # a killed run of this job left its log and some outputs, never classifier.json
         print(f"note: --save {save} holds the outputs of an interrupted run of this job (no {CLASSIFIER_FILE}); "
               f"replacing them", file=sys.stderr)
         (save / "metrics.jsonl").unlink(missing_ok=True)
@@ -140,8 +148,8 @@ def check_save(args) -> None:
 
 
 # what this job writes into --save (finish.py, saved.py), a temporary of pipeline.job.files starting with "."
-_JOB_OUTPUTS = {"metrics.jsonl", "eval.json", "per_class_f1.png", "dev_predictions.txt", "test_predictions.txt",
-                "thresholds.json", "model.safetensors", "tokenizer", "hf", LOCK_FILE}
+_JOB_OUTPUTS = {CHECKPOINT_DIR, "metrics.jsonl", "eval.json", "per_class_f1.png", "dev_predictions.txt",
+                "test_predictions.txt", "thresholds.json", "model.safetensors", "tokenizer", "hf", LOCK_FILE}
 
 
 def _interrupted(save: Path) -> bool:

@@ -3,7 +3,10 @@ members) run: base, data, head and engine from the providers, the training loop,
 the saved classifier (``finetune.job.finish``)."""
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +18,7 @@ from finetune.job.inputs import check_save
 from finetune.job.loop import finetune_step, loop_hooks
 from finetune.job.providers import (fit_ds_config, provide_base, provide_data, provide_engine, provide_head,
                                     run_settings)
+from finetune.job.resume import continue_interrupted, remove_state, save_state_hook
 from pipeline.job.loop import apply_sequence_parallel, is_rank0, quiet_deepspeed, setup, train_loop
 from pipeline.job.options import EngineOptions
 from pipeline.tracking.metrics import MetricsWriter
@@ -31,6 +35,49 @@ def run(args) -> dict:
     apply_sequence_parallel(base.config, job)
     job = fit_ds_config(args, base, data, job, torch.device(get_accelerator().current_device_name()))
     engine, schedule, steps_per_epoch, total_steps = provide_engine(args, base, data, head, job)
+    inputs = _train_inputs(args, base, data, head, job, engine)
+
+    save = Path(args.save) if args.save else None
+    settings = run_settings(args, base, data, head, job, (steps_per_epoch, total_steps), inputs.cached)
+    layout = job.layout(base.family.name)
+    done, losses = continue_interrupted(engine, save, settings, layout, inputs.batches)
+    metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None, monitor=engine.monitor,
+                            prefix="finetune")
+    if not done:
+        metrics.write({"settings": settings})
+    t0 = time.perf_counter()
+    hooks = [*loop_hooks(args, engine, data, inputs.predict, metrics, schedule, steps_per_epoch, job.global_batch,
+                         losses),
+             save_state_hook(engine, save, inputs.batches, losses, settings, layout, total_steps, args.save_interval)]
+    steps = train_loop(lambda: finetune_step(engine, inputs.batches), first=done + 1, last=total_steps,
+                       desc="finetune", hooks=hooks)
+    train_seconds = time.perf_counter() - t0
+    if steps < total_steps:  # a stop signal ended it: its state is saved, the same command continues it
+        if save is not None and is_rank0():
+            print(f"rerun the same command to continue after step {steps} of {total_steps}", file=sys.stderr)
+        metrics.close()
+        return {"stopped_after": steps, "losses": losses, "train_seconds": train_seconds}
+
+    # thresholds, scores, predictions
+    result = finish(FinetuneRun(args, base, data, head, engine, inputs.predict, save, metrics, settings))
+    remove_state(save)
+    result.update(losses=losses, train_seconds=train_seconds, feature_seconds=inputs.feature_seconds, steps=steps,
+                  sequence_parallel=settings["sequence_parallel"],
+                  group_lrs=[(g.get("lr_mult", 1.0), g["lr"]) for g in engine.optimizer.param_groups])
+    metrics.close()
+    return result
+
+
+@dataclass
+class TrainInputs:
+    batches: TrainBatches
+    predict: Callable  # predict(split name, progress=False) -> probabilities
+    cached: bool  # the frozen encoder's pooled features computed once
+    feature_seconds: float
+
+
+def _train_inputs(args, base, data, head, job, engine) -> TrainInputs:
+    """The training batches and the predictor of each split (token ids, or a frozen encoder's features)."""
     state = job.state
     dp_kwargs = dict(dp_rank=state.get_data_parallel_rank(), dp_world_size=state.data_parallel,
                      dp_group=state.get_data_parallel_group())
@@ -46,28 +93,10 @@ def run(args) -> dict:
                            state.data_parallel, base.pad_id, seed=args.seed, group_by_length=args.group_by_length,
                            global_batch_size=job.global_batch)
 
-    save = Path(args.save) if args.save else None
-    metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None, monitor=engine.monitor,
-                            prefix="finetune")
-    settings = run_settings(args, base, data, head, job, (steps_per_epoch, total_steps), cached)
-    metrics.write({"settings": settings})
-
     def predict(name, progress=False):
         if cached:
             return predict_pooled(engine.module, encoded[name])
         return predict_encoded(engine.module, encoded[name], base.pad_id, batch_size=args.eval_batch_size,
                                progress=progress and is_rank0(), desc=f"predict {name}", **dp_kwargs)
 
-    losses, t0 = [], time.perf_counter()
-    hooks = loop_hooks(args, engine, data, predict, metrics, schedule, steps_per_epoch, job.global_batch, losses)
-    steps = train_loop(lambda: finetune_step(engine, batches), first=1, last=total_steps, desc="finetune",
-                       hooks=hooks)  # fewer than total_steps when a stop signal ended it
-    train_seconds = time.perf_counter() - t0
-
-    # thresholds, scores, predictions
-    result = finish(FinetuneRun(args, base, data, head, engine, predict, save, metrics, settings))
-    result.update(losses=losses, train_seconds=train_seconds, feature_seconds=feature_seconds, steps=steps,
-                  sequence_parallel=settings["sequence_parallel"],
-                  group_lrs=[(g.get("lr_mult", 1.0), g["lr"]) for g in engine.optimizer.param_groups])
-    metrics.close()
-    return result
+    return TrainInputs(batches, predict, cached, feature_seconds)

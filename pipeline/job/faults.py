@@ -94,6 +94,8 @@ class Guard:
 
     def after_step(self, step: int, out) -> tuple[bool, bool]:
         """(stop now, this step was bad: a loss or a gradient not finite), the same on every rank (collective)."""
+        if os.environ.get("PIPELINE_SIGNAL_AT") == str(step):  # fault injection: the preemption tests' SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
         loss = _loss_of(out)
         bad_loss = self.check_finite and loss is not None and not math.isfinite(loss)
         bad_grad = self.check_finite and nonfinite_grad() is not None

@@ -1,6 +1,6 @@
 """Training batches grouped by length: little padding, the same epoch coverage as random batches, the same
 examples per optimizer step at every layout, an order that is a function of (seed, epoch); and the
-micro-batch chosen from the data."""
+micro-batch chosen from the data; a position restored from its state."""
 import numpy as np
 import pytest
 
@@ -59,6 +59,21 @@ def test_the_tail_of_each_epoch_is_left_out_and_the_next_epoch_starts_fresh():
     next(b)
     assert b.epoch == 1 and b.consumed == 8
 
+
+@pytest.mark.parametrize("stop", [5, 12, 13])  # 12 global micro-batches an epoch: inside one, at its end, after
+def test_batches_restored_from_their_state_continue_as_if_uninterrupted(stop):
+    def batches(seed=3):
+        return TrainBatches(ENCODED, LABELS, 8, 1, 2, 0, seed=seed, group_by_length=2, global_batch_size=16)
+    straight, first = batches(), batches()
+    want = [next(straight)["input_ids"] for _ in range(stop + 30)]
+    for _ in range(stop):
+        next(first)
+    resumed = batches()
+    resumed.load_state_dict(first.state_dict())
+    got = want[:stop] + [next(resumed)["input_ids"] for _ in range(30)]
+    assert all(a.equal(b) for a, b in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="at seed 3, these batches hold 203 at seed 4"):
+        batches(seed=4).load_state_dict(first.state_dict())
 
 def test_auto_micro_batch_is_the_largest_divisor_that_fits():
     assert auto_micro_batch(16, 1e6, 1e9) == 16

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from cli import cli_env, run_cli
 from conftest import ROOT, shared_data
 from run_utils import ds_config, write_job_files
 
+from pipeline.checkpoints.state_dicts import read_state_dict
 from pipeline.engine.distributed import free_port
 
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
@@ -97,37 +99,47 @@ def test_sigterm_to_one_rank_saves_and_resumes_bit_equal(work):
     assert [resumed[s] for s in range(1, step + 1)] == [straight[s] for s in range(1, step + 1)]
 
 
-def test_sigterm_to_finetune_saves_the_classifier_trained_so_far(work):
-    """finetune.train has no resume: a stop signal ends training at the step boundary, and the job writes its
-    classifier, scores and predictions as at the end of a run, then exits 0."""
+def test_sigterm_to_finetune_saves_its_state_and_the_same_command_continues_bit_equal(work):
+    """A SIGTERM during step 3 of 6 of finetune.train: the job saves its training state (SAVE/checkpoint) at the
+    step boundary and exits 0; the same command refuses other settings, then continues with the fp32 losses and
+    the classifier of a run that never stopped, bit for bit (head dropout on: the RNG streams continue too), and
+    removes the state. The run that never stopped, killed (kill -9) in its classifier's save: the same command
+    replaces what it left."""
     lines = (shared_data("semeval2018-ec") / "dev.tsv").read_text(encoding="utf-8").splitlines()[:21]
     (work / "dev.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     run_cli([sys.executable, PRETRAIN, *args(work, work / "base", 1)], work)
-    clf = work / "clf"
-    proc = start([sys.executable, "-m", "finetune.train", "--base", work / "base", "--train", work / "dev.tsv",
-                  "--dev", work / "dev.tsv", "--train-steps", "100000", "--eval-interval", "100000",
-                  "--log-interval", "1", "--max-length", "16", "--global-batch-size", "4", "--deepspeed_config",
-                  work / "ds.json", "--save", clf], work)
-    wait_for(lambda: steps_logged(clf) >= 3, what="three finetuning steps")
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    step = max(losses(clf))
-    assert f"stopped by SIGTERM after step {step} of 100000: its state is saved in {clf}" in err
-    assert all((clf / name).is_file() for name in ("classifier.json", "model.safetensors", "thresholds.json",
-                                                    "eval.json", "dev_predictions.txt"))
-    assert not (clf / ".run.lock").exists()
-    killed = work / "clf_killed"  # kill -9 mid-run: the same command again (here 2 steps) replaces what it left
-    argv = [str(killed) if a == str(clf) else a for a in proc.args]
-    proc = start(argv, work)
-    wait_for(lambda: steps_logged(killed) >= 2, what="two finetuning steps", proc=proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    assert not (killed / "classifier.json").exists() and (killed / ".run.lock").exists()
-    argv[argv.index("100000")] = "2"
-    rerun = run_cli(argv, work)
+
+    def finetune(save, steps=6, *extra):
+        return [sys.executable, "-m", "finetune.train", "--base", work / "base", "--train", work / "dev.tsv",
+                "--dev", work / "dev.tsv", "--train-steps", str(steps), "--eval-interval", "100000", "--log-interval",
+                "1", "--max-length", "16", "--global-batch-size", "4", "--deepspeed_config", work / "ds.json",
+                "--save", save, "--hf-export", "no", *extra]
+
+    clf, reference = work / "clf", work / "clf_straight"
+    stopped = run_cli(finetune(clf), work, env=cli_env(PIPELINE_SIGNAL_AT="3"))
+    assert f"stopped by SIGTERM after step 3 of 6: its state is saved in {clf}" in stopped.stderr
+    assert "rerun the same command to continue after step 3 of 6" in stopped.stderr
+    assert (clf / "checkpoint" / "global_step3" / "COMPLETE.json").is_file() and not (clf / "classifier.json").exists()
+    assert not (clf / ".run.lock").exists() and max(losses(clf)) == 3
+    other = run_cli(finetune(clf, 6, "--lr", "1e-4"), work, check=False)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-2000:]
+    assert f"error: --save {clf} holds an interrupted run with other settings (lr: 5e-05 then, 0.0001 now)" in \
+        other.stderr
+    resumed = run_cli(finetune(clf), work)
+    assert f"continuing the interrupted run in {clf} after step 3" in resumed.stderr
+    assert not (clf / "checkpoint").exists()
+    # the run that never stopped is killed (kill -9) in its classifier's save, the weights written; the same
+    # command again replaces what it left
+    crashed = run_cli(finetune(reference), work, check=False,
+                      env=cli_env(PIPELINE_CRASH_AT="before:classifier.json"))
+    assert crashed.returncode == -9 and not (reference / "classifier.json").exists()
+    assert losses(clf) == losses(reference) and sorted(losses(clf)) == list(range(1, 7))
+    got, want = (read_state_dict(d / "model.safetensors") for d in (clf, reference))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert (reference / ".run.lock").exists()
+    rerun = run_cli(finetune(reference), work)
     assert "holds the outputs of an interrupted run of this job" in rerun.stderr
-    assert (killed / "classifier.json").is_file() and max(losses(killed)) == 2
+    assert (reference / "classifier.json").is_file() and losses(reference) == losses(clf)
 
 
 def test_second_run_on_one_save_is_refused_and_a_dead_holder_is_taken_over(work):
