@@ -122,24 +122,28 @@ def test_column_row_parallel_linear_equal_dense(gather_output, input_is_parallel
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
-def _rng_worker(rank, tp, seed):
+def _rng_worker(rank, tp, seeds):
+    """The masks of each seed in turn (seeding again resets every stream), in one launch."""
     state = initialize_model_parallel(tensor_parallel=tp)
-    model_parallel_seed(seed)
-    with tensor_parallel_rng():
-        tp_mask = F.dropout(torch.ones(1000), p=0.5)
-    default_mask = F.dropout(torch.ones(1000), p=0.5)
-    # a fork resumes the tracked stream where it stopped, and leaves the default stream alone
-    before = torch.get_rng_state()
-    with get_rng_tracker().fork():
-        second = F.dropout(torch.ones(1000), p=0.5)
-    assert torch.equal(before, torch.get_rng_state())
-    return {"tp": tp_mask, "default": default_mask, "second": second, "tp_rank": tp_rank(),
-            "dp_rank": state.get_data_parallel_rank()}
+    out = []
+    for seed in seeds:
+        model_parallel_seed(seed)
+        with tensor_parallel_rng():
+            tp_mask = F.dropout(torch.ones(1000), p=0.5)
+        default_mask = F.dropout(torch.ones(1000), p=0.5)
+        # a fork resumes the tracked stream where it stopped, and leaves the default stream alone
+        before = torch.get_rng_state()
+        with get_rng_tracker().fork():
+            second = F.dropout(torch.ones(1000), p=0.5)
+        assert torch.equal(before, torch.get_rng_state())
+        out.append({"tp": tp_mask, "default": default_mask, "second": second, "tp_rank": tp_rank(),
+                    "dp_rank": state.get_data_parallel_rank()})
+    return out
 
 
 def test_rng_tracker_masks():
-    # 4 ranks as TP=2 x DP=2
-    res = run_distributed(_rng_worker, 4, 2, 1234)
+    # 4 ranks as TP=2 x DP=2; the seeds 1234, 1234 again, 4321
+    res, again, other = zip(*run_distributed(_rng_worker, 4, 2, (1234, 1234, 4321)))
     by = {(r["dp_rank"], r["tp_rank"]): r for r in res}
     # inside TP regions: different across TP ranks, identical across DP replicas
     assert not torch.equal(by[0, 0]["tp"], by[0, 1]["tp"])
@@ -148,8 +152,6 @@ def test_rng_tracker_masks():
     assert torch.equal(by[0, 0]["default"], by[0, 1]["default"])
     assert not torch.equal(by[0, 0]["tp"], by[0, 0]["second"])
     # reproducible from the seed, different with another seed
-    again = run_distributed(_rng_worker, 4, 2, 1234)
-    other = run_distributed(_rng_worker, 4, 2, 4321)
     for a, b, c in zip(res, again, other):
         assert torch.equal(a["tp"], b["tp"]) and torch.equal(a["default"], b["default"])
         assert not torch.equal(a["tp"], c["tp"])
