@@ -197,17 +197,23 @@ def predict_pooled(model, pooled: torch.Tensor, *, batch_size: int = 1024) -> np
 def _over_batches(model, run, encoded, pad_id, batch_size, dp_rank, dp_world_size, dp_group, progress,
                   desc) -> torch.Tensor:
     device = next(model.parameters()).device
-    batches = length_sorted_batches([len(s) for s in encoded], batch_size)[dp_rank::dp_world_size]
+    every = length_sorted_batches([len(s) for s in encoded], batch_size)
+    mine = every[dp_rank::dp_world_size]
+    # every rank runs as many forwards as the busiest one (an expert-parallel MoE layer's all-to-all joins the
+    # ranks in each forward): a rank with fewer runs the first batch again and keeps nothing of it
+    spare = -(-len(every) // dp_world_size) - len(mine)
     out = None
     was_training = model.training
     model.eval()
     try:
-        for idx in tqdm(batches, desc=desc, disable=not progress, leave=False, dynamic_ncols=True):
+        for idx, keep in tqdm([(b, True) for b in mine] + [(every[0], False)] * spare, desc=desc,
+                              disable=not progress, leave=False, dynamic_ncols=True):
             ids, lengths = pad_batch([encoded[i] for i in idx], pad_id)
             values = run(ids.to(device), lengths.to(device)).float().cpu()
             if out is None:
                 out = torch.zeros(len(encoded), values.shape[1], dtype=torch.float32)
-            out[torch.as_tensor(idx)] = values
+            if keep:
+                out[torch.as_tensor(idx)] = values
     finally:
         model.train(was_training)
     if dp_world_size > 1:

@@ -92,6 +92,11 @@ class GPTEncoder(LayerDepths, GPT):
         logits = self.embedding.logits(h, False) if self.lm_head is None else self.lm_head(h, False)
         return vocab_parallel_cross_entropy(logits, targets, vocab_size=self.config.vocab_size, ignore_index=-100)
 
+    def router_loss(self) -> torch.Tensor | None:
+        """The MoE layers' auxiliary losses of the last forward (load balancing, router z-loss, with their
+        coefficients), as pretraining adds them; None without experts. Padding is routed too (dropless, it changes
+        no real token's output; with a capacity factor it takes places in the experts)."""
+        return self.moe_aux_loss() if self.config.num_experts else None
 
 
 class MLSTMEncoder(LayerDepths, MLSTM):
@@ -110,6 +115,9 @@ class MLSTMEncoder(LayerDepths, MLSTM):
 
     def features(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         return super().features(input_ids, lengths)
+
+    def router_loss(self) -> None:
+        return None  # no experts
 
     def lm_loss(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Mean next-byte cross-entropy over the real bytes (a second pass: the features are cell states)."""
@@ -219,7 +227,8 @@ class Classifier(nn.Module):
                 pooled: torch.Tensor | None = None, return_parts: bool = False):
         """The loss with ``labels``, else the logits [b, k]. ``pooled`` [b, h] (from ``pool``, e.g. computed
         once for a frozen encoder) replaces ``input_ids``: the head alone runs. ``return_parts``: with labels,
-        a dict of the loss and its parts (``cls_loss``, ``lm_loss``; detached) instead of the loss alone."""
+        a dict of the loss and its parts (``cls_loss``, ``lm_loss``, an MoE encoder's ``moe_aux_loss``; detached)
+        instead of the loss alone."""
         if pooled is not None:
             if input_ids is not None or self.training and not self.freeze_encoder:
                 raise ValueError("pooled features replace input_ids, and train only the head of a frozen encoder")
@@ -242,6 +251,10 @@ class Classifier(nn.Module):
             lm = self.encoder.lm_loss(features, input_ids, lengths)
             parts["lm_loss"] = lm.detach()
             loss = loss + self.aux_lm_weight * lm
+        router = self.encoder.router_loss() if self.training and pooled is None and not self.freeze_encoder else None
+        if router is not None:
+            parts["moe_aux_loss"] = router.detach()
+            loss = loss + router
         loss = scale_gradient(loss, 1 / cp_world_size())
         return {"loss": loss, **parts} if return_parts else loss
 

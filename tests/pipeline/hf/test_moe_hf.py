@@ -5,7 +5,8 @@ built by the training engine from the imported directory (each rank taking its e
 them). The run saved at (EP2, TP2) reads back bit for bit, ``evaluate --checkpoint`` scores it as ``evaluate --hf``
 scores the original, and ``export_hf --checkpoint`` gives the original files' tensors, config and logits.
 Qwen3-MoE with layers kept dense (decoder_sparse_step 2, mlp_only_layers) and norm_topk_prob false; neither
-family has shared experts (Qwen3-MoE has none; Qwen2-MoE's shared expert is not imported)."""
+family has shared experts (Qwen3-MoE has none; Qwen2-MoE's shared expert is not imported). A classifier finetuned
+on each at DP2 trains with the router loss and exports as its *ForSequenceClassification."""
 import dataclasses
 import json
 import sys
@@ -13,11 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import shared_data
 from dist import run_distributed
 from engine_utils import BASE_DS
 from run_utils import source_text
+from test_finetune_train import FP32_DS, ec_slice
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from finetune.hf_export import compare_with_project
 from models import GPT, GPTConfig
 from models.moe import expert_slice
 from models.parallel import full_state_dict, initialize_model_parallel
@@ -183,6 +187,37 @@ def _file_tensors(directory) -> dict:
     files = SafetensorsFiles(hf_weight_files(directory))
     return {k: files[k] for k in files}
 
+
+
+def _finetune_each(rank, runs):
+    from finetune.train import main as finetune_main
+    return {name: finetune_main(argv).get("hf_export") for name, argv in runs.items()}  # rank 0 exports
+
+
+def test_finetuned_moe_base_adds_its_router_loss_and_exports_as_its_classifier(imported, tmp_path):
+    """finetune.train on the imported Mixtral and Qwen3-MoE at DP2: the MoE layers' auxiliary loss is
+    part of the training loss (logged as moe_aux_loss), and the classifier exports as
+    Mixtral/Qwen3MoeForSequenceClassification with the project's probabilities."""
+    ec = shared_data("semeval2018-ec")
+    (tmp_path / "ds.json").write_text(json.dumps(FP32_DS))
+    train, dev = ec_slice(ec / "train.tsv", tmp_path / "train.tsv", 32), ec_slice(ec / "dev.tsv", tmp_path / "dev.tsv", 16)
+    runs = {name: ["--base", str(imported[name]), "--train", str(train), "--dev", str(dev), "--deepspeed_config",
+                   str(tmp_path / "ds.json"), "--global-batch-size", "16", "--micro-batch-size", "8",
+                   "--train-steps", "2", "--log-interval", "1", "--max-length", "16", "--pooling", "last",
+                   "--head-bias", "no", "--save", str(tmp_path / name)] for name in imported}
+    exported = run_distributed(_finetune_each, 2, runs)[0]
+    texts = [line.split("\t")[1] for line in dev.read_text(encoding="utf-8").splitlines()[1:7]]
+    for name, out in exported.items():
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "loss" in r]
+        assert len(steps) == 2 and all(r["moe_aux_loss"] > 0 for r in steps), name
+        assert all(abs(r["loss"] - r["cls_loss"] - r["moe_aux_loss"]) < 1e-6 for r in steps), name
+        arch = {"mixtral": "MixtralForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification"}
+        assert json.loads((Path(out) / "config.json").read_text())["architectures"] == [arch[name]]
+        check = compare_with_project(tmp_path / name, out, texts)
+        print(f"finetuned {name} at DP2: moe_aux_loss {steps[0]['moe_aux_loss']:.4f} at step 1; exported "
+              f"classifier max |p_transformers - p_project| = {check['max_abs_diff']:.2e}", file=sys.stderr)
+        assert check["tokens_equal"] and check["max_abs_diff"] < 1e-5, name
 
 def test_hf_to_project_to_hf_is_exact(hf_models, launch, tmp_path):
     """Hugging Face -> import -> the (EP2, TP2) engine -> its checkpoint -> ``export_hf --checkpoint``: the
