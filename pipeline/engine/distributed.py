@@ -8,6 +8,7 @@ import socket
 import torch
 import deepspeed
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import deepspeed.ops
 from deepspeed.accelerator import get_accelerator
 
@@ -35,6 +36,17 @@ def init_distributed(backend: str | None = None, *, timeout_minutes: float | Non
         _skip_shared_memory_all_reduce()
     timeout = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
     deepspeed.init_distributed(dist_backend=backend or default_backend(), verbose=False, **timeout)
+    if timeout:
+        _new_groups_wait_as_long(timeout["timeout"])
+
+
+def _new_groups_wait_as_long(timeout: datetime.timedelta) -> None:
+    """Every group made after the world group (the mpu's, DeepSpeed's ZeRO, expert and pipeline groups) gets the
+    world group's timeout: ``dist.new_group`` without ``timeout=`` takes torch's default (30 min for gloo), not the
+    world group's, so a rank stuck in, say, ZeRO's gradient-norm all-reduce over the data-parallel group would
+    hold the others that long. torch reads these module defaults at each ``new_group``."""
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
 
 
 def _skip_shared_memory_all_reduce() -> None:

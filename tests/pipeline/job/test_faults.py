@@ -199,3 +199,32 @@ def test_dead_rank_ends_the_job_in_seconds_with_one_line(work):
     assert f"the last good checkpoint: {run}/{tag}" in lines[0]
     run_cli(torchrun(*args(work, run, int(tag.removeprefix("global_step")) + 1, "--load", run)), work)
     print(f"dead rank: the job ended {seconds:.1f} s after the kill")
+
+
+def test_stuck_rank_ends_the_job_within_the_distributed_timeout(work):
+    """SIGSTOP to rank 1 (stuck, not dead: its sockets stay open): rank 0's next collective waits
+    --distributed-timeout-minutes (here 0.2: 12 s), then rank 0 says so in one line and exits 1. torchrun would
+    then give the stopped rank its 30 s SIGTERM grace before killing it; the test kills it itself once rank 0
+    is gone (what that grace ends in), so the bound measured is the timeout's."""
+    run, timeout_s = work / "stuck", 12.0
+    proc = start(torchrun(*args(work, run, 100000, "--save-interval", "2",
+                                "--distributed-timeout-minutes", str(timeout_s / 60))), work)
+    wait_for(lambda: (run / "latest").is_file() and steps_logged(run) >= 3, what="a checkpoint and three steps",
+             proc=proc)
+    rank0, rank1 = worker(proc, 0), worker(proc, 1)
+    t0 = time.monotonic()
+    rank1.send_signal(signal.SIGSTOP)
+    try:
+        rank0.wait(timeout=timeout_s + 60)
+        seconds = time.monotonic() - t0
+    finally:
+        rank1.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: step "), err[-3000:]
+    assert "another rank died or did not answer within --distributed-timeout-minutes" in lines[0]
+    assert "[rank0]: Traceback" not in err
+    assert timeout_s <= seconds < timeout_s + 20, f"{seconds:.1f} s from SIGSTOP to rank 0's exit"
+    assert f"the last good checkpoint: {run}/{(run / 'latest').read_text().strip()}" in lines[0]
+    print(f"stuck rank: rank 0 ended {seconds:.1f} s after SIGSTOP (timeout {timeout_s:.0f} s)")
