@@ -73,7 +73,7 @@ from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline.checkpoints import safe_load
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_of_dict
-from pipeline.job.files import atomic_dir
+from pipeline.job.files import DiskFullError, atomic_dir
 
 from pipeline.engine.pipe_model import TIED_KEY, gpt_to_pipe_name, pipe_to_gpt_name
 
@@ -196,19 +196,19 @@ def prepare(load_dir, tag: str, saved: dict, current: dict, *, log=print) -> Pat
             log(f"warning: resuming {Path(load_dir) / tag} at another layout with its weights only: the optimizer "
                 f"state restarts, because {reason}")
         return None
-    result = [None, None]
+    result = [None, None, False]  # the cache, or why not (and whether the disk was full: exit code 1, not 2)
     if rank0:
         try:
-            result = [str(ensure_cache(load_dir, tag, log=log)), None]
+            result = [str(ensure_cache(load_dir, tag, log=log)), None, False]
         except UserError as e:  # its message names the file already; every rank must learn of it
-            result = [None, str(e)]
+            result = [None, str(e), isinstance(e, DiskFullError)]
         except Exception as e:  # or the others wait forever
             result = [None, f"converting {Path(load_dir) / tag} to a universal checkpoint failed: "
-                            f"{type(e).__name__}: {e}"]
+                            f"{type(e).__name__}: {e}", False]
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)
     if result[1] is not None:
-        raise UniversalError(result[1])
+        raise (DiskFullError if result[2] else UniversalError)(result[1])
     return Path(result[0])
 
 
@@ -266,11 +266,31 @@ def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
         raise UniversalError(f"{Path(run_dir) / tag} has no DeepSpeed optimizer files to convert (a run written by "
                              f"pipeline.reshard whose universal cache {cache} is gone); reshard the original run again")
     # built under a temporary name and swapped in by one rename (a damaged cache is replaced the same way)
-    with atomic_dir(cache, force=True) as out:
+    with atomic_dir(cache, force=True) as out, _torch_save_through_python_files():
         (convert_zero0 if zero0 else convert)(tag_dir, out)
         manifest = {"source": tag, "files": safe_load.file_manifest(out)}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return cache
+
+
+@contextlib.contextmanager
+def _torch_save_through_python_files():
+    """torch.save to a path writes through C++, and a write that does not fit (a full disk, a quota, the file-size
+    limit) comes back as a RuntimeError without the OS's error ("unexpected pos"); written to a Python file,
+    that OSError is the RuntimeError's context, so the conversion's failure can say the disk is full."""
+    save = torch.save
+
+    def through_file(obj, f, *args, **kwargs):
+        if not isinstance(f, (str, os.PathLike)):
+            return save(obj, f, *args, **kwargs)
+        with open(f, "wb") as file:
+            return save(obj, file, *args, **kwargs)
+
+    torch.save = through_file
+    try:
+        yield
+    finally:
+        torch.save = save
 
 
 def convert(tag_dir: Path, out: Path) -> None:

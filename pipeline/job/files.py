@@ -45,10 +45,18 @@ class DiskFullError(UserError, OSError):
         self.cause = cause  # the OS's error (an outer output names itself with it)
 
 
-def disk_full_cause(error: BaseException) -> OSError | None:
-    """The OS error of a write that did not fit (raw, or inside an inner output's ``DiskFullError``), else None."""
-    cause = error.cause if isinstance(error, DiskFullError) else error
-    return cause if isinstance(cause, OSError) and cause.errno in DISK_FULL else None
+def disk_full_cause(error: BaseException | None) -> OSError | None:
+    """The OS error of a write that did not fit, else None: the error itself, an inner output's
+    ``DiskFullError``'s, or one in its chain (torch.save to a Python file raises a RuntimeError whose context is
+    the file's OSError)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        cause = error.cause if isinstance(error, DiskFullError) else error
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL:
+            return cause
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def disk_full(error: OSError, target: Path, what: str, needed: int | None = None) -> DiskFullError:
@@ -122,13 +130,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
         _fsync(path.parent)
-    except OSError as e:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
         if disk_full_cause(e):
             raise disk_full(disk_full_cause(e), path, "it") from None
-        raise
-    except BaseException:
-        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -217,14 +222,11 @@ def atomic_dir(out: str | os.PathLike, *, force: bool = False) -> Iterator[Path]
         _fsync(out.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
+    except BaseException as e:
         written = tree_size(tmp) if tmp.is_dir() else 0
         shutil.rmtree(tmp, ignore_errors=True)
         if disk_full_cause(e):
             raise disk_full(disk_full_cause(e), out, f"the output directory (after {written} bytes)") from None
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from cli import cli_env, run_cli
-from run_utils import write_job_files
+from run_utils import ds_config, write_job_files
 
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
          "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
@@ -23,14 +23,16 @@ def tree(path: Path) -> dict:
             for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def _limit_file_size():
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+def _file_size_limit(limit: int):
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
 
 
-def limited(cmd, cwd):
+def limited(cmd, cwd, limit=LIMIT):
     return subprocess.run([str(c) for c in cmd], cwd=cwd, env=cli_env(), capture_output=True, text=True,
-                          timeout=600, preexec_fn=_limit_file_size)
+                          timeout=600, preexec_fn=_file_size_limit(limit))
 
 
 def one_line(proc) -> str:
@@ -44,6 +46,7 @@ def one_line(proc) -> str:
 def work(tmp_path_factory):
     d = tmp_path_factory.mktemp("disk_full")
     write_job_files(d, MODEL, json.__doc__ * 10)
+    (d / "ds_z2.json").write_text(json.dumps(ds_config(stage=2)))
     run_cli([sys.executable, *pretrain(d, 2, "--save-interval", "1")], d)
     return d
 
@@ -72,10 +75,18 @@ def test_checkpoint_save_that_does_not_fit(work):
     assert (run / "latest").read_text() == "global_step3\n"
 
 
-@pytest.mark.parametrize("command", ["export_hf", "reshard"])
+# import_hf reads the export_hf case's output (its model.safetensors, ~140 kB, does not fit either)
+SOURCES = {"export_hf": ("--checkpoint", "run"), "reshard": ("--checkpoint", "run"),
+           "import_hf": ("--model", "out_export_hf")}
+
+
+@pytest.mark.parametrize("command", list(SOURCES))
 def test_output_that_does_not_fit(work, command):
     out = work / f"out_{command}"
-    argv = [sys.executable, "-m", f"pipeline.{command}", "--checkpoint", work / "run", "--out", out]
+    flag, source = SOURCES[command]
+    argv = [sys.executable, "-m", f"pipeline.{command}", flag, work / source, "--out", out]
+    if not (work / source).exists():  # import_hf run alone
+        run_cli([sys.executable, "-m", "pipeline.export_hf", "--checkpoint", work / "run", "--out", work / source], work)
     line = one_line(limited(argv, work))
     assert line.startswith(f"error: {out}: a file reached the process's file-size limit (ulimit -f)")
     assert "the partial files are removed" in line
@@ -83,3 +94,19 @@ def test_output_that_does_not_fit(work, command):
     assert not [p.name for p in work.iterdir() if p.name.startswith(f".{out.name}")]  # no temporary left
     run_cli(argv, work)
     assert out.is_dir()
+
+
+def test_universal_conversion_inside_load_that_does_not_fit(work):
+    """--load at another ZeRO stage converts the run's checkpoint into RUN/universal/<tag> first: at a file-size
+    limit below one parameter's fp32 file (the embedding's 33 kB) the conversion fails in one line, leaves no cache
+    and no temporary beside it, and the same command with room converts, trains and saves."""
+    run, save = work / "run", work / "zero2"
+    tag = (run / "latest").read_text().strip()
+    cache, step = run / "universal" / tag, int(tag.removeprefix("global_step")) + 1
+    argv = [sys.executable, *pretrain(work, step, "--load", run), "--deepspeed_config", work / "ds_z2.json",
+            "--save", save]
+    line = one_line(limited(argv, work, limit=20_000))
+    assert line.startswith(f"error: {cache}: a file reached the process's file-size limit (ulimit -f)"), line
+    assert not cache.exists() and not list(cache.parent.glob(f".{tag}*"))
+    run_cli(argv, work)
+    assert (save / "latest").read_text() == f"global_step{step}\n" and cache.is_dir()

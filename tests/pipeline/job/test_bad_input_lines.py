@@ -106,6 +106,9 @@ CASES = [
     ("import_hf old-format pickle", lambda d: ["-m", "pipeline.import_hf", "--model", str(d / "hfold"), "--out",
                                                str(d / "imported")],
      "{d}/hfold/pytorch_model.bin: contains a pickled object of type posix.system, not allowed"),
+    ("finetune --base pickled pytorch_model.bin", lambda d: [*finetune(d, "dev.tsv"), "--base", str(d / "hfold"),
+                                                             "--save", str(d / "clf_pickle")],
+     "{d}/hfold is not a base model directory: expected config.json with model.safetensors"),  # never unpickled
     ("evaluate --hf pickled pytorch_model.bin", lambda d: ["-m", "pipeline.evaluate", "--task", "bpc", "--data",
                                                            str(d / "corpus.txt"), "--hf", str(d / "hfpickle"),
                                                            "--out", str(d / "eval.json")],
