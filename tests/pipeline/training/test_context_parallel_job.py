@@ -2,7 +2,7 @@
 step), fp32, dropout 0, per-step losses equal one process at (CP2, DP2), (TP2, CP2), (TP2, --sequence-parallel, CP2),
 (CP2, DP2, ZeRO-2), (CP2, DP2, ZeRO-3), (CP2, PP2), CP4, with ALST's tiling, with activation checkpointing, on packed short
 documents, and in fp16 (DeepSpeed's loss scaling) against fp16 in one process; resumes across layouts with the
-optimizer state ((TP2, CP2) -> one process, CP2 -> CP4); dropout masks differ across CP ranks and a CP2 run with
+optimizer state ((TP2, CP2) -> one process and -> CP4); dropout masks differ across CP ranks and a CP2 run with
 dropout is reproducible; evaluation of a CP checkpoint; the refusals, one line each, before any work.
 
 Every layout runs in one 4-rank launch, one after the other, and every one-process run in one 1-rank launch:
@@ -27,7 +27,7 @@ from pipeline.pretrain import main
 CP = ("--context-parallel", "2")
 # name: (arguments after the common ones, DeepSpeed config); each runs on 4 ranks (DP fills the rest)
 LAYOUTS = {
-    "CP2 DP2": (CP + ("--save-interval", "2"), "ds.json"),
+    "CP2 DP2": (CP, "ds.json"),
     "TP2 CP2": (CP + ("--tensor-parallel", "2", "--save-interval", "2"), "ds.json"),
     "TP2 SP CP2": (CP + ("--tensor-parallel", "2", "--sequence-parallel"), "ds.json"),
     "CP2 DP2 ZeRO-2": (CP, "ds_z2.json"),
@@ -103,8 +103,8 @@ def cp_runs(setup):
     jobs += [(name, _argv(setup, name, extra, ds)) for name, (extra, ds) in LAYOUTS.items()]
     jobs += [(FP16, _argv(setup, FP16, CP, "ds_fp16.json")),
              (PACKED, _argv(setup, PACKED, CP + ("--data", str(setup / "docs.txt")))),
-             ("CP2 -> CP4", _argv(setup, "CP2 -> CP4", ("--context-parallel", "4", "--load", str(setup / "CP2_DP2"),
-                                                       "--load-tag", "global_step2")))]
+             ("TP2 CP2 -> CP4", _argv(setup, "TP2 CP2 -> CP4", ("--context-parallel", "4", "--load",
+                                                               str(setup / "TP2_CP2"), "--load-tag", "global_step2")))]
     jobs += [(name, _argv(setup, name, CP + (("--activation-checkpointing",) if "checkpointing" in name else ()),
                           model="model.json")) for name in DROPOUT]
     results = run_distributed(_jobs_worker, 4, jobs)
@@ -167,7 +167,7 @@ def test_packed_documents_and_fp16(setup, cp_runs, single, layout, reference, to
         assert scales[0] == scales[1]
 
 
-@pytest.mark.parametrize("saved,resumed", [("TP2 CP2", "TP2 CP2 -> TP1 CP1"), ("CP2 DP2", "CP2 -> CP4")])
+@pytest.mark.parametrize("saved,resumed", [("TP2 CP2", "TP2 CP2 -> TP1 CP1"), ("TP2 CP2", "TP2 CP2 -> CP4")])
 def test_resume_across_layouts_carries_the_optimizer(setup, cp_runs, single, saved, resumed):
     """Saved at step 2, resumed at another layout through the universal path: steps 3-5 follow the uninterrupted
     run (with Adam's moments restarted they would not); the checkpoint's model config does not name CP."""
