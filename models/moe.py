@@ -232,7 +232,8 @@ class MoEMLP(nn.Module):
         return out
 
 
-_EXPERT_INDEX = re.compile(r"(?<=\.deepspeed_experts\.)(\d+)(?=\.)")
+# the expert index in a DeepSpeed-MoE parameter name
+EXPERT_INDEX = re.compile(r"(?<=\.deepspeed_experts\.)(\d+)(?=\.)")
 
 
 @dataclass(frozen=True)
@@ -244,11 +245,11 @@ class ExpertSlice:
 
     def full_name(self, name: str) -> str:
         """The full state dict's name of this rank's parameter ``name``."""
-        return _EXPERT_INDEX.sub(lambda m: str(self.first + int(m.group(1))), name) if self.first else name
+        return EXPERT_INDEX.sub(lambda m: str(self.first + int(m.group(1))), name) if self.first else name
 
     def holds(self, full_name: str) -> bool:
         """Whether this rank has the tensor ``full_name`` of a full state dict (another rank's expert: no)."""
-        m = _EXPERT_INDEX.search(full_name)
+        m = EXPERT_INDEX.search(full_name)
         return m is None or not self.count or self.first <= int(m.group(1)) < self.first + self.count
 
 

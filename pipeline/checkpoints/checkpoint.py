@@ -371,12 +371,20 @@ def _zero3_weights(load_dir: Path, tag: str, tp: int) -> list[dict]:
 
 def same_layout(saved: dict, current: dict) -> bool:
     keys = ("tensor_parallel", "pipeline_parallel", "data_parallel", "precision")
+    # another expert-parallel size puts other experts on each rank (recorded since EP; 1 before)
+    same_ep = saved.get("expert_parallel", 1) == current.get("expert_parallel", 1)
     # checkpoints from before the ZeRO stage was recorded resume as they always did
     same_stage = "zero_stage" not in saved or saved["zero_stage"] == current.get("zero_stage")
     # ZeRO partitions over data x context: a run saved at another context-parallel size (recorded since CP; 1
     # before) resumes through the universal path, as at another data-parallel size
     same_cp = saved.get("context_parallel", 1) == current.get("context_parallel", 1)
-    return same_stage and same_cp and all(saved.get(k) == current.get(k) for k in keys)
+    return same_stage and same_cp and same_ep and all(saved.get(k) == current.get(k) for k in keys)
+
+
+def layout_text(layout: dict) -> str:
+    """A saved layout as the arguments that run at it: ``TP 2, PP 1, DP 2, EP 2, ZeRO 1``."""
+    keys = {"TP": "tensor_parallel", "PP": "pipeline_parallel", "DP": "data_parallel", "EP": "expert_parallel"}
+    return ", ".join([*(f"{k} {layout.get(v, 1)}" for k, v in keys.items()), f"ZeRO {layout.get('zero_stage', 1)}"])
 
 
 def restore_after_reshard(engine, load_dir, tag: str) -> tuple[int, dict | None]:

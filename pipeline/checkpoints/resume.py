@@ -28,13 +28,12 @@ def plan_start(load_dir: Path | None, tag: str | None, layout: dict, ds: dict) -
         return StartPoint(load_dir, False, ds, full_state=full_state)
     tag = checkpoint.resolve_tag(load_dir, tag)
     saved = checkpoint.saved_layout(load_dir, tag)
-    saved_ep, ep = saved.get("expert_parallel", 1), layout.get("expert_parallel", 1)
-    if saved_ep != ep:  # experts are not a resharded dimension yet: another EP would load the wrong experts
-        raise checkpoint.CheckpointError(
-            f"--load {load_dir} ({tag}): the run was saved at --expert-parallel {saved_ep}, this job runs at {ep}; "
-            f"resume at --expert-parallel {saved_ep} (moving experts to another expert-parallel size is not built)")
     start = StartPoint(load_dir, True, ds, tag)
     if saved.get("universal_only") or not checkpoint.same_layout(saved, layout):
+        reason = universal.has_experts(load_dir) and universal.moe_unsupported_reason(saved, layout)
+        if reason:  # refused, not resumed with the optimizer state restarted: that path is untested for experts
+            raise checkpoint.CheckpointError(f"--load {load_dir} ({tag}): {reason}; resume it at the layout it was "
+                                             f"saved at ({checkpoint.layout_text(saved)})")
         start.cache = universal.prepare(load_dir, tag, saved, layout)
         if start.cache is not None:
             start.ds = universal.enable(ds)

@@ -21,6 +21,10 @@ each beside the code it fixes:
   which optimizer slot is which parameter (``optimizer_param_names``); ``convert_zero0`` gathers its Adam
   state over the TP ranks into the same folders ds_to_universal writes, and ``_load_zero0`` fills a
   ZeRO-0 engine's torch optimizer from them.
+- MoE layers (fp32 ZeRO-1/2, no pipeline): ds_to_universal misreads DeepSpeed-MoE's expert groups (DeepSpeed
+  issue #5716). ``convert_moe`` joins each parameter from its own group's partitions (an expert group's are cut
+  over the expert-data ranks) and writes each expert under its global index; DeepSpeed's loader fills each
+  rank's experts from those folders once given their global names (``_global_expert_names``).
 
 Layout of the cache, beside the tags it converts::
 
@@ -49,6 +53,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 from deepspeed.checkpoint.constants import (
+    BASE_OPTIMIZER_STATE,
     CAT_DIM,
     DS_VERSION,
     OPTIMIZER_STATE_DICT,
@@ -56,8 +61,11 @@ from deepspeed.checkpoint.constants import (
     PARAM,
     PARAM_GROUPS,
     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+    PARAM_SLICE_MAPPINGS,
     PARAMETER_WITH_SUB_PARAMS,
+    PARTITION_COUNT,
     PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+    SINGLE_PARTITION_OF_FP32_GROUPS,
     SUB_PARAM_SHAPE,
     SUB_PARAM_SHARD_WIDTHS,
     TP_REPLICATED_PARAMETER_PATTERNS,
@@ -69,6 +77,7 @@ from deepspeed.checkpoint.universal_checkpoint import SubparamShape
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from models import GPT, GPTConfig
+from models.moe import EXPERT_INDEX, expert_slice
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline.checkpoints import safe_load
 from pipeline.job.errors import UserError
@@ -180,6 +189,25 @@ def unsupported_reason(saved: dict, current: dict) -> str | None:
     return None
 
 
+def has_experts(run_dir) -> bool:
+    """Whether the run's model has MoE layers (DeepSpeed-MoE experts)."""
+    return json.loads((Path(run_dir) / "config.json").read_text()).get("num_experts", 0) > 0
+
+
+def moe_unsupported_reason(saved: dict, current: dict) -> str | None:
+    """Why the optimizer state of a run with MoE layers cannot move from layout ``saved`` to ``current``:
+    ``convert_moe`` reads the fp32 ZeRO-1/2 files of a run without stages, and ``load`` gives the experts' global
+    names to ZeRO-1/2's loader only (the rest is not built)."""
+    for layout in (saved, current):
+        if layout.get("pipeline_parallel", 1) > 1:
+            return "an MoE run moves to another layout without pipeline parallelism only"
+        if layout.get("zero_stage", 1) not in (1, 2):
+            return "an MoE run's optimizer state moves between ZeRO-1/2 layouts only"
+        if layout.get("precision", "fp32") != "fp32":
+            return "an MoE run's optimizer state moves to another layout in fp32 only"
+    return None
+
+
 def enable(ds_config: dict) -> dict:
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
 
@@ -261,13 +289,17 @@ def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
             return cache
         log(f"universal checkpoint cache {cache} is damaged ({problem}): rebuilding it")
     tag_dir = Path(run_dir) / tag
-    zero0 = json.loads((tag_dir / "layout.json").read_text()).get("zero_stage", 1) == 0
+    layout = json.loads((tag_dir / "layout.json").read_text())
+    zero0 = layout.get("zero_stage", 1) == 0
     if not any(tag_dir.glob("mp_rank_*_model_states.pt" if zero0 else "*optim_states.pt")):
         raise UniversalError(f"{Path(run_dir) / tag} has no DeepSpeed optimizer files to convert (a run written by "
                              f"pipeline.reshard whose universal cache {cache} is gone); reshard the original run again")
+    experts = has_experts(run_dir)
+    if experts and (reason := moe_unsupported_reason(layout, {})):
+        raise UniversalError(f"{tag_dir}: {reason}; resume it at the layout it was saved at")
     # built under a temporary name and swapped in by one rename (a damaged cache is replaced the same way)
     with atomic_dir(cache, force=True) as out, _torch_save_through_python_files():
-        (convert_zero0 if zero0 else convert)(tag_dir, out)
+        (convert_moe if experts else convert_zero0 if zero0 else convert)(tag_dir, out)
         manifest = {"source": tag, "files": safe_load.file_manifest(out)}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return cache
@@ -320,14 +352,7 @@ def convert_zero0(tag_dir: Path, out: Path) -> None:
     per_rank = [_zero0_states(state) for state in ranks]
     zero = out / "zero"
     for name in per_rank[0]:  # the optimizer's parameters (a tied weight once), as ds_to_universal names them
-        spec = specs[name]
-        folder = zero / name
-        folder.mkdir(parents=True)
-        for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            shards = [states[name][key] for states in per_rank]
-            full = spec.gather(shards) if spec is not None else shards[0]
-            torch.save({**_split_metadata(name, full.ndim, spec), PARAM: full.contiguous()}, folder / f"{key}.pt")
-        torch.save(per_rank[0][name]["step"], folder / "step.pt")
+        _write_param(zero / name, name, specs[name], [states[name] for states in per_rank])
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [i]}
               for i, group in enumerate(ranks[0]["optimizer"]["param_groups"])]
     torch.save({PARAM_GROUPS: groups, DS_VERSION: ranks[0][DS_VERSION]}, zero / "optimizer_state.pt")
@@ -337,6 +362,18 @@ def convert_zero0(tag_dir: Path, out: Path) -> None:
         torch.save({**state, "optimizer": None}, out / path.name)
     _model_files_for_every_stage(out)
     _optimizer_state_for_every_stage(zero)
+
+
+def _write_param(folder: Path, name: str, spec, per_tp_rank: list[dict]) -> None:
+    """One parameter's universal folder, as ds_to_universal writes it: its fp32 weight and Adam moments joined
+    over the TP ranks by its ShardSpec (``per_tp_rank``: each rank's shard of each), with how DeepSpeed's
+    loader cuts them again, and its step."""
+    folder.mkdir(parents=True)
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        shards = [states[key] for states in per_tp_rank]
+        full = spec.gather(shards) if spec is not None else shards[0]
+        torch.save({**_split_metadata(name, full.ndim, spec), PARAM: full.contiguous()}, folder / f"{key}.pt")
+    torch.save(per_tp_rank[0]["step"], folder / "step.pt")
 
 
 def _zero0_states(state: dict) -> dict:
@@ -355,6 +392,76 @@ def _zero0_states(state: dict) -> dict:
                          "exp_avg_sq": adam.get("exp_avg_sq", torch.zeros_like(weight)),
                          "step": torch.as_tensor(step, dtype=torch.float32)}
     return out
+
+
+def convert_moe(tag_dir: Path, out: Path) -> None:
+    """A ZeRO-1/2 tag of a run with MoE layers into the universal form ``convert`` writes, each expert under
+    its global index. ds_to_universal cannot (DeepSpeed issue #5716): it takes every optimizer group as cut over
+    the whole data-parallel group and names an expert by its index on its rank, so it would join the experts of
+    different expert-parallel ranks. Here each parameter's fragments are joined from its own group's flat
+    partitions (``_moe_fragments``), then over the TP ranks by its ShardSpec."""
+    layout = json.loads((tag_dir / "layout.json").read_text())
+    tp = layout.get("tensor_parallel", 1)
+    raw = json.loads((tag_dir.parent / "config.json").read_text())
+    family = family_of_dict(raw, str(tag_dir.parent / "config.json"))
+    config = family.config_class.from_dict(raw)
+    specs = family.shard_specs(config)
+    local = config.num_experts // layout.get("expert_parallel", 1)
+    models = [safe_load.safe_torch_load(tag_dir / f"mp_rank_{r:02d}_model_states.pt", map_location="cpu")
+              for r in range(tp)]
+    per_rank, optimizer = zip(*(_moe_fragments(tag_dir, r, layout, local, models[r]) for r in range(tp)))
+    if any(set(states) != set(specs) for states in per_rank):
+        missing = sorted(set(specs).symmetric_difference(per_rank[0]))[:3]
+        raise UniversalError(f"{tag_dir}: its optimizer files do not hold the model's parameters "
+                             f"({', '.join(missing)} differ)")
+    for name, spec in specs.items():
+        _write_param(out / "zero" / name, name, spec, [states[name] for states in per_rank])
+    # the groups' hyperparameters; their names and MoE flags (``ep_size_2``) belong to the loading layout's groups
+    groups = [{k: v for k, v in group.items() if k not in ("name", "moe")}
+              for group in optimizer[0][BASE_OPTIMIZER_STATE][PARAM_GROUPS]]
+    sharded = (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
+    torch.save({**{k: v for k, v in optimizer[0].items() if k not in sharded}, PARAM_GROUPS: groups},
+               out / "zero" / "optimizer_state.pt")
+    for r, state in enumerate(models):
+        torch.save(state, out / f"mp_rank_{r:02d}_model_states.pt")  # step, LR schedule, client state
+    _model_files_for_every_stage(out)
+    _optimizer_state_for_every_stage(out / "zero")
+
+
+def _moe_fragments(tag_dir: Path, tp: int, layout: dict, local: int, model: dict) -> tuple[dict, dict]:
+    """({global name: {fp32, exp_avg, exp_avg_sq: TP rank ``tp``'s shard, step}}, the optimizer state of data-
+    parallel rank 0) from every data-parallel rank's ZeRO-1/2 file. A dense group is cut over the data-parallel
+    ranks (rank d holds part d); an expert group over the expert-data group: DeepSpeed's expert groups are
+    consecutive data-parallel ranks, so rank d holds experts ``d % EP x local ...`` and part ``d // EP``."""
+    dp, ep = layout.get("data_parallel", 1), layout.get("expert_parallel", 1)
+    shapes = {n: s for group in model["param_shapes"] for n, s in group.items()}  # experts of rank 0: 0 ... local-1
+    parts, steps, first = {}, {}, None
+    for d in range(dp):
+        path = tag_dir / f"zero_pp_rank_{d}_mp_rank_{tp:02d}_optim_states.pt"
+        state = safe_load.safe_torch_load(path, map_location="cpu")[OPTIMIZER_STATE_DICT]
+        first = state if d == 0 else first
+        base = state[BASE_OPTIMIZER_STATE]
+        for g, (group, mapping) in enumerate(zip(base[PARAM_GROUPS], state[PARAM_SLICE_MAPPINGS])):
+            expert = bool(group.get("moe"))
+            if state[PARTITION_COUNT][g] != (dp // ep if expert else dp):
+                raise UniversalError(f"{path}: optimizer group {g} is cut in {state[PARTITION_COUNT][g]} parts, "
+                                     f"not as DeepSpeed-MoE cuts it at DP {dp}, EP {ep}")
+            flats = {"fp32": state[SINGLE_PARTITION_OF_FP32_GROUPS][g], "exp_avg": base["state"][g]["exp_avg"],
+                     "exp_avg_sq": base["state"][g]["exp_avg_sq"]}
+            for name, address in mapping.items():
+                if expert:  # the rank's local expert i is global expert d % EP x local + i
+                    name = EXPERT_INDEX.sub(lambda m, d=d: str(d % ep * local + int(m.group(1))), name)
+                steps[name] = base["state"][g]["step"]
+                for key, flat in flats.items():
+                    parts.setdefault(name, {}).setdefault(key, []).append(
+                        (d // ep if expert else d, flat.narrow(0, address.start, address.numel)))
+    out = {}
+    for name, keys in parts.items():
+        shape = shapes[EXPERT_INDEX.sub(lambda m: str(int(m.group(1)) % local), name)]
+        out[name] = {key: torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])]).view(shape)
+                     for key, pieces in keys.items()}
+        out[name]["step"] = torch.as_tensor(steps[name], dtype=torch.float32)
+    return out, first
 
 
 def _split_metadata(name: str, ndim: int, spec) -> dict:
@@ -442,7 +549,7 @@ def load(engine, cache: Path, model_config) -> None:
     if engine.zero_optimization_stage() == 0:
         _load_zero0(engine, cache)
         return
-    with _gpt_names(engine, model_config), _zero3_hp_loader(engine):
+    with _gpt_names(engine, model_config), _global_expert_names(engine, cache), _zero3_hp_loader(engine):
         path, _ = engine.load_checkpoint(str(cache.parent), tag=cache.name, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     if path is None:
@@ -507,6 +614,30 @@ def _gpt_names(engine, model_config):
         return
     original = dict(names)
     names.update({p: pipe_to_gpt_name(n, model_config) for p, n in original.items()})
+    try:
+        yield
+    finally:
+        names.clear()
+        names.update(original)
+
+
+@contextlib.contextmanager
+def _global_expert_names(engine, cache: Path):
+    """The cache names an expert by its global index (``convert_moe``), the engine by its index on this rank:
+    DeepSpeed's ZeRO-1/2 loader, which fills each group's partition (an expert group's over its expert-data
+    group) from the folder of the engine's name, is given the global ones. It pairs the saved groups with the
+    engine's in order, without counting them."""
+    experts = expert_slice(engine.module)
+    names = getattr(engine.optimizer, "param_names", None)
+    if not experts.count or names is None:
+        yield
+        return
+    saved = len(_load_state(cache / "zero" / "optimizer_state.pt")[PARAM_GROUPS])
+    if saved != len(engine.optimizer.optimizer.param_groups):
+        raise UniversalError(f"{cache}: {saved} optimizer parameter groups saved, "
+                             f"{len(engine.optimizer.optimizer.param_groups)} in this run")
+    original = dict(names)
+    names.update({p: experts.full_name(n) for p, n in original.items()})
     try:
         yield
     finally:

@@ -1,9 +1,10 @@
 """Expert parallelism (``--expert-parallel``, DeepSpeed-MoE) through the main job: a tiny llama MoE (4 experts,
 top-2, dropless, fp32, dropout 0), 5 steps of 8 sequences; per-step losses at (EP2, DP4) under ZeRO-1 and ZeRO-2,
 at (EP2, TP2) and at (EP2, PP2) equal one process, and with a capacity factor the same tokens are dropped at
-EP1 and EP2 (DP4, TP2); the refusals, one line each, before any work (resuming at
-another EP among them). Two launches: every 4-rank layout, then the one-process references and the refusals,
-one after the other in the same processes (``_jobs``)."""
+EP1 and EP2 (DP4, TP2); the run saved at (EP2, TP2) resumes at (EP1, TP1) and at EP4 (DP4) with its optimizer
+state, continuing as it did; the refusals, one line each, before any work. Two launches: every 4-rank layout and
+the EP4 resume, then the one-process references, the EP1 resume and the refusals, one after the other in the
+same processes (``_jobs``)."""
 import json
 
 import pytest
@@ -24,12 +25,13 @@ CAPACITY = {**MOE, "moe_capacity_factor": 0.7}
 LAYOUTS = {  # name: (extra arguments, DeepSpeed config, model config); 4 ranks each
     "EP2 DP4": (EP2, "ds.json", "moe.json"),  # expert-data groups of 2 ranks: ZeRO partitions the experts over them
     "EP2 DP4 ZeRO-2": (EP2, "ds_z2.json", "moe.json"),
-    "EP2 TP2": ((*EP2, "--tensor-parallel", "2"), "ds.json", "moe.json"),
+    "EP2 TP2": ((*EP2, "--tensor-parallel", "2", "--save-interval", "2"), "ds.json", "moe.json"),  # resumed below
     "EP2 PP2": ((*EP2, "--pipeline-parallel", "2"), "ds.json", "moe.json"),  # a layer per stage
     "EP2 DP4 capacity": (EP2, "ds.json", "capacity.json"),
     "EP2 TP2 capacity": ((*EP2, "--tensor-parallel", "2"), "ds.json", "capacity.json"),
 }
 REFERENCES = {"moe.json": "single", "capacity.json": "single capacity"}  # one process, EP 1
+RESUMED = {"EP4 DP4": ("--expert-parallel", "4"), "EP1 TP1": ()}  # from (EP2, TP2) at step 2: 4 ranks, 1 rank
 __all__ = ["setup"]  # the fixture of the sequence-parallel job tests
 
 
@@ -41,7 +43,7 @@ def moe(setup, tmp_path_factory):
     (d / "moe.json").write_text(json.dumps(MOE))
     (d / "capacity.json").write_text(json.dumps(CAPACITY))
     (d / "dense.json").write_text(json.dumps(LLAMA))
-    for name, stage in (("ds.json", 1), ("ds_z2.json", 2), ("ds_z3.json", 3)):
+    for name, stage in (("ds.json", 1), ("ds_z2.json", 2), ("ds_z3.json", 3), ("ds_z0.json", 0)):
         (d / name).write_text(json.dumps({**DS, "train_batch_size": BATCH, "zero_optimization": {"stage": stage}}))
     return d
 
@@ -73,20 +75,27 @@ def _refusal_cases(moe):
             (("--expert-parallel", "3"), "ds.json", "moe.json", "--expert-parallel 3 does not divide num_experts 4"),
             ((), "ds_z3.json", "moe.json", "zero_optimization.stage 3 with MoE layers"),
             (("--expert-parallel", "2"), "ds.json", "dense.json", "the model has no experts"),
-            (("--load", str(_save(moe, "EP2 DP4"))), "ds.json", "moe.json",  # experts are not resharded yet
-             "the run was saved at --expert-parallel 2, this job runs at 1")]
+            (("--load", str(_save(moe, "EP2 TP2"))), "ds_z0.json", "moe.json",  # convert_moe reads ZeRO-1/2 only
+             "optimizer state moves between ZeRO-1/2 layouts only")]
+
+
+def _resume(moe, name):
+    """The (EP2, TP2) run's step-2 checkpoint continued to step 5 at layout ``name``."""
+    load = ("--load", str(_save(moe, "EP2 TP2")), "--load-tag", "global_step2")
+    return _argv(moe, _save(moe, f"resumed {name}"), *load, *RESUMED[name])
 
 
 @pytest.fixture(scope="module")
 def runs(moe):
     """The losses of every layout and of one process, and the refusals' (exit code, stderr): two launches."""
-    run_distributed(_jobs, 4, [_argv(moe, _save(moe, name), *extra, ds=ds, model=model)
-                               for name, (extra, ds, model) in LAYOUTS.items()])
+    run_distributed(_jobs, 4, [*(_argv(moe, _save(moe, name), *extra, ds=ds, model=model)
+                                 for name, (extra, ds, model) in LAYOUTS.items()), _resume(moe, "EP4 DP4")])
     refusals = [_argv(moe, moe / f"refused{i}", *extra, ds=ds, model=model)
                 for i, (extra, ds, model, _) in enumerate(_refusal_cases(moe))]
-    out = run_distributed(_jobs, 1, [_argv(moe, _save(moe, name), model=model) for model, name in REFERENCES.items()],
-                          refusals)[0]
-    return {"refusals": out, **{name: losses(_save(moe, name)) for name in (*REFERENCES.values(), *LAYOUTS)}}
+    out = run_distributed(_jobs, 1, [*(_argv(moe, _save(moe, name), model=model) for model, name in REFERENCES.items()),
+                                     _resume(moe, "EP1 TP1")], refusals)[0]
+    names = (*REFERENCES.values(), *LAYOUTS, *(f"resumed {name}" for name in RESUMED))
+    return {"refusals": out, **{name: losses(_save(moe, name)) for name in names}}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -108,6 +117,18 @@ def test_expert_parallel_equals_single_process(moe, runs, layout):
         assert r["moe_aux_loss"] > 0.1 * 2 * 0.9  # coeff x ~1 per layer
         dropped = r["moe_dropped_fraction_0"] + r["moe_dropped_fraction_1"]
         assert dropped > 0.0 if "capacity" in layout else dropped == 0.0, r
+
+
+@pytest.mark.parametrize("layout", RESUMED)
+def test_resume_at_another_expert_parallel_size_continues_the_run(runs, layout):
+    """(EP2, TP2) saved at step 2 (DeepSpeed's universal path cannot take DeepSpeed-MoE's expert groups:
+    ``universal.convert_moe`` joins each expert's weight and Adam moments by its global index) continues at
+    (EP1, TP1) and at EP4 (DP4) as the uninterrupted run did: steps 4 and 5 depend on the moments carried over."""
+    got, want = runs[f"resumed {layout}"], runs["EP2 TP2"]
+    assert sorted(got) == [3, 4, 5], got
+    rel = max(abs(got[s] - want[s]) / abs(want[s]) for s in got)
+    print(f"(EP2, TP2) -> {layout}: max relative loss difference over steps 3-5 {rel:.2e}")
+    assert rel < 1e-5, (layout, got, want)
 
 
 def _moe_records(save):
