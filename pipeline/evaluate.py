@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--checkpoint", type=Path, help="project checkpoint directory")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="--checkpoint: tensor-parallel size to score with (launch TP x DP ranks like the main job)")
+    p.add_argument("--context-parallel", type=int, default=1,
+                   help="--checkpoint: split each window over C ranks (DeepSpeed-Ulysses; launch TP x C x DP ranks)")
     p.add_argument("--tokenizer", type=Path,
                    help="tokenizer directory or .gguf file (default: the model's own)")
     p.add_argument("--context-length", type=int,
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     args.dtype = short_dtype_name(args.dtype)
     check_outputs(args)
-    for name in ("context_length", "stride", "batch_size", "max_examples"):
+    for name in ("context_length", "stride", "batch_size", "max_examples", "tensor_parallel", "context_parallel"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

@@ -57,6 +57,9 @@ def check_outputs(args) -> None:
 
 def load_model(args):
     """(scorer, tokenizer, data shard, is_main, layout, description) for --hf or --checkpoint."""
+    if args.hf is not None and args.context_parallel != 1:
+        raise InputError(f"--context-parallel {args.context_parallel}: splits a --checkpoint's windows over ranks; "
+                         f"--hf runs in one process, drop --context-parallel")
     if args.hf is not None:
         scorer, model_info = load_hf_model(args.hf, dtype=args.dtype, device=args.device,
                                            trust_remote_code=args.trust_remote_code)
@@ -64,14 +67,16 @@ def load_model(args):
         shard, is_main, parallel = DataShard(), True, {"tensor_parallel": 1, "data_parallel": 1}
     else:
         init_distributed()
-        model, tokenizer = load_project_model(args.checkpoint, args.tensor_parallel)
+        model, tokenizer = load_project_model(args.checkpoint, args.tensor_parallel,
+                                              context_parallel=args.context_parallel)
         if args.dtype != "fp32":
             model.to(dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype])
         if args.tokenizer is not None:
             tokenizer = load_hf_tokenizer(args.tokenizer)
         scorer, shard, is_main = project_scorer(model), DataShard.current(), dist.get_rank() == 0
         state = get_parallel_state()
-        parallel = {"tensor_parallel": state.tensor_parallel, "data_parallel": state.data_parallel}
+        parallel = {"tensor_parallel": state.tensor_parallel, "context_parallel": state.context_parallel,
+                    "data_parallel": state.data_parallel}
         model_info = {"source": str(args.checkpoint), "format": "project", "dtype": args.dtype,
                       "parameters": model.config.num_parameters(), "max_positions": scorer.max_positions}
     return scorer, tokenizer, shard, is_main, parallel, model_info

@@ -66,13 +66,15 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
     return scorer, info
 
 
-def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1, tokenizer: str | Path | None = None):
+def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1, tokenizer: str | Path | None = None,
+                       context_parallel: int = 1):
     """A project model directory -> (the model with this rank's shards, tokenizer).
 
     Any directory ``pipeline.checkpoints.checkpoint.read_full_checkpoint`` reads: a pretraining run (DeepSpeed
     checkpoints saved at any TP/PP/DP layout, GPT or mLSTM), one of its ``global_step<N>`` tags, or a
     ``config.json`` + ``model.safetensors`` directory. The full weights are re-cut for ``tensor_parallel``
-    (pipeline stages are not needed to score); the data-parallel size is what is left of the launched world.
+    (pipeline stages are not needed to score); ``context_parallel`` splits each window over that many ranks
+    (DeepSpeed-Ulysses, attention models only); the data-parallel size is what is left of the launched world.
     The model family (``pipeline.job.families``) builds the model, and refuses a TP size it lacks; its scorer is
     ``project_scorer(model)``.
     ``tokenizer``: a tokenizer directory or .gguf file to use instead of the directory's own.
@@ -80,10 +82,15 @@ def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1, tok
     """
     # the parallel state first: reading a checkpoint builds a meta-device model for its ShardSpecs, which
     # needs one once several ranks are launched
-    initialize_model_parallel(tensor_parallel, 1)
+    initialize_model_parallel(tensor_parallel, 1, context_parallel)
     config, full, tokenizer_dir = read_full_checkpoint(checkpoint_dir, lazy=True)
     family = family_of(config)
     family.check_layout(config, tensor_parallel, 1)
+    if context_parallel > 1:
+        if not hasattr(config, "check_context_parallel"):
+            raise InputError(f"--context-parallel {context_parallel}: context parallelism splits the windows of "
+                             f"attention models (the GPT variants), not of {type(config).__name__}; drop it")
+        config.check_context_parallel(tensor_parallel, context_parallel)
     tokenizer_dir = tokenizer or tokenizer_dir
     if tokenizer_dir is None:
         raise FileNotFoundError(f"{checkpoint_dir} has no tokenizer; pass --tokenizer")

@@ -10,8 +10,8 @@ Rows may be right-padded: a causal model's scores at a position do not depend
 on later tokens, so the caller just ignores the padded positions.
 
 Adapters: ``HFScorer`` (any ``transformers`` causal LM) and ``GPTScorer`` (the
-project's GPT at any tensor-parallel size: vocabulary-parallel logits are
-never gathered; each rank of a TP group gets the same, full result).
+project's GPT at any tensor- and context-parallel size: vocabulary-parallel logits
+are never gathered; each rank of a TP x CP group gets the same, full result).
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pipeline.job.errors import InputError
-from models.parallel import vocab_parallel_cross_entropy
+from models.parallel import (context_chunk, cp_world_size, gather_from_context_parallel_region,
+                             vocab_parallel_cross_entropy)
 
 from pipeline.evaluation.lm_scoring.parallel import DataShard, vocab_parallel_argmax
 
@@ -79,7 +80,9 @@ class ProjectScorer:
 
 
 class GPTScorer(ProjectScorer):
-    """The project's ``models.GPT`` at any tensor-parallel size (call it on every rank of the TP group)."""
+    """The project's ``models.GPT`` at any tensor- and context-parallel size (call it on every rank of the TP x CP
+    group). Under context parallelism each rank scores its chunk of the window, the window right-padded to a
+    multiple of CP (causal: the padding changes no earlier score), and the chunks' scores are all-gathered."""
 
     def __init__(self, model):
         super().__init__(model, model.config.max_sequence_length)
@@ -87,9 +90,16 @@ class GPTScorer(ProjectScorer):
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, *, greedy: bool = False) -> TokenScores:
         ids = ids.to(self.device)
-        local = self.model.parallel_logits(ids[:, :-1])
-        nll = vocab_parallel_cross_entropy(local, ids[:, 1:], vocab_size=self.vocab_size, reduction="none")
-        return TokenScores(nll.float(), vocab_parallel_argmax(local, self.vocab_size) if greedy else None)
+        inputs, targets = ids[:, :-1], ids[:, 1:]
+        n, pad = inputs.shape[1], -inputs.shape[1] % cp_world_size()
+        if pad:
+            inputs, targets = F.pad(inputs, (0, pad)), F.pad(targets, (0, pad))
+        local = self.model.parallel_logits(inputs)  # this rank's chunk under CP
+        nll = vocab_parallel_cross_entropy(local, context_chunk(targets), vocab_size=self.vocab_size,
+                                           reduction="none")
+        best = vocab_parallel_argmax(local, self.vocab_size) if greedy else None
+        nll = gather_from_context_parallel_region(nll.float())[:, :n]
+        return TokenScores(nll, None if best is None else gather_from_context_parallel_region(best)[:, :n])
 
 
 class MLSTMScorer(ProjectScorer):

@@ -275,3 +275,17 @@ def test_cli_end_to_end_writes_the_result_json(tiny_hf_dir, tmp_path):
     r = json.loads(out.read_text())["results"]
     assert r["num_examples"] == 10 and 0 <= r["num_correct"] <= 10 and r["num_target_tokens"] >= 10
     assert "lambada: strict accuracy" in proc.stderr
+
+
+def test_context_parallel_is_refused_where_it_cannot_split(tiny_hf_dir, tmp_path):
+    """--context-parallel splits a --checkpoint's windows over ranks: below 1, or with --hf (one process), it is
+    refused before any model is read."""
+    text = tmp_path / "held_out.txt"
+    text.write_text("some held-out text\n")
+    common = ["--task", "bpc", "--data", str(text), "--out", str(tmp_path / "r.json")]
+    with pytest.raises(ValueError, match="--context-parallel must be >= 1, got 0"):
+        evaluate_main([*common, "--checkpoint", str(tmp_path), "--context-parallel", "0"])
+    with pytest.raises(ValueError, match="--context-parallel 2: splits a --checkpoint's windows over ranks; --hf runs "
+                                         "in one process"):
+        evaluate_main([*common, "--hf", str(tiny_hf_dir), "--context-parallel", "2"])
+    assert not (tmp_path / "r.json").exists()

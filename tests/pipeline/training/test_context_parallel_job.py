@@ -74,11 +74,26 @@ def _argv(setup, name, extra=(), ds="ds.json", model="nodrop.json", steps=STEPS)
     return argv
 
 
-def _jobs_worker(rank, jobs):
+EVAL = ["--task", "bpc", "--context-length", "32", "--stride", "16", "--no-progress"]
+# pipeline.evaluate --checkpoint of the (TP2, CP2) run scored at these layouts on the 4 ranks (a 31-token window:
+# padded to a multiple of CP)
+EVAL_LAYOUTS = {"TP2 CP2": ("--tensor-parallel", "2", "--context-parallel", "2"), "CP4": ("--context-parallel", "4")}
+
+
+def _evaluations(setup) -> list[list[str]]:
+    return [["--checkpoint", str(setup / "TP2_CP2"), "--data", str(setup / "eval.txt"), *EVAL, *flags,
+             "--out", str(setup / f"TP2_CP2 scored at {name}.eval.json".replace(" ", "_"))]
+            for name, flags in EVAL_LAYOUTS.items()]
+
+
+def _jobs_worker(rank, jobs, evaluations):
     """Each ``(name, argv)`` of ``jobs`` in turn (the command-line entry point: a refusal is one line and exit
-    status 2), then the random streams; {name: (exit status, stderr)} and the streams' draws."""
+    status 2), then ``pipeline.evaluate`` of each of ``evaluations``, then the random streams; {name: (exit status,
+    stderr)} and the streams' draws."""
     get_accelerator().is_fp16_supported = lambda: True  # the CPU accelerator refuses fp16; its loss scaling is real
     out = {name: _refusal_worker(rank, argv) for name, argv in jobs}
+    for argv in evaluations:
+        evaluate_main(argv)
     return out, _stream_draws()
 
 
@@ -107,7 +122,7 @@ def cp_runs(setup):
                                                                str(setup / "TP2_CP2"), "--load-tag", "global_step2")))]
     jobs += [(name, _argv(setup, name, CP + (("--activation-checkpointing",) if "checkpointing" in name else ()),
                           model="model.json")) for name in DROPOUT]
-    results = run_distributed(_jobs_worker, 4, jobs)
+    results = run_distributed(_jobs_worker, 4, jobs, _evaluations(setup))
     return [r[0] for r in results], [r[1] for r in results]
 
 
@@ -127,10 +142,8 @@ def single(setup, cp_runs):
     jobs = [_argv(setup, "single", ("--save-interval", "2")), _argv(setup, "single fp16", ds="ds_fp16.json"),
             _argv(setup, "single packed", ("--data", str(setup / "docs.txt"))),
             _argv(setup, "TP2 CP2 -> TP1 CP1", ("--load", str(setup / "TP2_CP2"), "--load-tag", "global_step2"))]
-    common = ["--task", "bpc", "--data", str(setup / "eval.txt"), "--context-length", "32", "--stride", "16",
-              "--no-progress"]
-    evaluations = [["--checkpoint", str(setup / run), "--out", str(setup / f"{run}.eval.json"), *common]
-                   for run in ("TP2_CP2", "single")]
+    evaluations = [["--checkpoint", str(setup / run), "--out", str(setup / f"{run}.eval.json"), "--data",
+                    str(setup / "eval.txt"), *EVAL] for run in ("TP2_CP2", "single")]
     run_distributed(_single_worker, 1, jobs, evaluations)
     return losses(setup / "single")
 
@@ -188,6 +201,19 @@ def test_evaluate_a_context_parallel_checkpoint(setup, single):
     print("bpc of the (TP2, CP2) checkpoint", ours, "of the one-process one", ref)
     floats = [k for k, v in ref.items() if isinstance(v, float)]
     assert floats and all(ours[k] == pytest.approx(ref[k], rel=1e-5) for k in floats)
+
+
+@pytest.mark.parametrize("layout", EVAL_LAYOUTS)
+def test_evaluate_at_context_parallel_equals_one_process(setup, single, layout):
+    """``pipeline.evaluate --checkpoint --context-parallel C``: each window split over C ranks (with TP, and at CP4)
+    scores the (TP2, CP2) run as one process does, per-token losses gathered from the chunks."""
+    ref = json.loads((setup / "TP2_CP2.eval.json").read_text())
+    got = json.loads((setup / f"TP2_CP2 scored at {layout}.eval.json".replace(" ", "_")).read_text())
+    assert got["settings"]["context_parallel"] == int(EVAL_LAYOUTS[layout][-1])
+    floats = [k for k, v in ref["results"].items() if isinstance(v, float)]
+    rel = max(abs(got["results"][k] - ref["results"][k]) / abs(ref["results"][k]) for k in floats if ref["results"][k])
+    print(f"evaluate at {layout}: max relative difference from one process {rel:.1e}")
+    assert floats and rel < 1e-5 and got["results"]["num_scored_tokens"] == ref["results"]["num_scored_tokens"]
 
 
 def test_dropout_masks_differ_across_context_parallel_ranks(setup, cp_runs):
