@@ -1,6 +1,6 @@
 """Context parallelism (``--context-parallel``, DeepSpeed-Ulysses) through the main job: 5 steps (2 micro-batches a
 step), fp32, dropout 0, per-step losses equal one process at (CP2, DP2), (TP2, CP2), (TP2, --sequence-parallel, CP2),
-(CP2, DP2, ZeRO-2), (CP2, DP2, ZeRO-3), (CP2, PP2), CP4, with ALST's tiling, with activation checkpointing, on packed short
+(CP2, DP2, ZeRO-0/2/3), (CP2, PP2), CP4, with ALST's tiling, with activation checkpointing, on packed short
 documents, and in fp16 (DeepSpeed's loss scaling) against fp16 in one process; resumes across layouts with the
 optimizer state ((TP2, CP2) -> one process and -> CP4); dropout masks differ across CP ranks and a CP2 run with
 dropout is reproducible; evaluation of a CP checkpoint; the refusals, one line each, before any work.
@@ -30,6 +30,7 @@ LAYOUTS = {
     "CP2 DP2": (CP, "ds.json"),
     "TP2 CP2": (CP + ("--tensor-parallel", "2", "--save-interval", "2"), "ds.json"),
     "TP2 SP CP2": (CP + ("--tensor-parallel", "2", "--sequence-parallel"), "ds.json"),
+    "CP2 DP2 ZeRO-0": (CP, "ds_z0.json"),
     "CP2 DP2 ZeRO-2": (CP, "ds_z2.json"),
     "CP2 DP2 ZeRO-3": (CP, "ds_z3.json"),
     "CP2 PP2": (CP + ("--pipeline-parallel", "2"), "ds.json"),
@@ -61,7 +62,7 @@ def setup(tmp_path_factory):
     (d / "model.json").write_text(json.dumps(TINY_GPT2))  # dropout 0.1
     z3_reduce_scatter = ds_config(3)
     z3_reduce_scatter["zero_optimization"]["reduce_scatter"] = True
-    for name, ds in (("ds", ds_config()), ("ds_z2", ds_config(2)), ("ds_z3", ds_config(3)),
+    for name, ds in (("ds", ds_config()), ("ds_z0", ds_config(0)), ("ds_z2", ds_config(2)), ("ds_z3", ds_config(3)),
                      ("ds_z3_rs", z3_reduce_scatter), ("ds_fp16", ds_config(fp16=True))):
         (d / f"{name}.json").write_text(json.dumps(ds))
     (d / "eval.txt").write_text("def dumps(obj, *, skipkeys=False):\n    return obj\n\nclass JSONDecodeError:\n    pass\n")
