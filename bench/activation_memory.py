@@ -47,17 +47,18 @@ from models.parallel import initialize_model_parallel, model_parallel_seed
 
 
 class SavedTensorCensus:
-    """Bytes autograd saves for the backward inside the context, each storage once, ``exclude``d ones not."""
+    """Bytes autograd saves for the backward inside the context, each storage once, ``exclude``d ones not; counted
+    as the context ends, so that a storage freed in the forward (output-discarding recomputation) counts 0."""
 
     def __init__(self, exclude: set[int]):
-        self.exclude, self.seen, self.bytes = exclude, set(), 0
+        self.exclude, self.storages, self.bytes = exclude, {}, 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t):
         st = t.untyped_storage()
-        if st.data_ptr() not in self.exclude and st.data_ptr() not in self.seen:
-            self.seen.add(st.data_ptr())
-            self.bytes += st.nbytes()
+        seen = self.storages.get(st.data_ptr())
+        if st.data_ptr() not in self.exclude and (seen is None or seen.data_ptr() != st.data_ptr()):
+            self.storages[st.data_ptr()] = st  # (a storage freed since may have left its address to this one)
         return t
 
     def __enter__(self):
@@ -66,6 +67,8 @@ class SavedTensorCensus:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        self.bytes = sum(st.nbytes() for st in self.storages.values())
+        self.storages.clear()
 
 
 def _param_storages(model) -> set[int]:

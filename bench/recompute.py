@@ -1,22 +1,24 @@
 """Activation recomputation policies (``--recompute none|selective|full``): what one layer saves, and the step time.
 
-TP gloo CPU ranks build the same bf16 gpt2 GPT (dropout 0.1 everywhere, as in Korthikanti et al. 2022) with
-each policy wired by ``pipeline.engine.build``'s own switches (``select_core_attention`` for selective, the
-model's ``checkpoint_fn`` for full; DeepSpeed's ``checkpointing.checkpoint``, which restores the
+TP gloo CPU ranks build the same gpt2 GPT (bf16, or ``--dtype fp32``; dropout 0.1 everywhere, as in Korthikanti
+et al. 2022) with each policy wired by ``pipeline.engine.build``'s own switches (``select_recompute_modules`` for
+selective: core_attn, each of mlp_act and layernorm alone, and all three; the model's ``checkpoint_fn`` for full; DeepSpeed's ``checkpointing.checkpoint``, which restores the
 model-parallel RNG streams), and count the bytes autograd saves for the backward of one TransformerLayer
 (bench/activation_memory.py's census: each storage once, parameters left out, plus the inputs DeepSpeed's
 checkpoint keeps on its ctx) beside the planner's
 ``pipeline.planning.memory.layer_activations`` for the same shape and policy (the paper's formulas:
-sbh (10 + 24/t + 5as/(ht)) for none, sbh (10 + 24/t) for selective, 2sbh for full).
+sbh (10 + 24/t + 5as/(ht)) for none, sbh (10 + 24/t) for selective core_attn, less 8sbh/t for mlp_act and 4sbh
+for layernorm, 2sbh for full; x2 in fp32).
 
 Then the step time (forward + backward of the whole model, no optimizer) of each policy over none, median
-of per-round ratios with the three models interleaved in the same processes.
+of per-round ratios with the six models interleaved in the same processes.
 
     python bench/recompute.py [--tp 1,2] [--seq 256] [--batch 2] [--hidden 256] [--heads 8] [--layers 2]
-                              [--vocab 2048] [--rounds 10]
+                              [--vocab 2048] [--rounds 10] [--dtype bf16|fp32]
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -31,13 +33,18 @@ from dist import run_distributed  # noqa: E402
 from common import format_table  # noqa: E402
 
 from models import GPT, GPTConfig  # noqa: E402
-from models.gpt import select_core_attention  # noqa: E402
+from models.gpt import RECOMPUTE_MODULES, select_recompute_modules  # noqa: E402
 from models.parallel import initialize_model_parallel, model_parallel_seed  # noqa: E402
-from pipeline.planning.memory import POLICIES, layer_activations  # noqa: E402
+from pipeline.planning.memory import layer_activations  # noqa: E402
 from pipeline.planning.shapes import gpt_shape  # noqa: E402
 
 
 _CENSUSES: list[SavedTensorCensus] = []
+# (label, --recompute, --recompute-modules): each selective module alone, then all of them
+VARIANTS = (("none", "none", ()), ("selective", "selective", ("core_attn",)),
+            ("selective mlp_act", "selective", ("mlp_act",)), ("selective layernorm", "selective", ("layernorm",)),
+            ("selective all", "selective", RECOMPUTE_MODULES), ("full", "full", ()))
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _checkpoint(fn, *args):
@@ -49,17 +56,17 @@ def _checkpoint(fn, *args):
     return deepspeed.checkpointing.checkpoint(fn, *args)
 
 
-def _build(config: GPTConfig, policy: str):
-    model = GPT(config, init_seed=0).to(torch.bfloat16).train()
+def _build(config: GPTConfig, policy: str, modules, dtype):
+    model = GPT(config, init_seed=0).to(dtype).train()
     if policy == "full":
         model.checkpoint_fn = _checkpoint
     elif policy == "selective":
-        select_core_attention(model, _checkpoint)
+        select_recompute_modules(model, _checkpoint, modules)
     return model
 
 
 def _layer_bytes(model, b: int, s: int, h: int) -> int:
-    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(b, s, h, dtype=next(model.parameters()).dtype, requires_grad=True)
     layer = model.layers[0]
     with SavedTensorCensus(_param_storages(model)) as census:
         _CENSUSES[:] = [census]
@@ -70,33 +77,37 @@ def _layer_bytes(model, b: int, s: int, h: int) -> int:
     return census.bytes
 
 
-def _rank(rank, tp, config_kw, b, s, rounds):
+def _rank(rank, tp, config_kw, b, s, rounds, dtype):
     state = initialize_model_parallel(tensor_parallel=tp)
     model_parallel_seed(1234)
     deepspeed.checkpointing.configure(state)
     config = GPTConfig(**config_kw)
-    models = {policy: _build(config, policy) for policy in POLICIES}
-    out = {policy: _layer_bytes(m, b, s, config.hidden_size) for policy, m in models.items()}
+    models = {label: _build(config, policy, modules, DTYPES[dtype]) for label, policy, modules in VARIANTS}
+    out = {label: _layer_bytes(m, b, s, config.hidden_size) for label, m in models.items()}
     ids, labels = _batch(b, s, config.vocab_size)
     times = _step_seconds(models, ids, labels, rounds)
-    out["ratio"] = {p: statistics.median(a / n for a, n in zip(times[p], times["none"])) for p in POLICIES}
-    out["seconds"] = {p: statistics.median(t) for p, t in times.items()}
+    out["ratio"] = {k: statistics.median(a / n for a, n in zip(times[k], times["none"])) for k in models}
+    out["seconds"] = {k: statistics.median(t) for k, t in times.items()}
     return out
 
 
 def main(argv=None):
+    pre = argparse.ArgumentParser(add_help=False)  # this benchmark's own option, beside parse_shape_args' ones
+    pre.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    known, argv = pre.parse_known_args(argv)
+    dtype = known.dtype
     args, config_kw = parse_shape_args(__doc__, "1,2", argv)
     s, b, h, a = args.seq, args.batch, args.hidden, args.heads
-    shape = gpt_shape(GPTConfig(**config_kw), seq=s)
-    print(f"# one layer's activation bytes saved for the backward (rank 0), gpt2 bf16, s={s} b={b} h={h} a={a} "
+    shape, scale = gpt_shape(GPTConfig(**config_kw), seq=s), DTYPES[dtype].itemsize / 2  # the planner's: 2 bytes
+    print(f"# one layer's activation bytes saved for the backward (rank 0), gpt2 {dtype}, s={s} b={b} h={h} a={a} "
           f"L={args.layers} V={args.vocab}, dropout 0.1; {common.machine_note()}")
     rows, mib = [], 1 / 2**20
     for tp in map(int, args.tp.split(",")):
-        r = run_distributed(_rank, tp, tp, config_kw, b, s, args.rounds)[0]
-        for policy in POLICIES:
-            rows.append([f"TP{tp}", policy, r[policy] * mib,
-                         layer_activations(shape, b, tp, False, policy) * mib,
-                         r["seconds"][policy], r["ratio"][policy]])
+        r = run_distributed(_rank, tp, tp, config_kw, b, s, args.rounds, dtype)[0]
+        for label, policy, modules in VARIANTS:
+            rows.append([f"TP{tp}", label, r[label] * mib,
+                         scale * layer_activations(shape, b, tp, False, policy, modules) * mib,
+                         r["seconds"][label], r["ratio"][label]])
     print(format_table(["layout", "recompute", "one layer MiB", "planner (paper) MiB", "step s", "step / none"],
                        rows))
 

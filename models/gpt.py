@@ -29,6 +29,7 @@ from torch import nn
 
 from .config import GPTConfig
 from .moe import MoEMLP, is_moe_layer
+from .recompute import DiscardedOutput
 from .tiling import tiled_cross_entropy, tiled_mlp
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, RowParallelLinear, SequenceParallelLayerNorm,
                        SequenceParallelRMSNorm, UlyssesAttention, VocabParallelEmbedding, chunk_start, context_chunk,
@@ -184,12 +185,30 @@ class Attention(nn.Module):
         return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm")
+
+
 def select_core_attention(model: nn.Module, checkpoint_fn) -> None:
     """Selective recomputation (Korthikanti et al. 2022): every layer's core attention (scores, softmax,
     attention dropout, weighted values) is recomputed in the backward; the rest of the layer is kept."""
+    select_recompute_modules(model, checkpoint_fn, ("core_attn",))
+
+
+def select_recompute_modules(model: nn.Module, checkpoint_fn, modules) -> None:
+    """Selective recomputation of ``modules`` (Megatron-Core's ``recompute_modules`` names where they mean the
+    same): ``core_attn`` through ``checkpoint_fn`` (DeepSpeed's, which restores the model-parallel RNG for the
+    attention dropout); ``mlp_act`` (GELU, or SwiGLU's silu(gate) * up, of every dense MLP) and ``layernorm``
+    (both norms of every layer, LayerNorm or RMSNorm) by output-discarding recomputation (models/recompute.py)."""
+    unknown = set(modules) - set(RECOMPUTE_MODULES)
+    if unknown:
+        raise ValueError(f"unknown recompute modules {sorted(unknown)}; choose from {', '.join(RECOMPUTE_MODULES)}")
     for m in model.modules():
-        if isinstance(m, Attention):
+        if isinstance(m, Attention) and "core_attn" in modules:
             m.recompute_fn = checkpoint_fn
+        elif isinstance(m, MLP):
+            m.recompute_act = "mlp_act" in modules
+        elif isinstance(m, TransformerLayer):
+            m.recompute_norms = "layernorm" in modules
 
 
 class MLP(nn.Module):
@@ -204,20 +223,26 @@ class MLP(nn.Module):
         self.fc_out = RowParallelLinear(f, config.hidden_size, bias=config.bias, input_is_parallel=True,
                                         init_method=_output_init(config), sequence_parallel=sp)
         self.tiles = config.tiled_mlp
+        self.recompute_act = False  # selective recomputation of the activation (select_recompute_modules)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles > 1:  # ALST: never the whole [s, ffn / tp] (models/tiling.py)
+        if self.tiles > 1:  # ALST: never the whole [s, ffn / tp] (models/tiling.py); recomputes its tiles anyway
             return tiled_mlp(MLP._compute, self, x, self.tiles)
+        if self.recompute_act and self.training and torch.is_grad_enabled():
+            h = DiscardedOutput(self._activation, self.fc_in(x))  # keeps fc_in's output, not the activation's
+            y = self.fc_out(h.output)
+            h.discard(y)
+            return y
         return self._compute(x)
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc_in(x)
+        return self.fc_out(self._activation(self.fc_in(x)))
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.fc_out(h)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
 
 
 class TransformerLayer(nn.Module):
@@ -234,11 +259,27 @@ class TransformerLayer(nn.Module):
                         if moe else MLP(config))
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.sequence_parallel = config.sequence_parallel
+        self.recompute_norms = False  # selective recomputation of both norms (select_recompute_modules)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         sp = self.sequence_parallel
+        if self.recompute_norms and cache is None and self.training and torch.is_grad_enabled():
+            return self._forward_recomputing_norms(x)
         x = x + _dropout(self.dropout, self.attention(self.input_norm(x), cache), sp)
         return x + _dropout(self.dropout, self.mlp(self.post_attention_norm(x)), sp)
+
+    def _forward_recomputing_norms(self, x: torch.Tensor) -> torch.Tensor:
+        # each norm's output (the QKV / fc_in input) is freed once read, rebuilt from the kept norm input when
+        # the attention's / MLP's output gradient arrives, as Megatron-Core's "layernorm" module
+        sp = self.sequence_parallel
+        n = DiscardedOutput(self.input_norm, x)
+        y = self.attention(n.output)
+        n.discard(y)
+        x = x + _dropout(self.dropout, y, sp)
+        n = DiscardedOutput(self.post_attention_norm, x)
+        y = self.mlp(n.output)
+        n.discard(y)
+        return x + _dropout(self.dropout, y, sp)
 
 
 class Embedding(nn.Module):

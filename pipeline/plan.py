@@ -4,6 +4,7 @@ No GPU is needed (docs/performance.md: the model, its assumptions, its validatio
 
     python -m pipeline.plan --model-config llama-8b --gpus 64 --hardware h200-dgx --seq-length 4096 \\
         --global-batch-size 1024 [--tp 8 --pp 1 --zero 1 --recompute selective --micro-batch 1] [--top 10]
+        (--recompute-modules core_attn,mlp_act,layernorm pins what selective recomputes)
     python -m pipeline.plan --validate       # against Megatron-LM (2019) and the mLSTM paper (2018); exit 1 if off
     python -m pipeline.plan --list-hardware
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.files import atomic_write_json, check_output_file
+from pipeline.job.model_configs import recompute_modules_arg
 from pipeline.planning.hardware import profiles
 from pipeline.planning.layouts import DEFAULT_BUCKET
 from pipeline.planning.memory import POLICIES, PRECISION_BYTES
@@ -34,6 +36,9 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     g.add_argument("--sp", choices=["on", "off"])
     g.add_argument("--recompute", choices=POLICIES)
+    g.add_argument("--recompute-modules", type=recompute_modules_arg,
+                   help="what selective recomputes: core_attn and/or mlp_act, layernorm (a comma list; the planner "
+                        "tries core_attn alone and all three)")
     g.add_argument("--micro-batch", type=int)
     p.add_argument("--top", type=int, default=10, help="how many layouts to print")
     p.add_argument("--json", help="also write the ranked predictions to this file")
@@ -48,7 +53,7 @@ def parse_args(argv=None):
 
 
 def pinned_fields(args) -> dict:
-    pinned = {k: getattr(args, k) for k in ("tp", "pp", "zero", "recompute", "micro_batch")
+    pinned = {k: getattr(args, k) for k in ("tp", "pp", "zero", "recompute", "recompute_modules", "micro_batch")
               if getattr(args, k) is not None}
     if args.sp is not None:
         pinned["sp"] = args.sp == "on"

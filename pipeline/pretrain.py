@@ -29,7 +29,7 @@ from pipeline.generation.training import add_sample_args, sample_hooks
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.families import ModelFamily
 from pipeline.job.loop import Job, StepResult, apply_sequence_parallel, every, is_rank0, setup, train_loop, when
-from pipeline.job.model_configs import add_model_args, choose_model_config, make_model_config
+from pipeline.job.model_configs import add_model_args, choose_model_config, make_model_config, check_recompute_args
 from pipeline.job.options import (EngineOptions, add_checkpoint_args, add_engine_args, add_run_args,
                                   default_ds_config)
 from pipeline.tracking.metrics import MetricsWriter
@@ -45,7 +45,7 @@ def parse_args(argv=None):
     add_lr_args(p)
     add_run_args(p, add_checkpoint_args(p))
     add_sample_args(p)
-    return p.parse_args(argv)
+    return check_recompute_args(p.parse_args(argv))
 
 
 @dataclass
@@ -88,8 +88,8 @@ def provide_engine(args, m: Model, job: Job, start: StartPoint, loader):
     """The DeepSpeed engine, built and restored from ``start``; returns (engine, first step - 1)."""
     builder = m.family.build_for_training if job.state.pipeline_parallel == 1 else None
     engine = build_engine(m.config, start.ds, job.state, init_seed=args.seed, schedule=schedule_from_args(args, job.ds),
-                          recompute=args.recompute, full_state_dict=start.full_state,
-                          model_builder=builder)
+                          recompute=args.recompute, recompute_modules=args.recompute_modules,
+                          full_state_dict=start.full_state, model_builder=builder)
     step = restore(engine, start, m.config, loader)
     if args.compile:
         engine.compile()

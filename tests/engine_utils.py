@@ -54,7 +54,7 @@ class GlobalBatchLoader:
 
 
 def train_worker(rank, tp=1, pp=1, ds_overrides=None, model_overrides=None, steps=5, micro=None,
-                 recompute="none", fp16_on_cpu=False, after_step=None):
+                 recompute="none", fp16_on_cpu=False, after_step=None, recompute_modules=("core_attn",)):
     if fp16_on_cpu:
         from deepspeed.accelerator import get_accelerator
         get_accelerator().is_fp16_supported = lambda: True
@@ -65,7 +65,7 @@ def train_worker(rank, tp=1, pp=1, ds_overrides=None, model_overrides=None, step
                            micro_batch_size=micro or ds["train_batch_size"] // state.data_parallel)
     config = GPTConfig(**{**TINY, **(model_overrides or {})})
     engine = build_engine(config, ds, state, init_seed=1234, schedule=LRSchedule(3e-3, 2, steps, "cosine"),
-                          recompute=recompute)
+                          recompute=recompute, recompute_modules=recompute_modules)
     table = real_text_tokens(ds["train_batch_size"] * steps)
     loader = GlobalBatchLoader(table, ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
                                state.get_data_parallel_rank(), state.data_parallel)

@@ -14,7 +14,7 @@ import torch
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 from models import GPT
-from models.gpt import select_core_attention
+from models.gpt import select_recompute_modules
 from models.moe import forget_expert_groups
 from models.parallel import ParallelState
 
@@ -61,7 +61,8 @@ def zero3_over_data_and_context(model: torch.nn.Module, ds_config: dict, state: 
 
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
                  schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None,
-                 full_state_dict: dict | None = None, param_groups_fn=None, recompute: str = "none"):
+                 full_state_dict: dict | None = None, param_groups_fn=None, recompute: str = "none",
+                 recompute_modules=("core_attn",)):
     """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only).
 
     ``ds_config`` must have been through ``resolve_ds_config``. ``full_state_dict`` (full TP=1 weights,
@@ -69,9 +70,9 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     takes the model, so its fp32 master weights start from it. ``param_groups_fn(model)`` gives the
     optimizer's parameter groups (default ``param_groups``); a group's ``lr_mult`` scales the scheduled
     learning rate (e.g. layer-wise decay when finetuning). Returns the engine; ``engine.is_pipe``
-    tells which training step to use. ``recompute``: none, selective (each layer's core attention, as
-    Megatron-Core's default ``recompute_modules``) or full (every layer; ``activation_checkpointing`` is its
-    old name).
+    tells which training step to use. ``recompute``: none, selective (each layer's ``recompute_modules``:
+    core_attn, Megatron-Core's default, mlp_act, layernorm; ``models.gpt.select_recompute_modules``) or full
+    (every layer; ``activation_checkpointing`` is its old name).
     """
 
     check_supported(ds_config, state.pipeline_parallel)
@@ -112,7 +113,7 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
             deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
 
     if recompute == "selective":
-        select_core_attention(model, checkpoint_fn)
+        select_recompute_modules(model, checkpoint_fn, recompute_modules)
     attach_info(model, model_config, pipeline=state.pipeline_parallel > 1)  # saved with every checkpoint
 
     if schedule is not None and "scheduler" in ds_config:

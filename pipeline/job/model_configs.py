@@ -2,10 +2,12 @@
 config class, its vocabulary following the tokenizer."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 from models import ConfigError
+from models.gpt import RECOMPUTE_MODULES
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_named, family_of_dict
 
@@ -59,6 +61,27 @@ def make_model_config(raw: dict, vocab_size: int, seq_length: int | None):
     return family.config_class.from_dict(raw, source=source)
 
 
+def recompute_modules_arg(text: str) -> tuple[str, ...]:
+    """argparse type of ``--recompute-modules``: a comma list of ``RECOMPUTE_MODULES``, each once (returned in
+    that order)."""
+    names = tuple(n.strip() for n in text.split(","))
+    bad = [n for n in names if n not in RECOMPUTE_MODULES]
+    if bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: {'unknown ' + ', '.join(map(repr, bad)) if bad else 'repeated'}"
+                                         f" module; give a comma list of {', '.join(RECOMPUTE_MODULES)}")
+    return tuple(n for n in RECOMPUTE_MODULES if n in names)
+
+
+def check_recompute_args(args):
+    """``args`` with ``recompute_modules`` resolved (default core_attn); ``--recompute-modules`` is refused without
+    ``--recompute selective``, the only policy it shapes."""
+    if args.recompute_modules is not None and args.recompute != "selective":
+        raise UserError(f"--recompute-modules: applies to --recompute selective, not {args.recompute}; "
+                        f"add --recompute selective or drop --recompute-modules")
+    args.recompute_modules = args.recompute_modules or ("core_attn",)
+    return args
+
+
 def add_model_args(p) -> None:
     """The model arguments of the pretraining job (its "model" group)."""
     g = p.add_argument_group("model")
@@ -70,8 +93,12 @@ def add_model_args(p) -> None:
                         f"the checkpoint's config with --load, else gpt2-tiny")
     g.add_argument("--seq-length", type=int, help="training sequence length (default: the config's seq_length)")
     g.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                   help="activation recomputation: selective recomputes each layer's core attention (Megatron-Core's "
-                        "default recompute_modules), full every layer (docs/performance.md has the measured memory)")
+                   help="activation recomputation: selective recomputes each layer's --recompute-modules, full every "
+                        "layer (docs/performance.md has the measured memory)")
+    g.add_argument("--recompute-modules", type=recompute_modules_arg, default=None,
+                   help=f"what --recompute selective recomputes, a comma list of {', '.join(RECOMPUTE_MODULES)} "
+                        f"(Megatron-Core's names; mlp_act: the dense MLP's GELU / SwiGLU; layernorm: both norms, "
+                        f"LayerNorm or RMSNorm; default core_attn)")
     g.add_argument("--activation-checkpointing", dest="recompute", action="store_const", const="full",
                    help="the same as --recompute full")
     g.add_argument("--compile", action="store_true",

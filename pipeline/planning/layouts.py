@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 
 from .comm import Collective, dp_collectives, pp_collectives, ring_time, tp_collectives
 from .hardware import Hardware
-from .memory import PRECISION_BYTES, POLICIES, activations, model_states
+from .memory import PRECISION_BYTES, RECOMPUTE_MODULES, SELECTIVE_DEFAULT, activations, model_states
 from .shapes import ModelShape
 
 ELEMENTWISE_PASSES = {"forward": 12, "backward": 24}  # reads + writes of [b, s, h] per layer (norms, dropout, adds)
 ADAM_BYTES_PER_PARAM = 36  # read and write fp32 master, m, v (24), read the gradient, write the 16-bit weight
 DEFAULT_BUCKET = 5e8       # DeepSpeed's reduce_bucket_size (elements)
+# (policy, selective modules) the planner tries: Megatron-Core's default and every module
+RECOMPUTE_CHOICES = (("none", ()), ("selective", SELECTIVE_DEFAULT), ("selective", RECOMPUTE_MODULES), ("full", ()))
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,16 @@ class Layout:
     sp: bool
     recompute: str
     micro_batch: int
+    recompute_modules: tuple = ()  # of selective (default: SELECTIVE_DEFAULT), in RECOMPUTE_MODULES' order
+
+    def __post_init__(self):
+        if self.recompute == "selective" and not self.recompute_modules:
+            object.__setattr__(self, "recompute_modules", SELECTIVE_DEFAULT)
 
     def label(self) -> str:
+        modules = f"({','.join(self.recompute_modules)})" if self.recompute == "selective" else ""
         return (f"TP{self.tp} PP{self.pp} DP{self.dp} ZeRO-{self.zero}{' SP' if self.sp else ''} "
-                f"recompute={self.recompute} mb={self.micro_batch}")
+                f"recompute={self.recompute}{modules} mb={self.micro_batch}")
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,7 @@ def predict_memory(job: Job, lay: Layout) -> dict:
     psi = job.model.stage_params(lay.tp, lay.pp)
     states = model_states(psi, lay.zero, lay.dp, job.precision)
     act = activations(job.model, lay.micro_batch, lay.tp, lay.pp, lay.sp, lay.recompute,
-                      micro_batches(job, lay), job.precision)
+                      micro_batches(job, lay), job.precision, lay.recompute_modules)
     return {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
             "activations": act}
 
@@ -86,13 +94,18 @@ def _compute_s(job: Job, lay: Layout) -> tuple[float, float]:
     """(forward + backward compute of one micro-batch on one GPU, of which the backward)."""
     m, hw = job.model, job.hardware
     tokens = lay.micro_batch * m.seq
-    extra = {"none": 0.0, "selective": m.attention_flops_per_token / 3, "full": m.flops_per_token / 3}
+    core_attn = "core_attn" in lay.recompute_modules
+    extra = {"none": 0.0, "selective": m.attention_flops_per_token / 3 * core_attn, "full": m.flops_per_token / 3}
     matmul = (m.flops_per_token + extra[lay.recompute]) * tokens / (lay.tp * lay.pp) / hw.sustained_flops
     passes = ELEMENTWISE_PASSES["forward"] * (2 if lay.recompute == "full" else 1) + ELEMENTWISE_PASSES["backward"]
+    # recomputed norms read and write [b, s, h] twice more (/t with SP); the MLP activation reads its input
+    # (2f wide gated) and writes f, split by TP
+    passes += 4 * ("layernorm" in lay.recompute_modules)
+    act_passes = ((3 if m.gated_mlp else 2) * m.ffn / m.hidden / lay.tp) * ("mlp_act" in lay.recompute_modules)
     act_bytes = PRECISION_BYTES[job.precision][0]
     layers = -(-m.layers // lay.pp)
-    elementwise = 0.0 if m.recurrent else (
-        passes * tokens * m.hidden * act_bytes * layers / (lay.tp if lay.sp else 1) / hw.hbm_bytes_per_s)
+    elementwise = 0.0 if m.recurrent else ((passes / (lay.tp if lay.sp else 1) + act_passes)
+                                           * tokens * m.hidden * act_bytes * layers / hw.hbm_bytes_per_s)
     total = matmul + elementwise
     backward_share = (3 if lay.recompute == "full" else 2) / (4 if lay.recompute == "full" else 3)
     return total, total * backward_share
@@ -184,8 +197,8 @@ def candidate_layouts(job: Job, pinned: dict) -> list[Layout]:
             for mbs in divisors(job.global_batch // dp):
                 for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                     for sp in ((False, True) if tp > 1 and m.seq % tp == 0 else (False,)):
-                        for policy in (("none",) if m.recurrent else POLICIES):
-                            lay = Layout(tp, pp, dp, zero, sp, policy, mbs)
+                        for policy, modules in ((("none", ()),) if m.recurrent else RECOMPUTE_CHOICES):
+                            lay = Layout(tp, pp, dp, zero, sp, policy, mbs, modules)
                             if all(getattr(lay, k) == v for k, v in pinned.items()):
                                 out.append(lay)
     return out

@@ -21,11 +21,21 @@ Activations of one layer for one micro-batch of ``b`` sequences of ``s`` tokens,
     attention scores, split by TP:    softmax 2as^2b, its dropout mask and output 3as^2b
     gpt2 (q = kv = h, f = 4h):        sbh (10 + 24/t + 5as/(ht)), or sbh (34/t + 5as/(ht)) with SP
 
-``selective`` recomputes the attention scores (keeps the rest), ``full`` keeps each layer's input (2sbh, /t
-with SP) and rebuilds one layer at a time in the backward. The first pipeline stage holds ``min(m, p)``
-micro-batches of its ``L/p`` layers under 1F1B: ``L`` layers' worth once ``m >= p``. The output layer's
-fp32 softmax over [b, s, V/t] (what the project's vocab-parallel cross-entropy saves) is added on the last
-stage.
+``selective`` recomputes its ``recompute_modules`` (Megatron-Core's names) and keeps the rest of the layer; what each
+no longer keeps, in the terms above (``recompute_savings``):
+
+    core_attn    the attention scores, 5as^2b/t (2as^2b/t without attention dropout)
+    mlp_act      the second MLP linear's input, 2sbf/t (the paper's 8sbh/t for gpt2's f = 4h; SwiGLU's
+                 silu(gate) * up the same); the activation's input (the first linear's output) is kept
+    layernorm    the QKV and first MLP linear's inputs (the norms' outputs), 4sbh (/t with SP); the norms'
+                 inputs are kept
+    (mlp_act and layernorm by output-discarding recomputation, models/recompute.py: a plain checkpoint of
+    them would keep their outputs as the next matmul's inputs and save nothing)
+
+``full`` keeps each layer's input (2sbh, /t with SP) and rebuilds one layer at a time in the backward. The first
+pipeline stage holds ``min(m, p)`` micro-batches of its ``L/p`` layers under 1F1B: ``L`` layers' worth once
+``m >= p``. The output layer's fp32 softmax over [b, s, V/t] (what the project's vocab-parallel cross-entropy saves)
+is added on the last stage.
 """
 from __future__ import annotations
 
@@ -34,6 +44,8 @@ from dataclasses import dataclass
 from .shapes import ModelShape
 
 POLICIES = ("none", "selective", "full")
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm")  # models.gpt's, in this order
+SELECTIVE_DEFAULT = ("core_attn",)  # Megatron-Core's default recompute_modules
 PRECISION_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}  # weights, grads, optimizer
 
 
@@ -67,22 +79,33 @@ def layer_activation_terms(m: ModelShape, b: int) -> tuple[float, float, float]:
     return float(replicated), float(split), float(scores)
 
 
-def layer_activations(m: ModelShape, b: int, tp: int, sp: bool, policy: str) -> float:
+def recompute_savings(m: ModelShape, b: int, tp: int, sp: bool, modules=SELECTIVE_DEFAULT) -> float:
+    """Bytes of one layer's activations (2-byte) that selective recomputation of ``modules`` does not keep."""
+    if m.recurrent:
+        return 0.0
+    _, _, scores = layer_activation_terms(m, b)
+    saved = {"core_attn": scores / tp, "mlp_act": 2.0 * m.seq * b * m.ffn / tp,
+             "layernorm": 4.0 * m.seq * b * m.hidden / (tp if sp else 1)}
+    return sum(saved[name] for name in modules)
+
+
+def layer_activations(m: ModelShape, b: int, tp: int, sp: bool, policy: str, modules=SELECTIVE_DEFAULT) -> float:
     rep, split, scores = layer_activation_terms(m, b)
     if policy == "full":
         return 2.0 * m.seq * b * m.hidden / (tp if sp else 1)
-    return rep / (tp if sp else 1) + split / tp + (scores / tp if policy == "none" else 0.0)
+    kept = rep / (tp if sp else 1) + split / tp + scores / tp
+    return kept - (recompute_savings(m, b, tp, sp, modules) if policy == "selective" else 0.0)
 
 
 def activations(m: ModelShape, b: int, tp: int, pp: int, sp: bool, policy: str, micro_batches: int,
-                precision: str = "bf16") -> float:
+                precision: str = "bf16", modules=SELECTIVE_DEFAULT) -> float:
     """Peak activation bytes on one GPU of the fullest stage."""
     scale = PRECISION_BYTES[precision][0] / 2
     layers_per_stage = -(-m.layers // pp)
     in_flight = min(micro_batches, pp)
-    held = in_flight * layers_per_stage * layer_activations(m, b, tp, sp, policy)
+    held = in_flight * layers_per_stage * layer_activations(m, b, tp, sp, policy, modules)
     if policy == "full":  # the layer rebuilt in the backward
         held += layer_activations(m, b, tp, sp, "none" if m.recurrent else "selective")
     logits = (4.0 / scale) * m.seq * b * m.vocab / tp  # fp32 softmax saved by the cross-entropy
-    last_stage = layers_per_stage * layer_activations(m, b, tp, sp, policy) + logits
+    last_stage = layers_per_stage * layer_activations(m, b, tp, sp, policy, modules) + logits
     return scale * max(held, last_stage if pp > 1 else held + logits)

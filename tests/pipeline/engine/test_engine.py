@@ -28,12 +28,6 @@ def test_data_parallel_zero_stages(stage, reference):
         _assert_same(r["loss"], reference, f"DP=2 ZeRO-{stage}")
 
 
-def test_tensor_parallel_with_selective_recomputation(reference):
-    # (plain TP2 equals selective exactly in the dropout test below)
-    for r in run_distributed(train_worker, 2, 2, 1, None, None, 5, None, "selective"):
-        _assert_same(r["loss"], reference, "TP=2 selective")
-
-
 def test_pipeline_parallel_tied_with_accumulation(reference):
     # micro batch 2 of a global batch 8: 4 accumulation steps through 2 stages sharing the embedding
     for r in run_distributed(train_worker, 2, 1, 2, Z1, None, 5, 2):
@@ -52,13 +46,34 @@ def test_pipeline_untied_llama():
         _assert_same(r["loss"], ref, "llama PP=2")
 
 
-def test_recomputation_policies_with_dropout_are_exact_at_tp2():
-    # dropout in TP regions, in the attention and on the residual: recomputation must redraw the very same masks
-    # (with dropout 0 these are the paths of the reference: TP2 selective equals it above)
-    drop = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
-    plain = run_distributed(train_worker, 2, 2, 1, None, drop)
-    for policy in ("selective", "full"):
-        assert run_distributed(train_worker, 2, 2, 1, None, drop, 5, None, policy)[0]["loss"] == plain[0]["loss"]
+ALL_MODULES = ("core_attn", "mlp_act", "layernorm")
+
+
+def _recompute_policies_worker(rank):
+    """Every policy, with dropout 0.1 and 0, and all modules under sequence parallelism, one after the other in
+    this one TP2 launch (each from the same seeds)."""
+    out = {}
+    for dropout in (0.1, 0.0):
+        drop = {"hidden_dropout": dropout, "attention_dropout": dropout}
+        for label, policy, modules in (("none", "none", ()), ("selective", "selective", ("core_attn",)),
+                                       ("selective all", "selective", ALL_MODULES), ("full", "full", ())):
+            out[dropout, label] = train_worker(rank, 2, 1, None, drop, recompute=policy,
+                                               recompute_modules=modules)["loss"]
+    sp = {"hidden_dropout": 0.1, "attention_dropout": 0.1, "sequence_parallel": True}
+    for label, policy in (("none", "none"), ("selective all", "selective")):
+        out["sp", label] = train_worker(rank, 2, 1, None, sp, recompute=policy, recompute_modules=ALL_MODULES)["loss"]
+    return out
+
+
+def test_recomputation_policies_are_exact_at_tp2(reference):
+    # dropout in TP regions, in the attention and on the residual: recomputation must redraw the very same masks;
+    # the norms and MLP activations (mlp_act, layernorm) draw none but are rebuilt from their kept inputs
+    r = run_distributed(_recompute_policies_worker, 2)[0]
+    for dropout in (0.1, 0.0):
+        for label in ("selective", "selective all", "full"):
+            assert r[dropout, label] == r[dropout, "none"], (dropout, label, r)
+    assert r["sp", "selective all"] == r["sp", "none"], r  # sequence parallelism: the norms on sequence chunks
+    _assert_same(r[0.0, "none"], reference, "TP=2 (every policy, bit for bit)")
 
 
 def test_bf16_trains():

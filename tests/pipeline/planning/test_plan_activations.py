@@ -18,3 +18,7 @@ def test_gpt2_layer_matches_the_paper(tp):
     assert layer_activations(shape, b, tp, True, "selective") == pytest.approx(sbh * 34 / tp)
     assert layer_activations(shape, b, tp, False, "selective") == pytest.approx(sbh * (10 + 24 / tp))
     assert layer_activations(shape, b, tp, True, "full") == pytest.approx(2 * sbh / tp)
+    # selective with mlp_act (the second MLP linear's input, 8sbh/t) and layernorm (the norms' outputs, 4sbh)
+    every = ("core_attn", "mlp_act", "layernorm")
+    assert layer_activations(shape, b, tp, False, "selective", every) == pytest.approx(sbh * (6 + 16 / tp))
+    assert layer_activations(shape, b, tp, True, "selective", every) == pytest.approx(sbh * 22 / tp)
