@@ -39,7 +39,8 @@ from pipeline.export_hf import main as export_main
 from pipeline.import_hf import main as import_main
 
 TOL = 1e-5
-COMMON = dict(vocab_size=258,  # the byte tokenizer's vocabulary and special tokens hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+# vocab_size: the byte tokenizer's vocabulary and special tokens
+COMMON = dict(vocab_size=258, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=24, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=256,
               eos_token_id=256, pad_token_id=257, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
 FAMILIES = {  # name -> (model class, its config)
