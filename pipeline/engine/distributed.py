@@ -33,7 +33,7 @@ def init_distributed(backend: str | None = None, *, timeout_minutes: float | Non
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
-        _skip_shared_memory_all_reduce()
+        skip_shared_memory_all_reduce()
     timeout = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
     deepspeed.init_distributed(dist_backend=backend or default_backend(), verbose=False, **timeout)
     if timeout:
@@ -49,7 +49,7 @@ def _new_groups_wait_as_long(timeout: datetime.timedelta) -> None:
     c10d.default_pg_nccl_timeout = timeout
 
 
-def _skip_shared_memory_all_reduce() -> None:
+def skip_shared_memory_all_reduce() -> None:
     """DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce (for its inference engine) at
     every start, and leaves a /dev/shm buffer of each run behind, until the host's memory is full.
     Training never calls it: mark the op unavailable so it is neither built nor allocated."""
