@@ -612,13 +612,8 @@ def _gpt_names(engine, model_config):
     if not getattr(engine, "is_pipe", False) or names is None:
         yield
         return
-    original = dict(names)
-    names.update({p: pipe_to_gpt_name(n, model_config) for p, n in original.items()})
-    try:
+    with _renamed(names, lambda n: pipe_to_gpt_name(n, model_config)):
         yield
-    finally:
-        names.clear()
-        names.update(original)
 
 
 @contextlib.contextmanager
@@ -636,8 +631,15 @@ def _global_expert_names(engine, cache: Path):
     if saved != len(engine.optimizer.optimizer.param_groups):
         raise UniversalError(f"{cache}: {saved} optimizer parameter groups saved, "
                              f"{len(engine.optimizer.optimizer.param_groups)} in this run")
+    with _renamed(names, experts.full_name):
+        yield
+
+
+@contextlib.contextmanager
+def _renamed(names: dict, rename):
+    """DeepSpeed's {parameter: name} map with every name renamed for the block, restored after it."""
     original = dict(names)
-    names.update({p: experts.full_name(n) for p, n in original.items()})
+    names.update({p: rename(n) for p, n in original.items()})
     try:
         yield
     finally:
