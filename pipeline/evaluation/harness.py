@@ -114,7 +114,7 @@ def run_harness(lm: ProjectLM, tasks: Sequence[str], *, include_path: Path | Non
                 limit: int | None = None, num_fewshot: int | None = None, log_samples: bool = False) -> dict:
     """The harness's own tasks (from its registry, or from YAML files under ``include_path``) on ``lm``:
     {"results": per task metrics, "versions", "n-shot", "samples": per task [{doc_id, target, resps}]}."""
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    manager = _task_manager(tasks, include_path)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
         where = f" nor under --include-path {include_path}" if include_path else ""
@@ -123,6 +123,18 @@ def run_harness(lm: ProjectLM, tasks: Sequence[str], *, include_path: Path | Non
     out = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
                           log_samples=log_samples, batch_size=lm.batch_size, bootstrap_iters=0)
     return _from_rank0(_record(out, log_samples) if out is not None else None)
+
+
+def _task_manager(tasks: Sequence[str], include_path: Path | None) -> TaskManager:
+    """lm-eval's task index: of ``include_path`` alone when every task is one of its own tasks (named exactly, not
+    a group, tag or pattern, which may reach lm-eval's tasks), else of lm-eval's tasks too. Indexing lm-eval's
+    task YAML files (about 14,000) takes about 20 s on a small CPU; a task of ``include_path`` would be taken
+    from there either way (later paths override)."""
+    if include_path:
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        if set(tasks) <= set(local.all_subtasks):
+            return local
+    return TaskManager(include_path=str(include_path) if include_path else None)
 
 
 def _record(out: dict, log_samples: bool) -> dict:

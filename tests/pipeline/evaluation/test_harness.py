@@ -2,7 +2,6 @@
 the harness's own task machinery, reading local task files offline, gives on a DeepSpeed checkpoint saved at
 TP=2 (scored at TP 1 and 2, no export) what `lm_eval --model hf` gives on the same model's export."""
 import json
-import random
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import pytest
 from cli import cli_env, run_cli
 from conftest import ROOT, shared_data
 from dist import run_distributed
+from harness_utils import TASKS, check_against, write_tasks
 from run_utils import ds_config
 
 pytest.importorskip("lm_eval")
@@ -17,38 +17,6 @@ PASSAGES = 40
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 128,
          "hidden_dropout": 0.0, "attention_dropout": 0.0}
 DS = ds_config(stage=1, lr=1e-2)
-LAMBADA_YAML = """task: lambada_local
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-output_type: loglikelihood
-test_split: test
-doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
-doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
-metric_list:
-  - metric: perplexity
-    aggregation: perplexity
-    higher_is_better: false
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
-CHOICE_YAML = """task: lambada_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-output_type: multiple_choice
-test_split: test
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: choices
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
 
 
 env = cli_env
@@ -68,20 +36,7 @@ def work(tmp_path_factory):
     """Local tasks from the first LAMBADA passages (the harness's lambada_openai definition, and a 4-way
     choice of the last word), and a checkpoint trained 4 steps at TP=2 on those passages."""
     d = tmp_path_factory.mktemp("harness")
-    texts = [json.loads(line)["text"] for line in shared_data("lambada", "test.jsonl").read_text().splitlines()
-             [:PASSAGES]]
-    (d / "lambada.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    rng, words = random.Random(0), [t.split(" ")[-1] for t in texts]
-    with open(d / "choice.jsonl", "w") as f:
-        for i, t in enumerate(texts):
-            choices = [words[i]] + rng.sample([w for w in words if w != words[i]], 3)
-            rng.shuffle(choices)
-            f.write(json.dumps({"context": " ".join(t.split(" ")[:-1]), "choices": choices,
-                                "label": choices.index(words[i])}) + "\n")
-    tasks = d / "tasks"
-    tasks.mkdir()
-    (tasks / "lambada_local.yaml").write_text(LAMBADA_YAML.format(data=d / "lambada.jsonl"))
-    (tasks / "lambada_choice.yaml").write_text(CHOICE_YAML.format(data=d / "choice.jsonl"))
+    write_tasks(d, PASSAGES)
     (d / "model.json").write_text(json.dumps(MODEL))
     (d / "ds.json").write_text(json.dumps(DS))
     run_distributed(_pretrain, 2, [
@@ -102,29 +57,11 @@ def reference(work):
          "--log_samples", "--output_path", str(work / "ref")], work)
     results = json.loads(next((work / "ref").rglob("results_*.json")).read_text())["results"]
     samples = {}
-    for task in ("lambada_local", "lambada_choice"):
+    for task in TASKS:
         rows = [json.loads(line) for line in next((work / "ref").rglob(f"samples_{task}_*.jsonl")).read_text()
                 .splitlines()]
         samples[task] = {r["doc_id"]: r["filtered_resps"] for r in rows}
     return results, samples
-
-
-def check_against(record, reference):
-    results, samples = reference
-    worst = 0.0
-    for task in ("lambada_local", "lambada_choice"):
-        assert record["results"][task]["acc,none"] == results[task]["acc,none"], task
-        ours = {s["doc_id"]: s["resps"] for s in record["samples"][task]}
-        assert sorted(ours) == sorted(samples[task]) == list(range(PASSAGES))
-        for doc, resps in ours.items():
-            for (ll, greedy), (ref_ll, ref_greedy) in zip(resps, samples[task][doc]):
-                worst = max(worst, abs(ll - float(ref_ll)))
-                assert str(greedy) == str(ref_greedy), (task, doc)
-    assert record["results"]["lambada_local"]["perplexity,none"] == pytest.approx(
-        results["lambada_local"]["perplexity,none"], rel=1e-5)
-    print(f"max |log-likelihood difference| {worst:.2e}; choice accuracy {results['lambada_choice']['acc,none']}")
-    assert worst < 1e-5
-    assert 0 < results["lambada_choice"]["acc,none"] < 1  # the comparison is not between two constants
 
 
 def harness_args(work, out, *extra):
@@ -137,7 +74,7 @@ def test_checkpoint_at_tp1_equals_lm_eval_hf_on_its_export(work, reference):
     run([sys.executable, "-m", "pipeline.evaluate", *harness_args(work, out)], work)
     record = json.loads(out.read_text())
     assert record["settings"]["tensor_parallel"] == 1
-    check_against(record, reference)
+    check_against(record, reference, PASSAGES, tol=1e-5)
 
 
 def _evaluate(rank, argv):
@@ -151,7 +88,7 @@ def test_checkpoint_at_tp2_equals_lm_eval_hf_on_its_export(work, reference):
     ranks = run_distributed(_evaluate, 2, harness_args(work, out, "--tensor-parallel", "2"))
     record = json.loads(out.read_text())
     assert record["settings"]["tensor_parallel"] == 2
-    check_against(record, reference)
+    check_against(record, reference, PASSAGES, tol=1e-5)
     assert ranks[1] == record["samples"]["lambada_local"]  # every rank has the whole answer
 
 

@@ -3,7 +3,8 @@ downloaded), saved with save_pretrained (per-expert tensors in the files), impor
 transformers' logits (fp32, dropless) in one process and, in one 4-rank gloo launch, at EP2, TP2 and (EP2, TP2),
 built by the training engine from the imported directory (each rank taking its experts and its TP shard of
 them). The run saved at (EP2, TP2) reads back bit for bit, ``evaluate --checkpoint`` scores it as ``evaluate --hf``
-scores the original, and ``export_hf --checkpoint`` gives the original files' tensors, config and logits.
+scores the original (bits per character; lm-eval tasks through ``--harness``, Mixtral), and
+``export_hf --checkpoint`` gives the original files' tensors, config and logits.
 Qwen3-MoE with layers kept dense (decoder_sparse_step 2, mlp_only_layers) and norm_topk_prob false; neither
 family has shared experts (Qwen3-MoE has none; Qwen2-MoE's shared expert is not imported). A classifier finetuned
 on each at DP2 trains with the router loss and exports as its *ForSequenceClassification."""
@@ -14,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli import run_cli
 from conftest import shared_data
 from dist import run_distributed
 from engine_utils import BASE_DS
+from harness_utils import TASKS, check_against, record_answers, write_tasks
 from run_utils import source_text
 from test_finetune_train import FP32_DS, ec_slice
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -182,6 +185,32 @@ def test_evaluate_checkpoint_scores_an_expert_parallel_run_as_transformers(hf_mo
         print(f"{name}: evaluate --checkpoint ({SAVED_AT} run) {bpc['--checkpoint']:.6f} bits/char, --hf "
               f"{bpc['--hf']:.6f} (difference {abs(bpc['--checkpoint'] - bpc['--hf']):.1e})", file=sys.stderr)
         assert abs(bpc["--checkpoint"] - bpc["--hf"]) < 1e-5 * bpc["--hf"]
+
+
+HARNESS_PASSAGES = 16
+
+
+def test_harness_scores_an_expert_parallel_run_as_transformers(hf_models, launch, tmp_path):
+    """``python -m pipeline.evaluate --harness`` (lm-eval's own task machinery on local LAMBADA tasks) on the
+    Mixtral run saved at (EP2, TP2), scored in one process, gives the accuracies, greedy answers and per-document
+    log-likelihoods that it gives the original Hugging Face model (``--hf``, transformers' Mixtral). One family:
+    each command costs about 12 s (its imports); the adapter is the same for every family, and
+    ``--checkpoint`` reads both (the test above)."""
+    pytest.importorskip("lm_eval")
+    _, runs = launch
+    tasks = write_tasks(tmp_path, HARNESS_PASSAGES)
+    records = {}
+    for flag, model in (("--checkpoint", runs / "mixtral"), ("--hf", hf_models["mixtral"][0])):
+        out = tmp_path / f"mixtral{flag}.json"
+        run_cli([sys.executable, "-m", "pipeline.evaluate", "--harness", ",".join(TASKS), "--include-path", tasks,
+                 flag, model, "--out", out, "--batch-size", "8", "--log-samples"], tmp_path)
+        records[flag] = json.loads(out.read_text())
+    assert (records["--checkpoint"]["model"]["format"], records["--hf"]["model"]["class"]) == ("project",
+                                                                                             "MixtralForCausalLM")
+    print(f"mixtral: evaluate --harness --checkpoint ({SAVED_AT} run) against --hf:", file=sys.stderr)
+    # 1e-5, as for dense runs: each log-likelihood sums the fp32 log-probabilities (near -5.5, ulp 4.8e-7) of a
+    # word's bytes, each a few ulps apart (the logits differ by 1e-7)
+    check_against(records["--checkpoint"], record_answers(records["--hf"]), HARNESS_PASSAGES, tol=1e-5)
 
 
 def _file_tensors(directory) -> dict:
