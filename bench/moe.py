@@ -3,7 +3,7 @@
     python bench/moe.py [--steps 200] [--work DIR] [--out bench/results/moe.json]
 
 Every system is ``pipeline.pretrain`` (DeepSpeed, ``ds_configs/cpu.json``: bf16, ZeRO-1) on the same corpus
-(the shared English Wikipedia sample, byte tokenizer), the same seed, batch and schedule, so every one sees the
+(the shared English Wikipedia sample, byte tokenizer; ``--precision fp32`` drops the config's bf16 section), the same seed, batch and schedule, so every one sees the
 same tokens in the same order:
 
 - ``dense``: a small llama (h 128, 4 layers, SwiGLU FFN 512);
@@ -61,7 +61,18 @@ _MEASURED = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[2:])
              "sys.exit(r)")
 
 
-def command(work: Path, name: str, steps: int, seq: int, batch: int) -> list[str]:
+def ds_config(work: Path, precision: str) -> Path:
+    """ds_configs/cpu.json as it is (bf16), or without its bf16 section (fp32: for a CPU without bf16 units)."""
+    config = json.loads((ROOT / "ds_configs" / "cpu.json").read_text())
+    if precision == "bf16":
+        return ROOT / "ds_configs" / "cpu.json"
+    config.pop("bf16", None)
+    path = work / "ds_config_fp32.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def command(work: Path, name: str, steps: int, seq: int, batch: int, precision: str = "bf16") -> list[str]:
     model, ranks, extra = SYSTEMS[name]
     d = work / name.replace(" ", "_").replace(",", "")
     d.mkdir(parents=True, exist_ok=True)
@@ -69,7 +80,7 @@ def command(work: Path, name: str, steps: int, seq: int, batch: int) -> list[str
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
               if ranks > 1 else [sys.executable])
     return [*launch, "-m", "pipeline.pretrain", "--model-config", str(d / "model.json"),
-            "--deepspeed_config", str(ROOT / "ds_configs" / "cpu.json"), "--data", str(CORPUS),
+            "--deepspeed_config", str(ds_config(work, precision)), "--data", str(CORPUS),
             "--tokenizer", "bytes", "--seq-length", str(seq), "--global-batch-size", str(batch),
             "--micro-batch-size", str(batch // ranks), "--train-steps", str(steps), "--lr", "2e-3",
             "--lr-warmup-steps", str(steps // 10), "--lr-decay-style", "cosine", "--eval-interval", str(steps // 4),
@@ -78,7 +89,7 @@ def command(work: Path, name: str, steps: int, seq: int, batch: int) -> list[str
 
 
 def run_system(work: Path, name: str, args) -> dict:
-    cmd = command(work, name, args.steps, args.seq_length, args.global_batch_size)
+    cmd = command(work, name, args.steps, args.seq_length, args.global_batch_size, args.precision)
     run_dir = Path(cmd[cmd.index("--save") + 1])
     records_file = run_dir / "metrics.jsonl"
     if not records_file.is_file() or not any('"valid_loss"' in line and f'"step": {args.steps}' in line
@@ -136,6 +147,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                   help="bf16 (ds_configs/cpu.json) or fp32 (the same without its bf16 section)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated names of SYSTEMS")
     p.add_argument("--work", default=None, help="directory for the runs (reused: a complete run is not redone)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe.json"))
@@ -151,7 +164,7 @@ def main(argv=None):
         print(f"{name:24s} {r['tokens_per_s']:8.0f} {ratio:8.2f} {r['final_valid_loss']:10.4f} "
               f"{r['max_rss_mib_per_rank']:12.0f} {load:>13s}")
     out = Path(args.out)
-    note = {"machine": machine_note(), "steps": args.steps, "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
+    note = {"machine": machine_note(), "precision": args.precision, "steps": args.steps, "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
             "models": {"dense": DENSE, "moe": MOE}}
     atomic_write_json(out, {"benchmark": "moe", **note, "systems": results}, indent=1)
     print("wrote", out, "and", plot(results, args.seq_length * args.global_batch_size, out.with_suffix(".png")))

@@ -48,6 +48,7 @@ from models import GPT
 from models.parallel import get_parallel_state, initialize_model_parallel
 from pipeline.engine.distributed import init_distributed
 from pipeline.engine.build import build_engine, param_groups
+from pipeline.engine.host_memory import keep_freed_host_memory, user_set_allocator
 from pipeline.engine.ds_config import load_ds_config, resolve_ds_config
 from pipeline.engine.steps import train_step
 
@@ -189,13 +190,14 @@ def run_size(variant: str, size_name: str, size: dict, precisions, args, base_ds
     n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
     rows = []
     for p in precisions:
-        hf_times = timed.get(f"hf {p}")
+        hf_times, plain_times = timed.get(f"hf {p}"), timed.get(f"plain {p}")
         for name in args.systems:
             t = timed[f"{name} {p}"]
             mfu = median(step_flops / ti / pk for ti, pk in zip(t, peaks[p].results))
             rows.append({"variant": variant, "size": size_name, "precision": p, "system": name,
                          "tokens_per_s": n_tokens / median(t), "step_s": median(t),
                          "vs_hf": paired_ratio(hf_times, t) if hf_times else None,
+                         "vs_plain": paired_ratio(plain_times, t) if plain_times else None,
                          "tflops": step_flops / median(t) / 1e12, "mfu": mfu,
                          "peak_tflops": median(peaks[p].results) / 1e12, "times": t})
     if "fp32" in precisions and "bf16" in precisions:
@@ -211,9 +213,10 @@ def run_size(variant: str, size_name: str, size: dict, precisions, args, base_ds
 
 
 def print_tables(rows):
-    headers = ["model", "precision", "system", "tokens/s", "x HF", "bf16/fp32", "TFLOP/s", "peak TFLOP/s", "MFU"]
+    headers = ["model", "precision", "system", "tokens/s", "x HF", "x plain", "bf16/fp32", "TFLOP/s", "peak TFLOP/s", "MFU"]
     table = [[f"{r['variant']} {r['size']}", r["precision"], r["system"], r["tokens_per_s"],
               "-" if r["vs_hf"] is None else f"{r['vs_hf']:.2f}",
+              "-" if r.get("vs_plain") is None else f"{r['vs_plain']:.3f}",
               f"{r['bf16_vs_fp32']:.2f}" if "bf16_vs_fp32" in r else "",
               r["tflops"], r["peak_tflops"], f"{100 * r['mfu']:.1f}%"] for r in rows]
     print(format_table(headers, table))
@@ -280,6 +283,10 @@ def main(argv=None):
         return profile(args, base_ds, args.profile)
 
     print(f"# GPT training step, TP=1, one process: {common.machine_note()}")
+    # every system in this process under the allocator policy the engine sets for itself (build_engine)
+    kept = keep_freed_host_memory()
+    print(f"# freed host memory kept for reuse (pipeline.engine.host_memory): {'yes' if kept else 'no'}"
+          f"{' (the user set MALLOC_* / GLIBC_TUNABLES)' if user_set_allocator() else ''}")
     print(f"# DeepSpeed config {Path(args.ds_config).name} (ZeRO-{args.zero_stage if args.zero_stage is not None else base_ds.get('zero_optimization', {}).get('stage', 0)}), "
           f"{args.warmup} warm-up + {args.rounds} timed steps per system, interleaved; medians of {args.clock} time; "
           f"the machine may be shared, so single numbers are noisy, ratios less so")
@@ -288,8 +295,8 @@ def main(argv=None):
         for size_name in args.sizes:
             rows += run_size(variant, size_name, CPU_SIZES[size_name], args.precisions, args, base_ds)
             print_tables([r for r in rows if r["variant"] == variant and r["size"] == size_name])
-    print("\n# All results (x HF: tokens/s over Hugging Face's in the same precision; bf16/fp32: over the same "
-          "system's fp32)")
+    print("\n# All results (x HF: tokens/s over Hugging Face's in the same precision; x plain: over the plain "
+          "loop's, the engine's cost; bf16/fp32: over the same system's fp32)")
     print_tables(rows)
     if args.json:
         args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "times"} | {"times": r["times"]}

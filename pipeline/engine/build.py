@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 from models import GPT
@@ -19,6 +20,7 @@ from models.moe import forget_expert_groups
 from models.parallel import ParallelState
 
 from pipeline.checkpoints import safe_load
+from pipeline.engine.host_memory import keep_freed_host_memory
 from pipeline.engine.pipe_model import gpt_pipeline, pipe_to_gpt_name
 from pipeline.engine.schedules import LRSchedule, Scheduler
 from pipeline.checkpoints.state_dicts import load_full_state_dict
@@ -76,6 +78,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     """
 
     check_supported(ds_config, state.pipeline_parallel)
+    if get_accelerator().device_name() == "cpu":
+        keep_freed_host_memory()  # DeepSpeed's per-step gradient buffers would be faulted in again every step
     if getattr(model_config, "sequence_parallel", False):
         ds_config = sequence_parallel_ds_config(ds_config, state)
     if activation_checkpointing:
