@@ -2,9 +2,9 @@
 
     python bench/moe.py [--steps 200] [--work DIR] [--out bench/results/moe.json]
 
-Every system is ``pipeline.pretrain`` (DeepSpeed, ``ds_configs/cpu.json``: bf16, ZeRO-1) on the same corpus
-(the shared English Wikipedia sample, byte tokenizer; ``--precision fp32`` drops the config's bf16 section), the same seed, batch and schedule, so every one sees the
-same tokens in the same order:
+Every system is ``pipeline.pretrain`` (DeepSpeed, ``ds_configs/cpu.json``: bf16, ZeRO-1; ``--precision fp32``
+drops its bf16 section) on the same corpus (the shared English Wikipedia sample, byte tokenizer), the same seed,
+batch and schedule, so every one sees the same tokens in the same order:
 
 - ``dense``: a small llama (h 128, 4 layers, SwiGLU FFN 512);
 - ``moe``: every layer's FFN replaced by 8 experts of FFN 256, top-2, dropless, load-balancing loss 0.01: the
@@ -63,9 +63,9 @@ _MEASURED = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[2:])
 
 def ds_config(work: Path, precision: str) -> Path:
     """ds_configs/cpu.json as it is (bf16), or without its bf16 section (fp32: for a CPU without bf16 units)."""
-    config = json.loads((ROOT / "ds_configs" / "cpu.json").read_text())
     if precision == "bf16":
         return ROOT / "ds_configs" / "cpu.json"
+    config = json.loads((ROOT / "ds_configs" / "cpu.json").read_text())
     config.pop("bf16", None)
     path = work / "ds_config_fp32.json"
     path.write_text(json.dumps(config))

@@ -4,9 +4,9 @@ DeepSpeed's ZeRO-1/2 optimizer allocates its gradient bucket and its gradient pa
 and frees them after the step. glibc hands blocks that large to the kernel on free (mmap above 32 MiB, and trims
 the heap's top), so each step faults every page of them in again and the kernel zeroes them: measured on this
 project's llama medium (38.5M parameters, fp32, one rank), a copy into a fresh 154 MB buffer took 77 ms against
-22 ms into a reused one, about 7,600 page faults per step, and the engine ran at 0.91 of a plain PyTorch loop.
+22 ms into a reused one, about 7,600 page faults per step, and ZeRO-1 ran at 0.94 of a plain PyTorch loop.
 With freed blocks kept (no mmap for large blocks, the heap's top trimmed only above 2 GiB) the same step makes
-0-200 faults. The process's resident memory then stays at its peak, as on a GPU.
+0-200 faults and runs at 0.96. The process's resident memory then stays at its peak, as on a GPU.
 
 A user's own glibc allocator settings win (any ``MALLOC_*`` variable or ``GLIBC_TUNABLES``), and so does another
 allocator preloaded in place of glibc's (jemalloc, tcmalloc: glibc's ``mallopt`` then changes nothing they use).
