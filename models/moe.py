@@ -1,9 +1,10 @@
 """Mixture-of-experts MLP: the project's MLPs as experts inside DeepSpeed's ``deepspeed.moe.layer.MoE``.
 
 DeepSpeed gives the expert container (``Experts``, whose parameters it keeps out of the data-parallel
-all-reduce and saves per expert), the dispatch to capacity slots and the all-to-all over the expert-parallel
-group. Its gate is replaced by ``ReferenceGate`` (a ``TopKGate`` with the same ``wg`` router weight and the
-same return value), because DeepSpeed 0.19's gates do not route as Mixtral or Qwen3-MoE do:
+all-reduce and saves per expert), the expert-parallel groups and ``MOELayer``. Its forward is replaced by
+``dispatch`` (each expert computes its routed tokens alone, not a buffer padded to one capacity) and its gate by
+``ReferenceGate`` (a ``TopKGate`` with the same ``wg`` router weight), because DeepSpeed 0.19's gates do not
+route as Mixtral or Qwen3-MoE do:
 
 * ``top1gating`` (k=1) does not renormalise the chosen expert's weight (Switch's ``p``; Mixtral's is 1.0) and
   draws Random Token Selection noise by default; ``top2gating`` (k=2) renormalises over the two experts, as
@@ -30,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .parallel import (ColumnParallelLinear, RowParallelLinear, gather_from_sequence_parallel_region,
-                       get_parallel_state, get_shard_spec, scatter_to_sequence_parallel_region, tp_rank, tp_world_size)
+from .parallel import (ColumnParallelLinear, RowParallelLinear, collectives, get_parallel_state, get_shard_spec,
+                       tp_rank, tp_world_size)
 from .parallel.sharding import set_shard_spec
 
 
@@ -96,8 +97,9 @@ def route(logits: torch.Tensor, k: int, normalize: bool, capacity_factor: float 
 
 
 class ReferenceGate(nn.Module):
-    """Built by ``make_gate`` as a subclass of DeepSpeed's ``TopKGate``: the router ``wg`` and the sparse-route
-    return of ``TopKGate.forward`` (what ``MOELayer`` reads), with the reference models' routing."""
+    """Built by ``make_gate`` as a subclass of DeepSpeed's ``TopKGate`` (its router ``wg``), with the reference
+    models' routing. Returns what ``dispatch`` reads: (load-balancing loss, expert of each route [S, k], -1 where
+    the capacity dropped it, the route's gate [S, k], tokens per expert [E] before drops)."""
 
     def setup(self, config: GPTConfig):
         self.k = config.moe_top_k
@@ -112,54 +114,78 @@ class ReferenceGate(nn.Module):
             raise ValueError("ReferenceGate gives sparse routes only (no Tutel, no used_token)")
         logits = F.linear(input.float(), self.wg.weight.float())
         factor = self.capacity if self.training else None  # evaluation is dropless
-        weights, experts, locations, kept, capacity, l_aux, z_loss, counts = route(
-            logits, self.k, self.normalize, factor, self.min_capacity)
-        capacity_t = torch.tensor(capacity, device=logits.device)
-        if factor is None and self.ep_group is not None and torch.distributed.get_world_size(self.ep_group) > 1:
-            torch.distributed.all_reduce(capacity_t, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
-        # DeepSpeed splits each expert's slots over the TP ranks: the buffer is rounded up to a multiple of TP
-        # (empty slots; the drops above used the capacity itself)
-        capacity_t = -(-capacity_t // tp_world_size()) * tp_world_size()
+        weights, experts, _, kept, _, l_aux, z_loss, counts = route(logits, self.k, self.normalize, factor,
+                                                                  self.min_capacity)
         self.z_loss = z_loss
         self.dropped_fraction = (1.0 - kept.float().mean()).detach()
-        indices = torch.where(kept, experts, torch.full_like(experts, -1))
         gates = weights * kept
         if self.normalize and factor is not None:  # renormalised over the routes kept, as DeepSpeed's
             gates = gates / gates.sum(-1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
-        return (l_aux, capacity_t, logits.shape[1], indices.t().contiguous().to(torch.int32),
-                (locations * kept).t().contiguous().to(torch.int32), gates.t().contiguous(), counts.detach())
+        return l_aux, torch.where(kept, experts, torch.full_like(experts, -1)), gates, counts.detach()
 
 
 def _moe_layer_class():
     """DeepSpeed's ``MOELayer`` with the dispatch of ``dispatch`` (built where an MoE is, as the gate is)."""
     from deepspeed.moe.sharded_moe import MOELayer  # noqa: PLC0415
-    return type("TensorParallelMOELayer", (MOELayer,), {"forward": dispatch})
+    return type("RoutedMOELayer", (MOELayer,), {"forward": dispatch})
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows to and from every rank of ``group``: ``send[i]`` rows of ``x`` (in rank order) go to rank i, ``recv[i]``
+    come from it; the gradient goes back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        collectives.all_to_all_rows(out, x.contiguous(), recv, send, group, name="ep")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        collectives.all_to_all_rows(out, grad.contiguous(), ctx.send, ctx.recv, ctx.group, name="ep")
+        return out, None, None, None
 
 
 def dispatch(self, x: torch.Tensor, used_token=None) -> torch.Tensor:
-    """``MOELayer.forward`` (gate, slots, all-to-all, experts, all-to-all, combine) with the tokens split over the
-    TP ranks by the project's collectives: DeepSpeed's ``drop_tokens``/``gather_tokens`` all-gather into a flat
-    buffer, which gloo refuses, and need no split at all at EP 1. Under TP the ranks hold the same tokens and
-    route them alike; each sends its 1/TP of every expert's slots through the all-to-all, and the TP-split
-    experts read all slots (gathered again) of their EP rank's experts."""
-    from deepspeed.moe.sharded_moe import _AllToAll, _route_slots, _sparse_decode, _sparse_encode  # noqa: PLC0415
+    """``MOELayer.forward`` on the routes alone: every kept route's token, grouped by expert, goes to its expert's
+    EP rank (an all-to-all of rows, after one of the counts, as Megatron-Core's all-to-all dispatcher), each
+    expert runs on exactly its own tokens, and the results come back weighted by their gates (summed in fp32).
+    DeepSpeed's own dispatch pads every expert to one capacity: dropless, the busiest expert's load on any EP
+    rank, so the experts computed 1.3x the routes and more at EP 2 (docs/moe.md). Under TP the ranks hold the
+    same tokens and route them alike; each exchanges them with its own EP group, and its experts' 1/TP columns
+    read all of them (the row-parallel all-reduce is the expert's own)."""
     d = x.shape[-1]
     flat = x.reshape(-1, d)
-    self.l_aux, C, E, indices, locations, gates, self.exp_counts = self.gate(flat, used_token, True, False)
-    C = int(C)
-    slots = _route_slots(indices, locations, E, C)
-    buffer = _sparse_encode(flat, slots, E, C)  # [E, C, d]
-    split = tp_world_size() > 1 and self.ep_size > 1
+    self.l_aux, experts, gates, self.exp_counts = self.gate(flat, used_token, True, False)
+    k, local = experts.shape[1], self.num_local_experts
+    routes = experts.reshape(-1)                                   # route t * k + c: token t's c-th choice
+    kept = (routes >= 0).nonzero().squeeze(1)
+    order = kept[torch.argsort(routes[kept], stable=True)]         # kept routes grouped by expert
+    rows = flat.index_select(0, order // k)
+    counts = torch.bincount(routes[order], minlength=self.ep_size * local)
     if self.ep_size > 1:
-        buffer = _AllToAll.apply(self.ep_group, scatter_to_sequence_parallel_region(buffer, 1) if split else buffer)
-    if split:
-        buffer = gather_from_sequence_parallel_region(buffer, 1, tensor_parallel_output_grad=False)
-    out = self.experts(buffer.reshape(self.ep_size, self.num_local_experts, -1, d)).reshape(E, -1, d)
+        sent = counts.view(self.ep_size, local)
+        received = torch.empty_like(sent)
+        collectives.all_to_all_rows(received, sent, [1] * self.ep_size, [1] * self.ep_size, self.ep_group,
+                                    name="ep")
+        send, by_source = sent.sum(1).tolist(), received.tolist()  # the one host sync: sizes of the exchange
+        rows = _AllToAllRows.apply(rows, send, [sum(r) for r in by_source], self.ep_group)
+        # received source-major (source rank, then its expert); the experts read them expert-major
+        pieces = torch.arange(rows.shape[0]).split([n for r in by_source for n in r])
+        expert_major = torch.cat([pieces[s * local + e] for e in range(local) for s in range(self.ep_size)])
+        sizes = [sum(r[e] for r in by_source) for e in range(local)]
+        rows = rows.index_select(0, expert_major)
+    else:
+        sizes = counts.tolist()
+    out = torch.cat([expert(part) for expert, part in zip(self.experts.deepspeed_experts, rows.split(sizes))])
     if self.ep_size > 1:
-        out = _AllToAll.apply(self.ep_group, scatter_to_sequence_parallel_region(out, 1) if split else out)
-    if split:
-        out = gather_from_sequence_parallel_region(out, 1, tensor_parallel_output_grad=False)
-    return _sparse_decode(out.reshape(E * C, d), slots, gates, flat.shape[0]).reshape(x.shape)
+        out = out.index_select(0, torch.argsort(expert_major))
+        out = _AllToAllRows.apply(out, [sum(r) for r in by_source], send, self.ep_group)
+    weighted = out.float() * gates.reshape(-1)[order].unsqueeze(1)
+    combined = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device).index_add_(0, order // k, weighted)
+    return combined.to(x.dtype).reshape(x.shape)
 
 
 def make_gate(config: GPTConfig) -> nn.Module:
