@@ -12,8 +12,7 @@ batch and schedule, so every one sees the same tokens in the same order:
 - ``moe without balancing loss``: the same with the coefficient 0, to see the load without it;
 - ``dense DP2`` and ``moe EP2``: the first two on 2 ranks (torchrun), the experts split 4 + 4 (EP2 = DP2);
 - ``dense micro 4`` and ``moe micro 4``: the first two with 4 micro-batches of 4 sequences (512 tokens) per
-  step instead of one of 16: DeepSpeed's dispatch is a one-hot einsum over [tokens, experts, capacity], whose
-  cost grows with the square of a micro-batch's tokens.
+  step instead of one of 16: each expert then multiplies a quarter of the rows at a time.
 
 Each rank computes on one thread (a 1-rank system on one core, a 2-rank one on two). Reported per system:
 tokens/s (the median of the job's logged intervals after the first), the peak RSS of a rank, the validation
