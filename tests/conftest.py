@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,6 +16,8 @@ for folder in sorted(p for p in (ROOT / "tests").rglob("*") if p.is_dir() and p.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: OpenMP pools of 2 threads each would spin
+    torch.set_num_threads(1)
 
 
 def shared_data(*parts) -> Path:

@@ -246,6 +246,7 @@ def test_undecodable_bytes(tmp_path, streaming):
     assert bytes(t for t in tokens if t != EOD).count("\ufffd".encode()) == 2
 
 
+@pytest.mark.serial
 def test_hub_name_offline_fails_at_once(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.monotonic()

@@ -18,6 +18,8 @@ from run_utils import ds_config, write_job_files
 from pipeline.checkpoints.state_dicts import read_state_dict
 from pipeline.engine.distributed import free_port
 
+pytestmark = pytest.mark.serial  # its bounds are seconds of wall clock
+
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
          "hidden_dropout": 0.0, "attention_dropout": 0.0, "make_vocab_size_divisible_by": 8}
 PRETRAIN = ROOT / "pipeline" / "pretrain.py"
