@@ -287,6 +287,33 @@ def expert_slice(model: nn.Module) -> ExpertSlice:
     return ExpertSlice()
 
 
+def gather_experts(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A full state dict of every expert from ``state``, this rank's (its TP=1 tensors, experts named by their
+    local index): the experts of the other ranks of its expert-parallel group are gathered (collective over that
+    group), all named by their global index, in the order of a model at EP 1. ``state`` itself at EP 1."""
+    experts = expert_slice(model)
+    layer = next((m.moe.deepspeed_moe for m in model.modules() if isinstance(m, MoEMLP)), None)
+    if layer is None or layer.ep_size == 1:
+        return state
+    mine = {experts.full_name(name): value for name, value in state.items() if EXPERT_INDEX.search(name)}
+    every = [None] * layer.ep_size
+    torch.distributed.all_gather_object(every, mine, group=layer.ep_group)
+    gathered = {name: value for part in every for name, value in part.items()}
+    total = layer.ep_size * experts.count
+    out, layers = {}, set()
+    for name, value in state.items():
+        m = EXPERT_INDEX.search(name)
+        if m is None:
+            out[name] = value
+            continue
+        prefix = name[:m.start()]  # the layer's experts: emitted all at once, in global order, where first met
+        if prefix not in layers:
+            layers.add(prefix)
+            tensors = [key[len(prefix) + 2:] for key in state if key.startswith(prefix + "0.")]
+            out.update((f"{prefix}{e}.{t}", gathered[f"{prefix}{e}.{t}"]) for e in range(total) for t in tensors)
+    return out
+
+
 def forget_expert_groups() -> None:
     """Forget DeepSpeed's expert and expert-data groups of an engine built before in this process: DeepSpeed
     keeps them by name (``ep_size_E``) for the process's life, so a second engine at another layout (a test, a

@@ -8,6 +8,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 
 from finetune.job.providers import Splits
 from finetune.scoring.metrics import evaluate_probabilities, single_label_scores
+from models.moe import gather_experts
 from models.parallel import gather_full, get_shard_spec
 from pipeline.engine.steps import optimizer_step
 from pipeline.job.loop import StepResult, every
@@ -34,14 +35,14 @@ def finetune_step(engine, batches) -> dict:
 
 
 def full_fp32_state(engine) -> dict[str, torch.Tensor]:
-    """The classifier's full TP=1 state dict from the fp32 master weights (collective over all ranks)."""
+    """The classifier's full TP=1, EP=1 state dict from the fp32 master weights (collective over all ranks)."""
 
     out = {}
     for name, p in engine.module.named_parameters():
         master = safe_get_full_fp32_param(p) if p.requires_grad else None
         value = (master if master is not None else p.detach()).float()
         out[name] = gather_full(value, get_shard_spec(p)).cpu()
-    return out
+    return gather_experts(out, engine.module)
 
 
 def loop_hooks(args, engine, data: Splits, predict, metrics, schedule, steps_per_epoch: int, global_batch: int,

@@ -13,7 +13,6 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from finetune.batching import TrainBatches, pooled_features, predict_encoded, predict_pooled
-from finetune.job.args import FinetuneError
 from finetune.job.finish import FinetuneRun, finish
 from finetune.job.inputs import check_save
 from finetune.job.loop import finetune_step, loop_hooks
@@ -33,9 +32,6 @@ def run(args) -> dict:
     data = provide_data(args, base)
     head = provide_head(args, base, data)
     job = setup(EngineOptions.from_args(args))
-    if job.options.expert_parallel > 1:  # the saved classifier gathers its weights over TP only
-        raise FinetuneError(f"--expert-parallel {job.options.expert_parallel}: a classifier's experts are saved "
-                            f"from one rank; finetune an MoE base at --expert-parallel 1 (any DP, TP)")
     apply_sequence_parallel(base.config, job)
     job = fit_ds_config(args, base, data, job, torch.device(get_accelerator().current_device_name()))
     engine, schedule, steps_per_epoch, total_steps = provide_engine(args, base, data, head, job)

@@ -7,7 +7,8 @@ scores the original (bits per character; lm-eval tasks through ``--harness``, Mi
 ``export_hf --checkpoint`` gives the original files' tensors, config and logits.
 Qwen3-MoE with layers kept dense (decoder_sparse_step 2, mlp_only_layers) and norm_topk_prob false; neither
 family has shared experts (Qwen3-MoE has none; Qwen2-MoE's shared expert is not imported). A classifier finetuned
-on each at DP2 trains with the router loss and exports as its *ForSequenceClassification."""
+on each at DP2 (EP 1 and 2, the same losses and weights) trains with the router loss and exports as its
+*ForSequenceClassification."""
 import dataclasses
 import json
 import sys
@@ -22,6 +23,7 @@ from engine_utils import BASE_DS
 from harness_utils import TASKS, check_against, record_answers, write_tasks
 from run_utils import source_text
 from test_finetune_train import FP32_DS, ec_slice
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from finetune.hf_export import compare_with_project
@@ -225,29 +227,40 @@ def _finetune_each(rank, runs):
 
 
 def test_finetuned_moe_base_adds_its_router_loss_and_exports_as_its_classifier(imported, tmp_path):
-    """finetune.train on the imported Mixtral and Qwen3-MoE at DP2: the MoE layers' auxiliary loss is
-    part of the training loss (logged as moe_aux_loss), and the classifier exports as
+    """finetune.train on the imported Mixtral and Qwen3-MoE at DP2, at EP 1 and at EP 2: the MoE layers'
+    auxiliary loss is part of the training loss (logged as moe_aux_loss); both layouts give the same losses and
+    save the same classifier (every expert, gathered over the EP group); it exports as
     Mixtral/Qwen3MoeForSequenceClassification with the project's probabilities."""
     ec = shared_data("semeval2018-ec")
     (tmp_path / "ds.json").write_text(json.dumps(FP32_DS))
     train, dev = ec_slice(ec / "train.tsv", tmp_path / "train.tsv", 32), ec_slice(ec / "dev.tsv", tmp_path / "dev.tsv", 16)
-    runs = {name: ["--base", str(imported[name]), "--train", str(train), "--dev", str(dev), "--deepspeed_config",
-                   str(tmp_path / "ds.json"), "--global-batch-size", "16", "--micro-batch-size", "8",
-                   "--train-steps", "2", "--log-interval", "1", "--max-length", "16", "--pooling", "last",
-                   "--head-bias", "no", "--save", str(tmp_path / name)] for name in imported}
+    runs = {(name, ep): ["--base", str(imported[name]), "--train", str(train), "--dev", str(dev),
+                         "--deepspeed_config", str(tmp_path / "ds.json"), "--global-batch-size", "16",
+                         "--micro-batch-size", "8", "--train-steps", "2", "--log-interval", "1", "--max-length", "16",
+                         "--pooling", "last", "--head-bias", "no", "--expert-parallel", str(ep),
+                         "--save", str(tmp_path / f"{name}-ep{ep}")]
+            for name in imported for ep in (1, 2)}
     exported = run_distributed(_finetune_each, 2, runs)[0]
     texts = [line.split("\t")[1] for line in dev.read_text(encoding="utf-8").splitlines()[1:7]]
-    for name, out in exported.items():
-        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in records if "loss" in r]
-        assert len(steps) == 2 and all(r["moe_aux_loss"] > 0 for r in steps), name
-        assert all(abs(r["loss"] - r["cls_loss"] - r["moe_aux_loss"]) < 1e-6 for r in steps), name
+    for name in imported:
+        steps = {ep: [json.loads(line) for line in (tmp_path / f"{name}-ep{ep}" / "metrics.jsonl").read_text()
+                      .splitlines() if "\"loss\"" in line] for ep in (1, 2)}
+        assert len(steps[1]) == 2 and all(r["moe_aux_loss"] > 0 for r in steps[1]), name
+        assert all(abs(r["loss"] - r["cls_loss"] - r["moe_aux_loss"]) < 1e-6 for r in steps[1]), name
+        loss_diff = max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(steps[1], steps[2], strict=True))
+        saved = {ep: load_file(tmp_path / f"{name}-ep{ep}" / "model.safetensors") for ep in (1, 2)}
+        assert saved[1].keys() == saved[2].keys(), name
+        weight_diff = max((saved[1][k] - saved[2][k]).abs().max().item() for k in saved[1])
+        assert loss_diff < 1e-5 and weight_diff < 1e-5, name
+        out = exported[name, 1]
         arch = {"mixtral": "MixtralForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification"}
         assert json.loads((Path(out) / "config.json").read_text())["architectures"] == [arch[name]]
-        check = compare_with_project(tmp_path / name, out, texts)
-        print(f"finetuned {name} at DP2: moe_aux_loss {steps[0]['moe_aux_loss']:.4f} at step 1; exported "
-              f"classifier max |p_transformers - p_project| = {check['max_abs_diff']:.2e}", file=sys.stderr)
+        check = compare_with_project(tmp_path / f"{name}-ep1", out, texts)
+        print(f"finetuned {name} at DP2: moe_aux_loss {steps[1][0]['moe_aux_loss']:.4f} at step 1; EP2 vs EP1: "
+              f"losses {loss_diff:.1e} relative, saved weights {weight_diff:.1e}; exported classifier max "
+              f"|p_transformers - p_project| = {check['max_abs_diff']:.2e}", file=sys.stderr)
         assert check["tokens_equal"] and check["max_abs_diff"] < 1e-5, name
+
 
 def test_hf_to_project_to_hf_is_exact(hf_models, launch, tmp_path):
     """Hugging Face -> import -> the (EP2, TP2) engine -> its checkpoint -> ``export_hf --checkpoint``: the
