@@ -1,6 +1,8 @@
 """Process-group start-up for every entry point (deepspeed launcher, torchrun, or one plain process)."""
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
 import socket
@@ -36,8 +38,19 @@ def init_distributed(backend: str | None = None, *, timeout_minutes: float | Non
         skip_shared_memory_all_reduce()
     timeout = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
     deepspeed.init_distributed(dist_backend=backend or default_backend(), verbose=False, **timeout)
+    atexit.unregister(_leave_process_group)  # once, however many times a process joins a group
+    atexit.register(_leave_process_group)
     if timeout:
         _new_groups_wait_as_long(timeout["timeout"])
+
+
+def _leave_process_group() -> None:
+    """At exit, leave the group as torch asks: a process that exits with it open tears gloo's threads down
+    unjoined, and a rank could abort there ("terminate called without an active exception", SIGABRT) after
+    its work was done, failing its launcher's job."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _new_groups_wait_as_long(timeout: datetime.timedelta) -> None:

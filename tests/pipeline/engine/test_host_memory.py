@@ -10,7 +10,9 @@ import sys
 from cli import cli_env, run_cli
 from conftest import ROOT
 
-# 200 MB allocated, written and freed; resident memory read before the allocation and after the free
+# 200 MB allocated, written and freed; resident memory read before the allocation and after the free, then what
+# another 200 MB written adds to it (nothing where it reuses the kept pages; its address may differ by the small
+# allocations made from the same free block in between)
 SCRIPT = """
 import os, torch
 from pipeline.engine.host_memory import keep_freed_host_memory
@@ -25,24 +27,27 @@ address = x.data_ptr()
 del x
 kept = resident() - before
 y = torch.empty(50_000_000)
-print(applied, kept, y.data_ptr() == address)
+y.fill_(2.0)
+grown = resident() - before - kept
+print(applied, kept, grown)
 """
 MB = 1 << 20
 
 
 def _run(**env):
-    applied, kept, same = run_cli([sys.executable, "-c", SCRIPT], ROOT, env=cli_env(**env)).stdout.split()
-    return applied == "True", int(kept), same == "True"
+    applied, kept, grown = run_cli([sys.executable, "-c", SCRIPT], ROOT, env=cli_env(**env)).stdout.split()
+    return applied == "True", int(kept), int(grown)
 
 
 def test_freed_large_buffers_are_kept_and_reused():
-    applied, kept, same_address = _run()
+    applied, kept, grown = _run()
     assert applied
     assert kept > 190 * MB, kept / MB
-    assert same_address
+    assert grown < 10 * MB, grown / MB  # the second buffer lives in the kept pages
 
 
 def test_a_users_own_allocator_setting_wins():
-    applied, kept, _ = _run(MALLOC_MMAP_MAX_="65536")  # glibc's default, set by the user
+    applied, kept, grown = _run(MALLOC_MMAP_MAX_="65536")  # glibc's default, set by the user
     assert not applied
     assert kept < 20 * MB, kept / MB  # glibc gave the block back to the kernel
+    assert grown > 190 * MB, grown / MB  # and faults the next one in afresh
