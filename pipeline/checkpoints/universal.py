@@ -196,15 +196,16 @@ def has_experts(run_dir) -> bool:
 
 def moe_unsupported_reason(saved: dict, current: dict) -> str | None:
     """Why the optimizer state of a run with MoE layers cannot move from layout ``saved`` to ``current``:
-    ``convert_moe`` reads the fp32 ZeRO-1/2 files of a run without stages, and ``load`` gives the experts' global
-    names to ZeRO-1/2's loader only (the rest is not built)."""
+    ``convert_moe`` reads the ZeRO-1/2 files (fp32 or bf16: the same fp32 partitions) of a run without stages,
+    and ``load`` gives the experts' global names to ZeRO-1/2's loader only (the rest is not built). fp16 is
+    refused until its loss scaler's state is tested through the conversion."""
     for layout in (saved, current):
         if layout.get("pipeline_parallel", 1) > 1:
             return "an MoE run moves to another layout without pipeline parallelism only"
         if layout.get("zero_stage", 1) not in (1, 2):
             return "an MoE run's optimizer state moves between ZeRO-1/2 layouts only"
-        if layout.get("precision", "fp32") != "fp32":
-            return "an MoE run's optimizer state moves to another layout in fp32 only"
+        if layout.get("precision", "fp32") not in ("fp32", "bf16"):
+            return "an MoE run's optimizer state moves to another layout in fp32 or bf16 only"
     return None
 
 
@@ -438,6 +439,8 @@ def _moe_fragments(tag_dir: Path, tp: int, layout: dict, local: int, model: dict
     parts, steps, first = {}, {}, None
     for d in range(dp):
         path = tag_dir / f"zero_pp_rank_{d}_mp_rank_{tp:02d}_optim_states.pt"
+        if not path.is_file():  # a bf16 run's files carry DeepSpeed's "bf16_" prefix
+            path = path.with_name(f"bf16_{path.name}")
         state = safe_load.safe_torch_load(path, map_location="cpu")[OPTIMIZER_STATE_DICT]
         first = state if d == 0 else first
         base = state[BASE_OPTIMIZER_STATE]

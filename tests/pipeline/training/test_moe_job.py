@@ -2,17 +2,21 @@
 top-2, dropless, fp32, dropout 0), 5 steps of 8 sequences; per-step losses at (EP2, DP4) under ZeRO-1 and ZeRO-2,
 at (EP2, TP2) and at (EP2, PP2) equal one process, and with a capacity factor the same tokens are dropped at
 EP1 and EP2 (DP4, TP2); the run saved at (EP2, TP2) resumes at (EP1, TP1) and at EP4 (DP4) with its optimizer
-state, continuing as it did; the refusals, one line each, before any work. Two launches: every 4-rank layout and
+state, continuing as it did, and so does the same run in bf16 at (EP1, TP1); the refusals, one line each, before
+any work. Two launches: every 4-rank layout and
 the EP4 resume, then the one-process references, the EP1 resume and the refusals, one after the other in the
 same processes (``_jobs``)."""
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 from dist import run_distributed
 from test_checkpoint import DS, _pretrain, args, losses
 from test_sequence_parallel_job import LLAMA, _max_rel, _refusal_worker, setup
 
+from models.moe import EXPERT_INDEX
+from pipeline.checkpoints.checkpoint import read_full_model_state
 from pipeline.engine.distributed import init_distributed
 
 MOE = {**LLAMA, "num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.1}
@@ -32,6 +36,7 @@ LAYOUTS = {  # name: (extra arguments, DeepSpeed config, model config); 4 ranks 
 }
 REFERENCES = {"moe.json": "single", "capacity.json": "single capacity"}  # one process, EP 1
 RESUMED = {"EP4 DP4": ("--expert-parallel", "4"), "EP1 TP1": ()}  # from (EP2, TP2) at step 2: 4 ranks, 1 rank
+BF16 = "EP2 TP2 bf16"  # DeepSpeed's bf16 at ZeRO-1, saved at step 2 and resumed at (EP1, TP1)
 __all__ = ["setup"]  # the fixture of the sequence-parallel job tests
 
 
@@ -45,6 +50,7 @@ def moe(setup, tmp_path_factory):
     (d / "dense.json").write_text(json.dumps(LLAMA))
     for name, stage in (("ds.json", 1), ("ds_z2.json", 2), ("ds_z3.json", 3), ("ds_z0.json", 0)):
         (d / name).write_text(json.dumps({**DS, "train_batch_size": BATCH, "zero_optimization": {"stage": stage}}))
+    (d / "ds_bf16.json").write_text(json.dumps({**DS, "train_batch_size": BATCH, "bf16": {"enabled": True}}))
     return d
 
 
@@ -79,22 +85,25 @@ def _refusal_cases(moe):
              "optimizer state moves between ZeRO-1/2 layouts only")]
 
 
-def _resume(moe, name):
-    """The (EP2, TP2) run's step-2 checkpoint continued to step 5 at layout ``name``."""
-    load = ("--load", str(_save(moe, "EP2 TP2")), "--load-tag", "global_step2")
-    return _argv(moe, _save(moe, f"resumed {name}"), *load, *RESUMED[name])
+def _resume(moe, name, run="EP2 TP2", ds="ds.json"):
+    """The ``run``'s step-2 checkpoint continued to step 5 at layout ``name``."""
+    load = ("--load", str(_save(moe, run)), "--load-tag", "global_step2")
+    return _argv(moe, _save(moe, f"resumed {name}" + (" bf16" if "bf16" in run else "")), *load, *RESUMED[name],
+                 ds=ds)
 
 
 @pytest.fixture(scope="module")
 def runs(moe):
     """The losses of every layout and of one process, and the refusals' (exit code, stderr): two launches."""
     run_distributed(_jobs, 4, [*(_argv(moe, _save(moe, name), *extra, ds=ds, model=model)
-                                 for name, (extra, ds, model) in LAYOUTS.items()), _resume(moe, "EP4 DP4")])
+                                 for name, (extra, ds, model) in LAYOUTS.items()), _resume(moe, "EP4 DP4"),
+                               _argv(moe, _save(moe, BF16), *LAYOUTS["EP2 TP2"][0], ds="ds_bf16.json")])
     refusals = [_argv(moe, moe / f"refused{i}", *extra, ds=ds, model=model)
                 for i, (extra, ds, model, _) in enumerate(_refusal_cases(moe))]
     out = run_distributed(_jobs, 1, [*(_argv(moe, _save(moe, name), model=model) for model, name in REFERENCES.items()),
-                                     _resume(moe, "EP1 TP1")], refusals)[0]
-    names = (*REFERENCES.values(), *LAYOUTS, *(f"resumed {name}" for name in RESUMED))
+                                     _resume(moe, "EP1 TP1"), _resume(moe, "EP1 TP1", BF16, "ds_bf16.json")],
+                           refusals)[0]
+    names = (*REFERENCES.values(), *LAYOUTS, *(f"resumed {name}" for name in RESUMED), BF16, "resumed EP1 TP1 bf16")
     return {"refusals": out, **{name: losses(_save(moe, name)) for name in names}}
 
 
@@ -129,6 +138,26 @@ def test_resume_at_another_expert_parallel_size_continues_the_run(runs, layout):
     rel = max(abs(got[s] - want[s]) / abs(want[s]) for s in got)
     print(f"(EP2, TP2) -> {layout}: max relative loss difference over steps 3-5 {rel:.2e}")
     assert rel < 1e-5, (layout, got, want)
+
+
+def test_bf16_run_resumes_at_another_layout_with_its_optimizer_state(moe, runs):
+    """bf16 at ZeRO-1 (DeepSpeed's files then carry a ``bf16_`` prefix): the (EP2, TP2) run saved at step 2
+    continues at (EP1, TP1). Its universal cache holds every expert's fp32 master weight under its global index,
+    each rounding to bf16 exactly as the weight the run saved (a misplaced expert or TP shard would not), with
+    Adam moments; steps 3-5 follow the uninterrupted run within bf16's rounding at another layout."""
+    _, saved, _ = read_full_model_state(_save(moe, BF16), "global_step2")
+    cache = _save(moe, BF16) / "universal" / "global_step2" / "zero"
+    experts = [name for name in saved if EXPERT_INDEX.search(name)]
+    assert len(experts) == 2 * 4 * 2  # 2 MoE layers x 4 experts x (fc_in, fc_out)
+    for name in saved:
+        master = torch.load(cache / name / "fp32.pt", weights_only=True)["param"]
+        assert saved[name].dtype == torch.bfloat16 and torch.equal(master.to(torch.bfloat16), saved[name]), name
+        assert torch.load(cache / name / "exp_avg_sq.pt", weights_only=True)["param"].abs().sum() > 0, name
+    got, want = runs["resumed EP1 TP1 bf16"], runs[BF16]
+    assert sorted(got) == [3, 4, 5], got
+    rel = max(abs(got[s] - want[s]) / abs(want[s]) for s in got)
+    print(f"bf16 (EP2, TP2) -> (EP1, TP1): max relative loss difference over steps 3-5 {rel:.2e}")
+    assert rel < 1e-3, (got, want)  # 1.1e-5 measured: the master weights and moments carried over exactly
 
 
 def _moe_records(save):
