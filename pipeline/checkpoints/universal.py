@@ -196,16 +196,13 @@ def has_experts(run_dir) -> bool:
 
 def moe_unsupported_reason(saved: dict, current: dict) -> str | None:
     """Why the optimizer state of a run with MoE layers cannot move from layout ``saved`` to ``current``:
-    ``convert_moe`` reads the ZeRO-1/2 files (fp32 or bf16: the same fp32 partitions) of a run without stages,
-    and ``load`` gives the experts' global names to ZeRO-1/2's loader only (the rest is not built). fp16 is
-    refused until its loss scaler's state is tested through the conversion."""
+    ``convert_moe`` reads the ZeRO-1/2 files (fp32, bf16 or fp16: the same fp32 partitions) of a run without
+    stages, and ``load`` gives the experts' global names to ZeRO-1/2's loader only (the rest is not built)."""
     for layout in (saved, current):
         if layout.get("pipeline_parallel", 1) > 1:
             return "an MoE run moves to another layout without pipeline parallelism only"
         if layout.get("zero_stage", 1) not in (1, 2):
             return "an MoE run's optimizer state moves between ZeRO-1/2 layouts only"
-        if layout.get("precision", "fp32") not in ("fp32", "bf16"):
-            return "an MoE run's optimizer state moves to another layout in fp32 or bf16 only"
     return None
 
 

@@ -2,7 +2,7 @@
 top-2, dropless, fp32, dropout 0), 5 steps of 8 sequences; per-step losses at (EP2, DP4) under ZeRO-1 and ZeRO-2,
 at (EP2, TP2) and at (EP2, PP2) equal one process, and with a capacity factor the same tokens are dropped at
 EP1 and EP2 (DP4, TP2); the run saved at (EP2, TP2) resumes at (EP1, TP1) and at EP4 (DP4) with its optimizer
-state, continuing as it did, and so does the same run in bf16 at (EP1, TP1); the refusals, one line each, before
+state, continuing as it did, and so does the same run in bf16 and fp16 at (EP1, TP1); the refusals, one line each, before
 any work. Two launches: every 4-rank layout and
 the EP4 resume, then the one-process references, the EP1 resume and the refusals, one after the other in the
 same processes (``_jobs``)."""
@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from dist import run_distributed
 from test_checkpoint import DS, _pretrain, args, losses
 from test_sequence_parallel_job import LLAMA, _max_rel, _refusal_worker, setup
@@ -36,7 +37,9 @@ LAYOUTS = {  # name: (extra arguments, DeepSpeed config, model config); 4 ranks 
 }
 REFERENCES = {"moe.json": "single", "capacity.json": "single capacity"}  # one process, EP 1
 RESUMED = {"EP4 DP4": ("--expert-parallel", "4"), "EP1 TP1": ()}  # from (EP2, TP2) at step 2: 4 ranks, 1 rank
-BF16 = "EP2 TP2 bf16"  # DeepSpeed's bf16 at ZeRO-1, saved at step 2 and resumed at (EP1, TP1)
+# (EP2, TP2) in DeepSpeed's bf16 and fp16 at ZeRO-1, saved at step 2 and resumed at (EP1, TP1): precision -> config
+HALF = {"bf16": {"bf16": {"enabled": True}},
+        "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}}}
 __all__ = ["setup"]  # the fixture of the sequence-parallel job tests
 
 
@@ -50,7 +53,8 @@ def moe(setup, tmp_path_factory):
     (d / "dense.json").write_text(json.dumps(LLAMA))
     for name, stage in (("ds.json", 1), ("ds_z2.json", 2), ("ds_z3.json", 3), ("ds_z0.json", 0)):
         (d / name).write_text(json.dumps({**DS, "train_batch_size": BATCH, "zero_optimization": {"stage": stage}}))
-    (d / "ds_bf16.json").write_text(json.dumps({**DS, "train_batch_size": BATCH, "bf16": {"enabled": True}}))
+    for precision, extra in HALF.items():
+        (d / f"ds_{precision}.json").write_text(json.dumps({**DS, "train_batch_size": BATCH, **extra}))
     return d
 
 
@@ -65,6 +69,7 @@ def _save(moe, name):
 
 
 def _jobs(rank, argvs, refusals=()):
+    get_accelerator().is_fp16_supported = lambda: True  # the CPU accelerator refuses fp16; its loss scaling is real
     for argv in argvs:
         _pretrain(rank, argv)
     out = []
@@ -88,8 +93,7 @@ def _refusal_cases(moe):
 def _resume(moe, name, run="EP2 TP2", ds="ds.json"):
     """The ``run``'s step-2 checkpoint continued to step 5 at layout ``name``."""
     load = ("--load", str(_save(moe, run)), "--load-tag", "global_step2")
-    return _argv(moe, _save(moe, f"resumed {name}" + (" bf16" if "bf16" in run else "")), *load, *RESUMED[name],
-                 ds=ds)
+    return _argv(moe, _save(moe, f"resumed {name}" + run.removeprefix("EP2 TP2")), *load, *RESUMED[name], ds=ds)
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +101,16 @@ def runs(moe):
     """The losses of every layout and of one process, and the refusals' (exit code, stderr): two launches."""
     run_distributed(_jobs, 4, [*(_argv(moe, _save(moe, name), *extra, ds=ds, model=model)
                                  for name, (extra, ds, model) in LAYOUTS.items()), _resume(moe, "EP4 DP4"),
-                               _argv(moe, _save(moe, BF16), *LAYOUTS["EP2 TP2"][0], ds="ds_bf16.json")])
+                               *(_argv(moe, _save(moe, f"EP2 TP2 {p}"), *LAYOUTS["EP2 TP2"][0], ds=f"ds_{p}.json")
+                                 for p in HALF)])
     refusals = [_argv(moe, moe / f"refused{i}", *extra, ds=ds, model=model)
                 for i, (extra, ds, model, _) in enumerate(_refusal_cases(moe))]
     out = run_distributed(_jobs, 1, [*(_argv(moe, _save(moe, name), model=model) for model, name in REFERENCES.items()),
-                                     _resume(moe, "EP1 TP1"), _resume(moe, "EP1 TP1", BF16, "ds_bf16.json")],
+                                     _resume(moe, "EP1 TP1"),
+                                     *(_resume(moe, "EP1 TP1", f"EP2 TP2 {p}", f"ds_{p}.json") for p in HALF)],
                            refusals)[0]
-    names = (*REFERENCES.values(), *LAYOUTS, *(f"resumed {name}" for name in RESUMED), BF16, "resumed EP1 TP1 bf16")
+    names = (*REFERENCES.values(), *LAYOUTS, *(f"resumed {name}" for name in RESUMED),
+             *(f"{run} {p}" for p in HALF for run in ("EP2 TP2", "resumed EP1 TP1")))
     return {"refusals": out, **{name: losses(_save(moe, name)) for name in names}}
 
 
@@ -140,24 +147,33 @@ def test_resume_at_another_expert_parallel_size_continues_the_run(runs, layout):
     assert rel < 1e-5, (layout, got, want)
 
 
-def test_bf16_run_resumes_at_another_layout_with_its_optimizer_state(moe, runs):
-    """bf16 at ZeRO-1 (DeepSpeed's files then carry a ``bf16_`` prefix): the (EP2, TP2) run saved at step 2
-    continues at (EP1, TP1). Its universal cache holds every expert's fp32 master weight under its global index,
-    each rounding to bf16 exactly as the weight the run saved (a misplaced expert or TP shard would not), with
-    Adam moments; steps 3-5 follow the uninterrupted run within bf16's rounding at another layout."""
-    _, saved, _ = read_full_model_state(_save(moe, BF16), "global_step2")
-    cache = _save(moe, BF16) / "universal" / "global_step2" / "zero"
+@pytest.mark.parametrize("precision", HALF)
+def test_half_precision_run_resumes_at_another_layout_with_its_optimizer_state(moe, runs, precision):
+    """bf16 / fp16 at ZeRO-1 (a bf16 run's files carry a ``bf16_`` prefix; fp16 adds the loss scaler's state): the
+    (EP2, TP2) run saved at step 2 continues at (EP1, TP1). Its universal cache holds every expert's fp32 master
+    weight under its global index, each rounding to the half precision exactly as the weight the run saved (a
+    misplaced expert or TP shard would not), with Adam moments; steps 3-5 follow the uninterrupted run within
+    the half precision's rounding at another layout."""
+    run = _save(moe, f"EP2 TP2 {precision}")
+    _, saved, _ = read_full_model_state(run, "global_step2")
+    cache = run / "universal" / "global_step2" / "zero"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     experts = [name for name in saved if EXPERT_INDEX.search(name)]
     assert len(experts) == 2 * 4 * 2  # 2 MoE layers x 4 experts x (fc_in, fc_out)
     for name in saved:
         master = torch.load(cache / name / "fp32.pt", weights_only=True)["param"]
-        assert saved[name].dtype == torch.bfloat16 and torch.equal(master.to(torch.bfloat16), saved[name]), name
+        assert saved[name].dtype == dtype and torch.equal(master.to(dtype), saved[name]), name
         assert torch.load(cache / name / "exp_avg_sq.pt", weights_only=True)["param"].abs().sum() > 0, name
-    got, want = runs["resumed EP1 TP1 bf16"], runs[BF16]
+    got, want = runs[f"resumed EP1 TP1 {precision}"], runs[f"EP2 TP2 {precision}"]
     assert sorted(got) == [3, 4, 5], got
     rel = max(abs(got[s] - want[s]) / abs(want[s]) for s in got)
-    print(f"bf16 (EP2, TP2) -> (EP1, TP1): max relative loss difference over steps 3-5 {rel:.2e}")
-    assert rel < 1e-3, (got, want)  # 1.1e-5 measured: the master weights and moments carried over exactly
+    print(f"{precision} (EP2, TP2) -> (EP1, TP1): max relative loss difference over steps 3-5 {rel:.2e}")
+    assert rel < 1e-3, (got, want)  # 1.1e-5 (bf16), 5.1e-7 (fp16) measured: master weights and moments carried over
+    if precision == "fp16":  # the dynamic loss scale carries on (it doubled from 256 by step 3; a new scaler is 256)
+        scales = [[r["loss_scale"] for r in map(json.loads, (_save(moe, name) / "metrics.jsonl").read_text()
+                                               .splitlines()) if r.get("step", 0) >= 3 and "loss_scale" in r]
+                  for name in (f"resumed EP1 TP1 {precision}", f"EP2 TP2 {precision}")]
+        assert scales[0] == scales[1] and scales[0][0] > 256, scales
 
 
 def _moe_records(save):
