@@ -36,6 +36,14 @@ def run_distributed(fn, world_size: int | None = None, *args, tp: int = 1, pp: i
     ``run_distributed(fn, 2, a, b)`` or ``run_distributed(fn, tp=2, dp=2)``."""
     world_size = world_size or tp * pp * dp
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(world_size, free_port(), out, fn, args, env or {}),
-                           nprocs=world_size, join=True, start_method="spawn")
+        for attempt in range(3):
+            try:
+                mp.start_processes(_worker, args=(world_size, free_port(), out, fn, args, env or {}),
+                                   nprocs=world_size, join=True, start_method="spawn")
+                break
+            except mp.ProcessRaisedException as e:
+                # the free port was taken before rank 0 listened on it (the other xdist worker's launches pick
+                # ports too): nothing of ``fn`` ran, the ranks stopped in init_distributed; a new port
+                if "EADDRINUSE" not in str(e) or attempt == 2:
+                    raise
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]

@@ -10,9 +10,10 @@ import sys
 from cli import cli_env, run_cli
 from conftest import ROOT
 
-# 200 MB allocated, written and freed; resident memory read before the allocation and after the free, then what
-# another 200 MB written adds to it (nothing where it reuses the kept pages; its address may differ by the small
-# allocations made from the same free block in between)
+# 200 MB allocated, written and freed, and 200 MB allocated again at once (nothing allocated in between: a small
+# block carved from the freed one would leave it too small); resident memory read before the first, after the
+# second is allocated (the first's pages, kept or not) and after the second is written (what it added: nothing
+# where it reuses the kept pages)
 SCRIPT = """
 import os, torch
 from pipeline.engine.host_memory import keep_freed_host_memory
@@ -23,10 +24,9 @@ def resident():
 before = resident()
 x = torch.empty(50_000_000)
 x.fill_(1.0)
-address = x.data_ptr()
 del x
-kept = resident() - before
 y = torch.empty(50_000_000)
+kept = resident() - before
 y.fill_(2.0)
 grown = resident() - before - kept
 print(applied, kept, grown)
