@@ -33,7 +33,8 @@ compiled ops: the benchmark uses torch's fused AdamW, so no DeepSpeed op is buil
 Tested on a CPU with tiny models: ``python bench/gpu_h200.py --cpu-smoke`` (the same code path, fp16 too).
 
     python bench/gpu_h200.py [--sizes 350m,1.3b] [--precisions bf16,fp16] [--steps 30] [--warmup 3]
-                             [--systems deepspeed,hf] [--budget-s 360] [--out DIR] [--cpu-smoke]
+                             [--systems deepspeed,hf] [--variants gpt2,llama] [--recompute none,selective,full]
+                             [--profile STEPS] [--budget-s 360] [--out DIR] [--cpu-smoke]
 """
 from __future__ import annotations
 
@@ -72,6 +73,57 @@ def measure(system, steps: int, warmup: int, device) -> dict:
     return {"step_s": statistics.median(times), "times": times, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
+KERNEL_KINDS = (  # (kind, name fragments), first match wins; names of CUDA kernels, or of aten ops on a CPU
+    ("attention", ("flash", "fmha", "attention", "efficient", "cudnn_sdpa", "scaled_dot")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("communication", ("nccl", "gloo", "all_reduce", "allreduce", "all_gather", "reduce_scatter")),
+    ("copy", ("memcpy", "memset", "copy_", "aten::to", "fill_")),
+    ("cross-entropy", ("softmax", "nll", "cross_entropy", "log_softmax")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, frags in KERNEL_KINDS if any(f in low for f in frags)), "element-wise/other")
+
+
+def profile_steps(system, steps: int, device) -> dict:
+    """Where a step's device time goes: kernel time by kind (matmul, attention, element-wise, optimizer, ...)
+    over ``steps`` profiled steps, and the busy fraction (kernel time / wall time: the rest is the device idle,
+    waiting for the host). On a CPU the same over the aten ops' own CPU time (a smoke check of the code)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    cuda = str(device).startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    common.sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            system.step()
+        common.sync(device)
+        wall = time.perf_counter() - t0
+    if cuda:
+        averages = prof.key_averages()
+        # a record_function range (e.g. "Optimizer.step#AdamW.step") shows on the GPU timeline too, over the
+        # kernels it launched: only what no host-side event is named after is a kernel
+        host = {e.key for e in averages if e.device_type == DeviceType.CPU}
+        events = [(e.key, e.self_device_time_total) for e in averages if e.device_type == DeviceType.CUDA
+                  and e.key not in host and not getattr(e, "is_user_annotation", False)]
+        if not events:  # kernels not tagged with their device: take what has device time and is no host op
+            events = [(e.key, e.self_device_time_total) for e in averages
+                      if e.self_device_time_total > 0 and e.key not in host]
+    else:
+        events = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("aten::")]
+    by_kind, top = {}, sorted(events, key=lambda kv: -kv[1])[:12]
+    for name, us in events:
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us / 1e6 / steps
+    busy = sum(by_kind.values())
+    return {"step_wall_s": wall / steps, "busy_s": busy, "busy_fraction": busy * steps / wall,
+            "by_kind_s": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "top": [(name[:90], us / 1e6 / steps) for name, us in top]}
+
+
 def run(args) -> list[dict]:
     device = "cpu" if args.cpu_smoke else "cuda"
     sizes = TINY_SIZES if args.cpu_smoke else GPU_SIZES
@@ -80,16 +132,17 @@ def run(args) -> list[dict]:
                                    if args.cpu_smoke else 1.0) for p in args.precisions}
     print("# measured matmul peak: " + ", ".join(f"{p} {v / 1e12:.1f} TFLOP/s" for p, v in peaks.items()), flush=True)
     rows, skipped = [], []
-    for size_name in args.sizes:
+    for variant, size_name in [(v, s) for v in args.variants for s in args.sizes]:
         size = sizes[size_name]
-        config = common.model_config(size, "gpt2")
+        config = common.model_config(size, variant)
         tokens = torch.randint(0, config.vocab_size, (size["batch"], size["seq"] + 1),
                                generator=torch.Generator().manual_seed(0))
         step_flops = config.flops_per_token(size["seq"]) * size["batch"] * size["seq"]
         for precision in args.precisions:
             base_ds = json.loads(DS_CONFIGS[precision].read_text())
-            for name in args.systems:
-                label = f"{size_name} {precision} {name}"
+            for name, recompute in [(n, r) for n in args.systems
+                                    for r in (args.recompute if n.startswith("deepspeed") else ["none"])]:
+                label = " ".join([variant, size_name, precision, name] + ([] if recompute == "none" else [recompute]))
                 if time.perf_counter() - t_start > args.budget_s:
                     skipped.append(label)
                     continue
@@ -99,9 +152,15 @@ def run(args) -> list[dict]:
                 t0 = time.perf_counter()
                 system = None
                 try:
-                    system = make_system(name, config, tokens, precision, base_ds, device=device)
+                    system = make_system(name, config, tokens, precision, base_ds, device=device, recompute=recompute)
                     built_s = time.perf_counter() - t0
                     m = measure(system, args.steps, args.warmup, device)
+                    if args.profile:
+                        m["profile"] = prof = profile_steps(system, args.profile, device)
+                        print(f"{label} profile: busy {100 * prof['busy_fraction']:.0f}% of {prof['step_wall_s']:.4f} s; "
+                              + ", ".join(f"{k} {v:.4f} s" for k, v in prof["by_kind_s"].items()), flush=True)
+                        for kernel, sec in prof["top"]:
+                            print(f"    {sec:.5f} s  {kernel}", flush=True)
                 except torch.OutOfMemoryError as e:  # report it and go on with the other systems
                     print(f"{label}: out of memory ({str(e).splitlines()[0]})", flush=True)
                     skipped.append(f"{label} (out of memory)")
@@ -111,7 +170,8 @@ def run(args) -> list[dict]:
                     gc.collect()
                     continue
                 tflops = step_flops / m["step_s"] / 1e12
-                row = {"size": size_name, "params": config.num_parameters(), "precision": precision, "system": name,
+                row = {"variant": variant, "size": size_name, "params": config.num_parameters(),
+                       "precision": precision, "system": name, "recompute": recompute,
                        "batch": size["batch"], "seq": size["seq"], "tokens_per_s": size["batch"] * size["seq"] / m["step_s"],
                        "tflops": tflops, "mfu_measured_peak": tflops * 1e12 / peaks[precision],
                        "mfu_datasheet": tflops / DATASHEET_TFLOPS[precision], "build_s": built_s,
@@ -130,14 +190,15 @@ def run(args) -> list[dict]:
                 gc.collect()
     for r in rows:
         hf = next((h for h in rows if h["system"] == "hf" and h["size"] == r["size"]
-                   and h["precision"] == r["precision"]), None)
+                   and h["precision"] == r["precision"] and h["variant"] == r["variant"]), None)
         r["vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"] if hf else None
     print(f"\n# {common.machine_note(device)}; {args.warmup} warm-up + {args.steps} timed steps per system; "
           f"medians; total {time.perf_counter() - t_start:.0f} s")
     print(format_table(
-        ["size", "precision", "system", "batch x seq", "tokens/s", "x HF", "TFLOP/s", "MFU (measured peak)",
+        ["model", "size", "precision", "system", "recompute", "batch x seq", "tokens/s", "x HF", "TFLOP/s", "MFU (measured peak)",
          "MFU (datasheet)", "max memory GiB", "loss scale"],
-        [[f"{r['size']} ({r['params'] / 1e6:.3g}M)", r["precision"], r["system"], f"{r['batch']} x {r['seq']}",
+        [[r["variant"], f"{r['size']} ({r['params'] / 1e6:.3g}M)", r["precision"], r["system"], r["recompute"],
+          f"{r['batch']} x {r['seq']}",
           r["tokens_per_s"], "-" if r["vs_hf"] is None else f"{r['vs_hf']:.2f}", r["tflops"],
           f"{100 * r['mfu_measured_peak']:.1f}%", f"{100 * r['mfu_datasheet']:.1f}%",
           "-" if r["max_memory_gib"] is None else f"{r['max_memory_gib']:.1f}",
@@ -159,16 +220,23 @@ def main(argv=None):
     p.add_argument("--sizes", default=None, help=f"of {', '.join(GPU_SIZES)} (--cpu-smoke: {', '.join(TINY_SIZES)})")
     p.add_argument("--precisions", default="bf16,fp16")
     p.add_argument("--systems", default="deepspeed,hf")
+    p.add_argument("--variants", default="gpt2", help="model families: gpt2, llama (grouped-query, untied)")
+    p.add_argument("--recompute", default="none",
+                   help="activation recomputation policies for the DeepSpeed systems: none, selective, full")
     p.add_argument("--steps", type=int, default=None, help="timed steps per system (default 30; smoke 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
     p.add_argument("--budget-s", type=float, default=360.0,
                    help="start no new system after this many seconds (the whole run must stay under 8 minutes)")
+    p.add_argument("--profile", type=int, default=0,
+                   help="profile this many more steps per system: device time by kernel kind, busy fraction")
     p.add_argument("--out", type=Path, default=None, help="write gpu_bench.json here")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny models on the CPU: checks the script end to end")
     args = p.parse_args(argv)
     args.sizes = (args.sizes or ",".join(TINY_SIZES if args.cpu_smoke else GPU_SIZES)).split(",")
     args.precisions = args.precisions.split(",")
     args.systems = args.systems.split(",")
+    args.variants = args.variants.split(",")
+    args.recompute = args.recompute.split(",")
     args.steps = args.steps or (2 if args.cpu_smoke else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.cpu_smoke else 3)
     if not args.cpu_smoke and not torch.cuda.is_available():

@@ -19,6 +19,7 @@ of per-round ratios with the six models interleaved in the same processes.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import statistics
 import sys
 from pathlib import Path
@@ -98,7 +99,9 @@ def main(argv=None):
     dtype = known.dtype
     args, config_kw = parse_shape_args(__doc__, "1,2", argv)
     s, b, h, a = args.seq, args.batch, args.hidden, args.heads
-    shape, scale = gpt_shape(GPTConfig(**config_kw), seq=s), DTYPES[dtype].itemsize / 2  # the planner's: 2 bytes
+    # the paper's accounting: with attention dropout a CPU runs SDPA's math path, which materialises the scores
+    shape = replace(gpt_shape(GPTConfig(**config_kw), seq=s), fused_attention=False)
+    scale = DTYPES[dtype].itemsize / 2  # the planner's terms are for 2-byte activations
     print(f"# one layer's activation bytes saved for the backward (rank 0), gpt2 {dtype}, s={s} b={b} h={h} a={a} "
           f"L={args.layers} V={args.vocab}, dropout 0.1; {common.machine_note()}")
     rows, mib = [], 1 / 2**20

@@ -107,11 +107,12 @@ def plain_step_fn(model, optimizer, loss_fn, precision: str, clip: float, device
 
 
 def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, device="cpu", zero_stage=None,
-                compile=False, seed=1234) -> System:
+                compile=False, seed=1234, recompute="none") -> System:
     """One contender for one (model, precision), owning its model, optimizer and step function.
 
     ``name``: deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain; a "+compile"
-    suffix compiles that one system's model (``engine.compile()`` / ``torch.compile``)."""
+    suffix compiles that one system's model (``engine.compile()`` / ``torch.compile``). ``recompute``: the
+    engine's activation recomputation policy (none, selective, full; DeepSpeed systems only)."""
     label = name
     if name.endswith("+compile"):
         name, compile = name[:-len("+compile")], True
@@ -122,7 +123,7 @@ def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, dev
     x, y = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
     torch.manual_seed(seed)
     if name.startswith("deepspeed"):
-        engine = build_engine(config, ds, get_parallel_state(), init_seed=seed)
+        engine = build_engine(config, ds, get_parallel_state(), init_seed=seed, recompute=recompute)
         if compile:
             engine.compile()
         batches = _repeat((x, y))

@@ -18,13 +18,17 @@ Activations of one layer for one micro-batch of ``b`` sequences of ``s`` tokens,
     replicated across TP unless SP:   2 norm inputs 4sbh, QKV and MLP inputs 4sbh, 2 dropout masks 2sbh
     split by TP:                      Q 2sbq, K and V 4sb kv, projection input 2sbq, MLP: 4sbf (GELU) or 6sbf
                                       (SwiGLU)
-    attention scores, split by TP:    softmax 2as^2b, its dropout mask and output 3as^2b
+    attention scores, split by TP:    softmax 2as^2b, its dropout mask and output 3as^2b; a fused kernel
+                                      (``ModelShape.fused_attention``, the default) keeps only its fp32
+                                      log-sum-exp 4asb and none of these
     gpt2 (q = kv = h, f = 4h):        sbh (10 + 24/t + 5as/(ht)), or sbh (34/t + 5as/(ht)) with SP
 
 ``selective`` recomputes its ``recompute_modules`` (Megatron-Core's names) and keeps the rest of the layer; what each
 no longer keeps, in the terms above (``recompute_savings``):
 
-    core_attn    the attention scores, 5as^2b/t (2as^2b/t without attention dropout)
+    core_attn    the attention scores, 5as^2b/t (2as^2b/t without attention dropout); with a fused kernel
+                 only the log-sum-exp 4asb/t (its inputs Q, K, V are kept by the checkpoint, its output by the
+                 projection): nothing worth its recomputation, as the H200 measurement shows
     mlp_act      the second MLP linear's input, 2sbf/t (the paper's 8sbh/t for gpt2's f = 4h; SwiGLU's
                  silu(gate) * up the same); the activation's input (the first linear's output) is kept
     layernorm    the QKV and first MLP linear's inputs (the norms' outputs), 4sbh (/t with SP); the norms'
@@ -75,7 +79,7 @@ def layer_activation_terms(m: ModelShape, b: int) -> tuple[float, float, float]:
     q, kv, f = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn
     replicated = s * b * (4 * h + 4 * h + (2 * h if m.hidden_dropout else 0))
     split = s * b * (2 * q + 4 * kv + 2 * q + (6 if m.gated_mlp else 4) * f)
-    scores = m.heads * s * s * b * (5 if m.attention_dropout else 2)
+    scores = m.heads * s * b * (4 if m.fused_attention else s * (5 if m.attention_dropout else 2))
     return float(replicated), float(split), float(scores)
 
 

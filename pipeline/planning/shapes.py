@@ -36,6 +36,10 @@ class ModelShape:
     attention_flops_per_token: float  # of which the scores and values (recomputed by the selective policy)
     replicated_per_layer: tuple = ()  # element counts of a layer's parameters replicated across TP (norms, biases)
     replicated_outside: tuple = ()    # the same outside the layers (final norm, gpt2's positions)
+    # the attention runs in a fused kernel (the project's SDPA on a GPU: flash or memory-efficient), which
+    # keeps no [s, s] scores, only a row's fp32 log-sum-exp, and regenerates its dropout mask; False: the
+    # scores are materialised (Megatron-LM 2019, Korthikanti's accounting, SDPA's math path on a CPU)
+    fused_attention: bool = True
 
     @property
     def params(self) -> int:

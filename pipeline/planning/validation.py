@@ -44,9 +44,10 @@ class Row:
 
 
 def megatron_gpt(hidden: int, layers: int, heads: int):
-    return model_shape(GPTConfig(variant="gpt2", vocab_size=51200, hidden_size=hidden, num_layers=layers,
-                                 num_heads=heads, max_position_embeddings=1024, make_vocab_size_divisible_by=128),
-                       f"GPT {hidden}x{layers}")
+    shape = model_shape(GPTConfig(variant="gpt2", vocab_size=51200, hidden_size=hidden, num_layers=layers,
+                                  num_heads=heads, max_position_embeddings=1024, make_vocab_size_divisible_by=128),
+                        f"GPT {hidden}x{layers}")
+    return replace(shape, fused_attention=False)  # 2019: softmax(QK^T) materialised
 
 
 def calibrated_rate(job: Job, lay: Layout, target: float) -> float:

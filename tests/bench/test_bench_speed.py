@@ -94,6 +94,22 @@ def test_gpu_script_cpu_smoke(tmp_path):
     assert "MFU (measured peak)" in out.stdout
 
 
+def test_gpu_script_profiles_each_recompute_policy_and_model_family(tmp_path):
+    # --variants, --recompute (DeepSpeed systems only) and --profile's breakdown of a step by kernel kind
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_h200.py"), "--cpu-smoke", "--sizes", "tiny-a",
+                          "--precisions", "bf16", "--variants", "gpt2,llama", "--recompute", "none,full",
+                          "--systems", "deepspeed,hf", "--steps", "1", "--warmup", "1", "--profile", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]
+    assert sorted((r["variant"], r["system"], r["recompute"]) for r in rows) == sorted(
+        (v, s, p) for v in ("gpt2", "llama") for s, p in (("deepspeed", "none"), ("deepspeed", "full"), ("hf", "none")))
+    for r in rows:
+        prof = r["profile"]
+        assert prof["by_kind_s"]["matmul"] > 0 and prof["by_kind_s"]["attention"] > 0
+        assert 0 < prof["busy_fraction"] <= 1.0 + 1e-6 and prof["top"]
+
+
 def test_pretrain_compile_refuses_pipeline_parallel():
     with pytest.raises(EngineConfigError, match="--compile is for pipeline-parallel 1 only"):
         main(["--compile", "--pipeline-parallel", "2"])
