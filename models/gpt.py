@@ -122,6 +122,25 @@ def _rotate_half(x):
     return torch.cat([-x2, x1], dim=-1)
 
 
+# Up to this many tokens, causal attention on a CPU runs as plain matrix products (short_causal_attention):
+# PyTorch's CPU flash kernel is built for long sequences, and at tweet lengths its backward took 2-3x longer
+# (bf16, 16 x 9 heads x 32-128 tokens, bench/README.md); beyond ~200 tokens the flash kernel is faster
+SHORT_CPU_ATTENTION = 128
+
+
+def short_causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d) + causal mask) v of [b, heads, s, d] tensors (k, v: [b, kv_heads, s, d], grouped-
+    query heads broadcast, not copied), computed in fp32 and returned in q's dtype: SDPA's result to its
+    rounding, for the short sequences where it is faster on a CPU."""
+    b, h, s, d = q.shape
+    kv = k.shape[1]
+    q5, k5, v5 = q.reshape(b, kv, h // kv, s, d).float(), k[:, :, None].float(), v[:, :, None].float()
+    scores = (q5 @ k5.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return (probs @ v5).to(q.dtype).reshape(b, h, s, d)
+
+
 class Attention(nn.Module):
     """Causal self-attention, heads split across TP ranks (column-parallel QKV, row-parallel output)."""
 
@@ -154,6 +173,8 @@ class Attention(nn.Module):
     def _core(self, q, k, v):
         """Causal attention of [b, heads, s, d] queries, keys and values over the whole sequence."""
         dropout = self.dropout if self.training else 0.0
+        if not dropout and q.device.type == "cpu" and k.shape[2] <= SHORT_CPU_ATTENTION:
+            return short_causal_attention(q, k, v)
         with tensor_parallel_rng() if dropout else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
                                                   enable_gqa=k.shape[1] != q.shape[1])
