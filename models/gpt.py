@@ -123,8 +123,8 @@ def _rotate_half(x):
 
 
 # Up to this many tokens, causal attention on a CPU runs as plain matrix products (short_causal_attention):
-# PyTorch's CPU flash kernel is built for long sequences, and at tweet lengths its backward took 2-3x longer
-# (bf16, 16 x 9 heads x 32-128 tokens, bench/README.md); beyond ~200 tokens the flash kernel is faster
+# PyTorch's CPU flash kernel is built for long sequences: its forward and backward took 2.0-2.3x longer at
+# 32-64 tokens and 1.4x at 128 (bf16, 16 x 9 heads, bench/README.md); from ~200 tokens on it is the faster
 SHORT_CPU_ATTENTION = 128
 
 
