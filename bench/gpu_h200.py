@@ -108,11 +108,8 @@ def profile_steps(system, steps: int, device) -> dict:
         # a record_function range (e.g. "Optimizer.step#AdamW.step") shows on the GPU timeline too, over the
         # kernels it launched: only what no host-side event is named after is a kernel
         host = {e.key for e in averages if e.device_type == DeviceType.CPU}
-        events = [(e.key, e.self_device_time_total) for e in averages if e.device_type == DeviceType.CUDA
-                  and e.key not in host and not getattr(e, "is_user_annotation", False)]
-        if not events:  # kernels not tagged with their device: take what has device time and is no host op
-            events = [(e.key, e.self_device_time_total) for e in averages
-                      if e.self_device_time_total > 0 and e.key not in host]
+        events = [(e.key, e.self_device_time_total) for e in averages
+                  if e.device_type == DeviceType.CUDA and e.key not in host]
     else:
         events = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("aten::")]
     by_kind, top = {}, sorted(events, key=lambda kv: -kv[1])[:12]
