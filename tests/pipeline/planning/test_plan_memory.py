@@ -13,7 +13,7 @@ def _census(rank):
     import zero_memory
     config = zero_memory.common.model_config(zero_memory.CPU_SIZES["small"], "gpt2")
     bucket = max(10_000, config.num_parameters() // 100)
-    return {stage: zero_memory.worker(rank, "gpt2", "small", stage, bucket, 2, 16) for stage in STAGES}
+    return {stage: zero_memory.worker(rank, "gpt2", "small", stage, bucket, 3, 16) for stage in STAGES}
 
 
 def test_model_states_match_the_census_within_5_percent():
