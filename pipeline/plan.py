@@ -5,7 +5,8 @@ No GPU is needed (docs/performance.md: the model, its assumptions, its validatio
     python -m pipeline.plan --model-config llama-8b --gpus 64 --hardware h200-dgx --seq-length 4096 \\
         --global-batch-size 1024 [--tp 8 --pp 1 --zero 1 --recompute selective --micro-batch 1] [--top 10]
         (--recompute-modules core_attn,mlp_act,layernorm pins what selective recomputes)
-    python -m pipeline.plan --validate       # against Megatron-LM (2019) and the mLSTM paper (2018); exit 1 if off
+    python -m pipeline.plan --validate [--plot validation.png]  # against Megatron-LM (2019) and the mLSTM
+        paper (2018); exit 1 if a row is off
     python -m pipeline.plan --list-hardware
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pipeline.planning.hardware import profiles
 from pipeline.planning.layouts import DEFAULT_BUCKET
 from pipeline.planning.memory import POLICIES, PRECISION_BYTES
 from pipeline.planning.planner import PlanError, format_plan, format_validation, make_job, rank_layouts
-from pipeline.planning.validation import validation_rows
+from pipeline.planning.validation import plot_validation, validation_rows
 
 
 def build_parser() -> ArgumentParser:
@@ -42,8 +43,9 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--micro-batch", type=int)
     p.add_argument("--top", type=int, default=10, help="how many layouts to print")
     p.add_argument("--json", help="also write the ranked predictions to this file")
-    p.add_argument("--force", action="store_true", help="replace an existing --json file")
+    p.add_argument("--force", action="store_true", help="replace an existing --json or --plot file")
     p.add_argument("--validate", action="store_true", help="the table against the papers; exit 1 if a row is off")
+    p.add_argument("--plot", help="with --validate: also draw the published and predicted scaling to this picture")
     p.add_argument("--list-hardware", action="store_true")
     return p
 
@@ -67,9 +69,15 @@ def main(argv=None):
         for name, d in profiles().items():
             print(f"{name}: {d['description']}")
         return 0
+    if args.plot and not args.validate:
+        raise PlanError("--plot draws the validation; add --validate")
     if args.validate:
+        if args.plot:
+            check_output_file(args.plot, args.force, flag="--plot")
         rows = validation_rows()
         print(format_validation(rows))
+        if args.plot:
+            print(f"wrote {plot_validation(args.plot)}")
         return 0 if all(r.ok for r in rows) else 1
     if args.model_config is None or args.gpus is None:
         raise PlanError("--model-config and --gpus are required (or --validate, --list-hardware); see --help")

@@ -8,16 +8,22 @@ layer, micro-batch 8 per model replica; the 1.2B model (h 1536, 40 layers, 16 he
 global batch is 512 (64 replicas of 8) and the gradients are all-reduced in 25 MB buckets during the backward
 (PyTorch's DistributedDataParallel).
 
-mLSTM: the 4096-unit model (models/configs/mlstm-4096.json), 256 bytes per sequence, 256 sequences per GPU
-(32k over 128 GPUs, 16 DGX-1V servers), fp16 gradients all-reduced after the backward through time (the
-weights are shared by all time steps: no gradient is final before the backward ends); speed-up = 128 x the
-rate per GPU at 128 over the rate at one.
+mLSTM: the three curves of the paper's scaling figure (its code's analysis/scale.md, NVIDIA/sentiment-discovery),
+each from one GPU to 16 DGX-1V servers: the 4096- and 8192-unit models over InfiniBand, the 4096-unit one over
+Ethernet. 256 sequences of 256 bytes per GPU, fp16 gradients all-reduced after the backward through time (the
+weights are shared by all time steps: no gradient is final before the backward ends); speed-up = N x the rate
+per GPU at N over the rate at one. The network between servers is the authors' own: "infiniband (200GB/s)" and
+"ethernet (10GB/s)", read as 200 and 10 Gb/s a server (a DGX-1V has four 100 Gb/s EDR ports, so 200 GB/s
+cannot be meant; 10 Gb/s is the common Ethernet, and it reproduces that curve).
 """
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from models import GPTConfig, MLSTMConfig
+from pipeline.job.files import atomic_write_bytes
 
 from .hardware import hardware
 from .layouts import Job, Layout, predict
@@ -76,16 +82,66 @@ def megatron_rows() -> list[Row]:
                 100 * cluster.model_tflops_per_gpu * 1e12 / MEGATRON_RATE, 5.0, "%")]
 
 
+@dataclass(frozen=True)
+class ScalingCurve:
+    name: str
+    hidden: int
+    network_bytes_per_s: float  # between servers, one direction, a server
+    published: dict              # GPUs -> speed-up over one GPU
+
+
+# Read off figures/distributed_scalability.png (2.3 pixels a unit, +-0.3); at 8 GPUs (one server) all are ~8.
+INFINIBAND, ETHERNET = 200e9 / 8, 10e9 / 8
+MLSTM_CURVES = (
+    ScalingCurve("mLSTM 4096 over InfiniBand", 4096, INFINIBAND, {16: 13.2, 32: 27.4, 64: 55.6, 128: 109.0}),
+    ScalingCurve("mLSTM 8192 over InfiniBand", 8192, INFINIBAND, {16: 15.7, 32: 31.3, 64: 61.3, 128: 120.9}),
+    ScalingCurve("mLSTM 4096 over 10 Gb/s Ethernet", 4096, ETHERNET, {16: 11.2, 32: 23.5, 64: 45.7, 128: 92.6}),
+)
+
+
+def mlstm_speedups(curve: ScalingCurve, gpus: tuple = (1, 8, 16, 32, 64, 128)) -> dict:
+    hw = replace(hardware("v100-dgx1"), ib_bytes_per_s_per_server=curve.network_bytes_per_s)
+    shape = model_shape(MLSTMConfig(hidden_size=curve.hidden, embed_dim=64, seq_length=256), f"mLSTM {curve.hidden}")
+    rate = {n: predict(Job(shape, hw, gpus=n, global_batch=256 * n, precision="fp16", overlap_dp=False),
+                       Layout(1, 1, n, 0, False, "none", 256)).model_tflops_per_gpu for n in {1, *gpus}}
+    return {n: n * rate[n] / rate[1] for n in gpus}
+
+
 def mlstm_rows() -> list[Row]:
-    hw = hardware("v100-dgx1")
-    shape = model_shape(MLSTMConfig(hidden_size=4096, embed_dim=64, seq_length=256), "mLSTM 4096")
-    rates = {}
-    for gpus in (1, 128):
-        job = Job(shape, hw, gpus=gpus, global_batch=256 * gpus, precision="fp16", overlap_dp=False)
-        rates[gpus] = predict(job, Layout(1, 1, gpus, 0, False, "none", 256)).model_tflops_per_gpu
-    return [Row("mLSTM 4096, DP 128 on 16 DGX-1V: speed-up over one GPU", 109.0, 128 * rates[128] / rates[1],
-                0.15 * 109.0, "x")]
+    return [Row(f"{c.name}, DP 128 on 16 DGX-1V: speed-up over one GPU", c.published[128],
+                mlstm_speedups(c, (128,))[128], 0.15 * c.published[128], "x") for c in MLSTM_CURVES]
 
 
 def validation_rows() -> list[Row]:
     return megatron_rows() + mlstm_rows()
+
+
+def plot_validation(out: str | Path, dpi: int = 100) -> Path:
+    """The mLSTM curves (published points, predicted lines) and the Megatron efficiencies, side by side."""
+    # matplotlib only when a chart is drawn
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
+    fig = Figure(figsize=(10, 4))
+    curves, bars = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    gpus = (1, 8, 16, 32, 64, 128)
+    curves.plot(gpus, gpus, "k:", label="linear")
+    for i, c in enumerate(MLSTM_CURVES):
+        predicted = mlstm_speedups(c, gpus)
+        curves.plot(gpus, [predicted[n] for n in gpus], "-" if i != 1 else "--", color=f"C{i}", label=c.name)
+        curves.plot(list(c.published), list(c.published.values()), "o", color=f"C{i}")
+    curves.set(title="mLSTM data parallel on DGX-1V (Puri et al. 2018)", ylabel="speed-up over one GPU",
+               xlabel="GPUs (lines: predicted; points: published)", xticks=gpus)
+    rows = megatron_rows()
+    x = range(len(rows))
+    bars.bar([i - 0.2 for i in x], [r.published for r in rows], 0.4, label="published")
+    bars.bar([i + 0.2 for i in x], [r.predicted for r in rows], 0.4, label="predicted")
+    bars.set(title="Megatron-LM 8.3B (Shoeybi et al. 2019)", ylabel="weak-scaling efficiency (%)", ylim=(0, 100),
+             xticks=list(x), xticklabels=["TP 8, 8 GPUs", "TP 8 x DP 64, 512 GPUs"])
+    for ax in (curves, bars):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(out).suffix.lstrip(".") or "png", dpi=dpi)
+    return atomic_write_bytes(out, buf.getvalue())

@@ -18,15 +18,21 @@ def _table_rows(text: str) -> dict:
     return rows
 
 
-def test_validate_prints_the_table_and_its_exit_status_follows_the_tolerances():
-    proc = run_cli(PLAN + ["--validate"], ROOT, check=False)
+def test_validate_reproduces_both_papers_within_tolerance_and_draws_it(tmp_path):
+    plot = tmp_path / "validation.png"
+    proc = run_cli(PLAN + ["--validate", "--plot", plot], ROOT, check=False)
     rows = _table_rows(proc.stdout)
-    assert len(rows) == 3, proc.stdout
+    assert len(rows) == 5, proc.stdout
     megatron = [r for name, r in rows.items() if name.startswith("Megatron")]
-    assert len(megatron) == 2 and all(r[5] == "yes" for r in megatron), proc.stdout  # within 5 points
-    for r in megatron:
-        assert abs(float(r[2].rstrip("%")) - float(r[1].rstrip("%"))) <= 5.0
-    assert proc.returncode == (0 if all(r[5] == "yes" for r in rows.values()) else 1), proc.stdout
+    mlstm = [r for name, r in rows.items() if name.startswith("mLSTM")]
+    assert len(megatron) == 2 and len(mlstm) == 3, proc.stdout
+    for r in megatron:  # within 5 points of efficiency
+        assert abs(float(r[2].rstrip("%")) - float(r[1].rstrip("%"))) <= 5.0, proc.stdout
+    for r in mlstm:  # within 15% of the published speed-up
+        published, predicted = float(r[1].rstrip("x")), float(r[2].rstrip("x"))
+        assert abs(predicted - published) <= 0.15 * published, proc.stdout
+    assert all(r[5] == "yes" for r in rows.values()) and proc.returncode == 0, proc.stdout + proc.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plan_ranks_feasible_layouts_and_writes_them(tmp_path):
@@ -58,4 +64,5 @@ def test_refusals_are_one_line():
     assert "no layout fits" in _refusal(["--model-config", "llama-70b", "--gpus", "2", "--hardware", "v100-dgx2h",
                                          "--global-batch-size", "8"])
     assert "--hardware" in _refusal(["--model-config", "llama-8b", "--gpus", "8", "--hardware", "tpu"])
+    assert "add --validate" in _refusal(["--plot", "x.png"])
     assert "num_heads" in _refusal(["--model-config", "gpt2-1.3b", "--gpus", "12", "--tp", "3"])
