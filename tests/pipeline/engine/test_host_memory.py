@@ -10,22 +10,23 @@ import sys
 from cli import cli_env, run_cli
 from conftest import ROOT
 
-# 200 MB allocated, written and freed, and 200 MB allocated again at once (nothing allocated in between: a small
+# N float32 allocated, written and freed, and N allocated again at once (nothing allocated in between: a small
 # block carved from the freed one would leave it too small); resident memory read before the first, after the
 # second is allocated (the first's pages, kept or not) and after the second is written (what it added: nothing
 # where it reuses the kept pages)
 SCRIPT = """
-import os, torch
+import os, sys, torch
 from pipeline.engine.host_memory import keep_freed_host_memory
 applied = keep_freed_host_memory()
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = resident()
-x = torch.empty(50_000_000)
+n = int(sys.argv[1])
+x = torch.empty(n)
 x.fill_(1.0)
 del x
-y = torch.empty(50_000_000)
+y = torch.empty(n)
 kept = resident() - before
 y.fill_(2.0)
 grown = resident() - before - kept
@@ -34,8 +35,8 @@ print(applied, kept, grown)
 MB = 1 << 20
 
 
-def _run(**env):
-    applied, kept, grown = run_cli([sys.executable, "-c", SCRIPT], ROOT, env=cli_env(**env)).stdout.split()
+def _run(n=50_000_000, **env):
+    applied, kept, grown = run_cli([sys.executable, "-c", SCRIPT, str(n)], ROOT, env=cli_env(**env)).stdout.split()
     return applied == "True", int(kept), int(grown)
 
 
@@ -44,6 +45,14 @@ def test_freed_large_buffers_are_kept_and_reused():
     assert applied
     assert kept > 190 * MB, kept / MB
     assert grown < 10 * MB, grown / MB  # the second buffer lives in the kept pages
+
+
+def test_a_block_larger_than_any_trim_threshold_is_kept_too():
+    # 2.4 GB: DeepSpeed's default fp32 gradient bucket is 2 GB; the largest threshold mallopt takes is 2 GiB
+    applied, kept, grown = _run(600_000_000)
+    assert applied
+    assert kept > 2250 * MB, kept / MB  # of 2,289 MiB
+    assert grown < 10 * MB, grown / MB
 
 
 def test_a_users_own_allocator_setting_wins():
