@@ -9,8 +9,8 @@ With freed blocks kept (no mmap for large blocks, the heap's top never trimmed) 
 and runs at 0.96. The process's resident memory then stays at its peak, as on a GPU. Trimming is off entirely,
 not only below some size: DeepSpeed's default gradient bucket alone is 2 GB (5e8 fp32 elements), so a freed
 bucket and partition at the heap's top passed the largest threshold ``mallopt`` can set (2 GiB) and were handed
-back every step: where two engines share a process (bench/train_step.py) ZeRO-1 ran at 0.73-0.89 of the plain
-loop instead of 0.95, with 700-3,000 faults a step.
+back every step: where two engines share a process (bench/train_step.py) ZeRO-1 ran at 0.78-0.89 of the plain
+loop instead of 0.91-0.98, with 700-3,000 faults a step.
 
 A user's own glibc allocator settings win (any ``MALLOC_*`` variable or ``GLIBC_TUNABLES``), and so does another
 allocator preloaded in place of glibc's (jemalloc, tcmalloc: glibc's ``mallopt`` then changes nothing they use).
