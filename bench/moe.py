@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common import machine_note  # noqa: E402
-from pipeline.job.files import atomic_write_bytes, atomic_write_json  # noqa: E402
+from pipeline.job.files import atomic_write_figure, atomic_write_json  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpora" / "wikipedia.txt"
 DENSE = {"variant": "llama", "hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
@@ -119,9 +119,7 @@ def summarize(records: list[dict], max_rss_kib: str) -> dict:
 
 
 def plot(results: dict, tokens_per_step: int, out: Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415  (matplotlib only to draw)
-    from matplotlib.figure import Figure  # noqa: PLC0415
-    import io  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415  (matplotlib only to draw)
 
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     load, valid = fig.subplots(1, 2)
@@ -135,10 +133,7 @@ def plot(results: dict, tokens_per_step: int, out: Path) -> Path:
     for ax in (load, valid):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    return atomic_write_bytes(out, buf.getvalue())
+    return atomic_write_figure(out, fig, dpi=110)
 
 
 def main(argv=None):

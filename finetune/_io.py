@@ -2,9 +2,9 @@
 reading of a saved dataclass."""
 from dataclasses import fields
 
-from pipeline.job.files import atomic_write_bytes, atomic_write_text
+from pipeline.job.files import atomic_write_bytes, atomic_write_figure, atomic_write_text
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "strict_from_dict"]
+__all__ = ["atomic_write_bytes", "atomic_write_figure", "atomic_write_text", "strict_from_dict"]
 
 
 def strict_from_dict(cls, d: dict, what: str):

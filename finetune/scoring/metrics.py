@@ -12,7 +12,6 @@ Multilabel scores follow the official SemEval-2018 Task 1 E-c scorer (felipebrav
 """
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -22,7 +21,7 @@ from typing import Mapping, Sequence
 import numpy as np
 from sklearn.metrics import accuracy_score, f1_score, jaccard_score, precision_recall_fscore_support
 
-from finetune._io import atomic_write_bytes, atomic_write_text
+from finetune._io import atomic_write_figure, atomic_write_text
 from finetune.data import SEMEVAL_EC_LABELS
 from finetune.scoring.thresholds import apply_thresholds
 
@@ -145,15 +144,8 @@ def per_class_f1_figure(results: Mapping, title: str | None = None, reference: M
 
 def plot_per_class_f1(path: str | os.PathLike, results: Mapping, title: str | None = None,
                       reference: Mapping[str, float] | None = None, reference_label: str = "published") -> Path:
-    """Save ``per_class_f1_figure`` as a PNG, atomically."""
-    # matplotlib only when a chart is drawn
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
-
-    fig = per_class_f1_figure(results, title, reference, reference_label)
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    return atomic_write_bytes(path, buf.getvalue())
+    """Save ``per_class_f1_figure`` (PNG unless the suffix names another format), atomically."""
+    return atomic_write_figure(path, per_class_f1_figure(results, title, reference, reference_label), dpi=120)
 
 
 def plot_dev_per_class_f1(path: str | os.PathLike, results: Mapping, label_names: Sequence[str], title: str) -> Path:

@@ -2,7 +2,7 @@
 
 Every command writes through these helpers (nothing else calls ``os.replace``):
 
-    atomic_write_text(path, text)          # also atomic_write_bytes, atomic_write_json
+    atomic_write_text(path, text)          # also atomic_write_bytes, atomic_write_json, atomic_write_figure
     with atomic_path(path) as tmp:         # for writers that want a path: torch.save, safetensors, savefig
         save_file(tensors, tmp)
     with atomic_dir(out, force=args.force) as tmp:   # a whole output directory, swapped in by one rename
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -141,6 +142,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
     return Path(path)
+
+
+def atomic_write_figure(path: str | os.PathLike, fig, dpi: int = 100) -> Path:
+    """A matplotlib ``Figure`` (made without pyplot) in the format its suffix names, PNG without one."""
+    # matplotlib only when a chart is drawn
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(path).suffix.lstrip(".") or "png", dpi=dpi)
+    return atomic_write_bytes(path, buf.getvalue())
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

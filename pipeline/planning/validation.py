@@ -18,12 +18,11 @@ cannot be meant; 10 Gb/s is the common Ethernet, and it reproduces that curve).
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from models import GPTConfig, MLSTMConfig
-from pipeline.job.files import atomic_write_bytes
+from pipeline.job.files import atomic_write_figure
 
 from .hardware import hardware
 from .layouts import Job, Layout, predict
@@ -119,7 +118,6 @@ def validation_rows() -> list[Row]:
 def plot_validation(out: str | Path, dpi: int = 100) -> Path:
     """The mLSTM curves (published points, predicted lines) and the Megatron efficiencies, side by side."""
     # matplotlib only when a chart is drawn
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
     from matplotlib.figure import Figure  # noqa: PLC0415
     fig = Figure(figsize=(10, 4))
     curves, bars = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
@@ -141,7 +139,4 @@ def plot_validation(out: str | Path, dpi: int = 100) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format=Path(out).suffix.lstrip(".") or "png", dpi=dpi)
-    return atomic_write_bytes(out, buf.getvalue())
+    return atomic_write_figure(out, fig, dpi)

@@ -7,12 +7,11 @@ loss. A run is a run directory or its metrics.jsonl.
 """
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 from pipeline.job.errors import UserError
-from pipeline.job.files import atomic_write_bytes
+from pipeline.job.files import atomic_write_figure
 
 
 class PlotError(UserError):
@@ -93,13 +92,7 @@ def curves_figure(runs: list[dict], labels: list[str]):
 
 
 def plot_runs(runs: list[str | Path], out: str | Path, labels: list[str] | None = None, dpi: int = 80) -> Path:
-    # matplotlib only when a chart is drawn
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
     if labels and len(labels) != len(runs):
         raise PlotError(f"{len(labels)} --label for {len(runs)} runs; give one per run or none")
     labels = labels or [Path(r).name if Path(r).is_dir() else Path(r).parent.name for r in runs]
-    fig = curves_figure([read_series(r) for r in runs], labels)
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format=Path(out).suffix.lstrip(".") or "png", dpi=dpi)
-    return atomic_write_bytes(out, buf.getvalue())
+    return atomic_write_figure(out, curves_figure([read_series(r) for r in runs], labels), dpi)
