@@ -17,9 +17,11 @@ copy that its optimizer updates; the plain loops get the matching standard treat
 with ``torch.autocast(bfloat16)`` (bf16 matrix products and activations, fp32 weights = master weights,
 fp32 optimizer). The loss is computed from fp32 logits in all of them. Dropout is 0 everywhere.
 
-Each round times one step of every system and one matrix-product loop per precision (the peak MFU is
-measured against), the order rotating each round; warm-up steps are not timed. Ratios are medians over
-rounds of the per-round ratios, so load on a shared machine cancels out. With one torch thread (the
+One precision at a time (engines of two precisions alive in one process slow each other's heap, unlike a
+training process): each round times one step of every system of that precision and one matrix-product loop
+(the peak MFU is measured against), the order rotating each round; warm-up steps are not timed. Ratios are
+medians over rounds of the per-round ratios, so load on a shared machine cancels out; bf16/fp32 compares the
+two precisions' medians, timed one after the other. With one torch thread (the
 default) steps are timed in process CPU time, which leaves out the time spent waiting for a core on a
 busy machine; ``--clock wall`` for wall time. MFU = model FLOPs per second (``GPTConfig.flops_per_token``,
 PaLM's count, checked here against torch's FLOP counter) over the measured matmul rate in the same precision.
@@ -179,37 +181,38 @@ def run_size(variant: str, size_name: str, size: dict, precisions, args, base_ds
     if rel > 0.01:
         raise SystemExit(f"flops_per_token disagrees with the counted FLOPs by {rel:.1%}")
 
-    systems = []
-    for p in precisions:
-        systems += make_systems(config, tokens, p, base_ds, args.systems, zero_stage=args.zero_stage,
-                                compile=args.compile)
-    peaks = {p: System(f"matmul {p}", lambda d=common.DTYPES[p]: common.matmul_peak(d, seconds=args.peak_seconds, clock=args.clock))
-             for p in precisions}
-    timed = interleaved(systems + list(peaks.values()), args.rounds, args.warmup,
-                        progress=f"{variant} {size_name}", clock=args.clock)
+    # one precision at a time, its systems released before the next: engines of both precisions alive in one
+    # process interleave their per-step buffers in the heap, which cost gpt2's bf16 engine 4 points of "x plain"
+    # that a training process (one precision) does not pay
     step_flops = flops["formula"]
     n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
     rows = []
     for p in precisions:
+        systems = make_systems(config, tokens, p, base_ds, args.systems, zero_stage=args.zero_stage,
+                               compile=args.compile)
+        peak = System(f"matmul {p}", lambda d=common.DTYPES[p]: common.matmul_peak(d, seconds=args.peak_seconds,
+                                                                                  clock=args.clock))
+        timed = interleaved(systems + [peak], args.rounds, args.warmup, progress=f"{variant} {size_name} {p}",
+                            clock=args.clock)
         hf_times, plain_times = timed.get(f"hf {p}"), timed.get(f"plain {p}")
         for name in args.systems:
             t = timed[f"{name} {p}"]
-            mfu = median(step_flops / ti / pk for ti, pk in zip(t, peaks[p].results))
+            mfu = median(step_flops / ti / pk for ti, pk in zip(t, peak.results))
             rows.append({"variant": variant, "size": size_name, "precision": p, "system": name,
                          "tokens_per_s": n_tokens / median(t), "step_s": median(t),
                          "vs_hf": paired_ratio(hf_times, t) if hf_times else None,
                          "vs_plain": paired_ratio(plain_times, t) if plain_times else None,
                          "tflops": step_flops / median(t) / 1e12, "mfu": mfu,
-                         "peak_tflops": median(peaks[p].results) / 1e12, "times": t})
+                         "peak_tflops": median(peak.results) / 1e12, "times": t})
+        for s in systems:
+            common.release(s)
+        del systems, timed
+        gc.collect()
     if "fp32" in precisions and "bf16" in precisions:
         for name in args.systems:
             r32 = next(r for r in rows if r["system"] == name and r["precision"] == "fp32")
             r16 = next(r for r in rows if r["system"] == name and r["precision"] == "bf16")
-            r16["bf16_vs_fp32"] = paired_ratio(r32["times"], r16["times"])
-    for s in systems:
-        common.release(s)
-    del systems, timed
-    gc.collect()
+            r16["bf16_vs_fp32"] = r16["tokens_per_s"] / r32["tokens_per_s"]  # timed one after the other
     return rows
 
 

@@ -1,10 +1,15 @@
 """The DeepSpeed engine at every layout gives the single-process losses (fp32, dropout 0, same global batch)."""
 import pytest
+import torch
 
 from dist import run_distributed
-from engine_utils import BASE_DS, TINY, train_worker
+from engine_utils import BASE_DS, TINY, GlobalBatchLoader, real_text_tokens, train_worker
+from models import GPTConfig
+from models.parallel import initialize_model_parallel, model_parallel_seed
+from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import EngineConfigError, resolve_ds_config
 from pipeline.engine.schedules import LRSchedule
+from pipeline.engine.steps import lm_batches, train_step
 
 Z1 = {"zero_optimization": {"stage": 1}}
 
@@ -118,3 +123,47 @@ def test_batch_sizes_resolved():
     ds = resolve_ds_config(BASE_DS, data_parallel=2, micro_batch_size=2)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 2, 2)
     assert TINY["vocab_size"] == 256
+
+
+def _nan_step_worker(rank):
+    """bf16, DP 2, ZeRO 1 then 2: rank 1's gradient of one weight is NaN at step 2 only."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    out = {}
+    for stage in (1, 2):
+        state = initialize_model_parallel(1, 1)
+        model_parallel_seed(1234)
+        ds = resolve_ds_config({**BASE_DS, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}},
+                               data_parallel=2, pipeline_parallel=1, micro_batch_size=4)
+        engine = build_engine(GPTConfig(**TINY), ds, state, init_seed=1234)
+        passes = []  # DeepSpeed's separate NaN/Inf pass over the gradients, which the norm makes redundant
+        serial = engine.optimizer.has_overflow_partitioned_grads_serial
+        engine.optimizer.has_overflow_partitioned_grads_serial = lambda: passes.append(1) or serial()
+        backwards = [0]
+
+        def poison(grad):
+            backwards[0] += 1
+            return torch.full_like(grad, float("nan")) if rank == 1 and backwards[0] == 2 else grad
+        dict(engine.module.named_parameters())["layers.1.mlp.fc_in.weight"].register_hook(poison)
+        batches = lm_batches(GlobalBatchLoader(real_text_tokens(8 * 3), 8, 4, rank, 2))
+        weights = []
+        for _ in range(3):
+            train_step(engine, batches)
+            weights.append([p.detach().clone() for p in engine.module.parameters()])
+            out[stage, "skipped", len(weights)] = int(engine.skipped_steps)
+        out[stage, "same after the NaN step"] = all(torch.equal(a, b) for a, b in zip(*weights[:2]))
+        out[stage, "changed after"] = not all(torch.equal(a, b) for a, b in zip(*weights[1:]))
+        out[stage, "finite"] = all(bool(torch.isfinite(p).all()) for p in weights[2])
+        out[stage, "separate passes"] = len(passes)
+        out[stage, "zero optimizer"] = isinstance(engine.optimizer, DeepSpeedZeroOptimizer)
+    return out
+
+
+def test_bf16_zero_skips_a_nan_step_by_the_gradient_norm():
+    # build_engine drops DeepSpeed's separate NaN/Inf pass in bf16 (skip_nonfinite_steps_by_the_norm): the
+    # step with a NaN gradient on one rank must still be skipped on both, and the next one taken
+    for r in run_distributed(_nan_step_worker, 2):
+        for stage in (1, 2):
+            assert r[stage, "zero optimizer"], stage
+            assert [r[stage, "skipped", k] for k in (1, 2, 3)] == [0, 1, 1], (stage, r)
+            assert r[stage, "same after the NaN step"] and r[stage, "changed after"] and r[stage, "finite"], (stage, r)
+            assert r[stage, "separate passes"] == 0, (stage, r)
