@@ -155,6 +155,7 @@ def _nan_step_worker(rank):
         out[stage, "finite"] = all(bool(torch.isfinite(p).all()) for p in weights[2])
         out[stage, "separate passes"] = len(passes)
         out[stage, "zero optimizer"] = isinstance(engine.optimizer, DeepSpeedZeroOptimizer)
+        out[stage, "averaged"] = engine.optimizer.gradient_average  # skip_averaging_over_one_rank: DP 1 only
     return out
 
 
@@ -167,3 +168,4 @@ def test_bf16_zero_skips_a_nan_step_by_the_gradient_norm():
             assert [r[stage, "skipped", k] for k in (1, 2, 3)] == [0, 1, 1], (stage, r)
             assert r[stage, "same after the NaN step"] and r[stage, "changed after"] and r[stage, "finite"], (stage, r)
             assert r[stage, "separate passes"] == 0, (stage, r)
+            assert r[stage, "averaged"], (stage, r)
