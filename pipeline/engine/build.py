@@ -70,7 +70,9 @@ def skip_nonfinite_steps_by_the_norm(engine) -> bool:
     gradient, two all-reduces, one host sync) and the norm it computes anyway (clipping, the log), which is invalid
     whenever a gradient is NaN or Inf and then skips the step by itself. The first pass finds nothing the second
     does not; it was 1.4% of a llama medium step at one CPU rank (bench/train_step.py). Same steps skipped,
-    ``engine.skipped_steps`` counts them. True when the pass was dropped."""
+    ``engine.skipped_steps`` counts them. (The norm counts a TP-replicated parameter on tensor rank 0 only, the
+    pass on every rank: their gradients are the same on all TP ranks, all-reduced under SP.) True when the pass
+    was dropped."""
     opt = engine.optimizer
     if not (isinstance(opt, DeepSpeedZeroOptimizer) and opt.dtype == torch.bfloat16 and opt.check_grad_overflow
             and opt.compute_grad_norm):
