@@ -166,9 +166,16 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         # context parallelism: DeepSpeed-Ulysses around the same core (models/parallel/context.py)
-        self.context = (UlyssesAttention(self._core, self.local_heads, self.local_kv_heads)
+        self.context = (UlyssesAttention(self._attend, self.local_heads, self.local_kv_heads)
                         if cp_world_size() > 1 else None)
         self.recompute_fn = None  # selective recomputation: a checkpoint function around the core attention
+
+    def _attend(self, q, k, v):
+        """The core attention, recomputed in the backward under selective recomputation (``recompute_fn``); under
+        context parallelism between Ulysses' all-to-alls, which are not repeated."""
+        if self.recompute_fn is not None and self.training:
+            return self.recompute_fn(self._core, q, k, v)
+        return self._core(q, k, v)
 
     def _core(self, q, k, v):
         """Causal attention of [b, heads, s, d] queries, keys and values over the whole sequence."""
@@ -201,8 +208,7 @@ class Attention(nn.Module):
             return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
         if self.context is not None:
             return self.dense(self.context(q, k, v).reshape(b, s, self.local_heads * self.head_dim))
-        y = (self.recompute_fn(self._core, q, k, v) if self.recompute_fn is not None and self.training
-             else self._core(q, k, v))
+        y = self._attend(q, k, v)
         return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 

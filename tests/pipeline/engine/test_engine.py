@@ -1,4 +1,5 @@
 """The DeepSpeed engine at every layout gives the single-process losses (fp32, dropout 0, same global batch)."""
+import deepspeed
 import pytest
 import torch
 
@@ -169,3 +170,72 @@ def test_bf16_zero_skips_a_nan_step_by_the_gradient_norm():
             assert r[stage, "same after the NaN step"] and r[stage, "changed after"] and r[stage, "finite"], (stage, r)
             assert r[stage, "separate passes"] == 0, (stage, r)
             assert r[stage, "averaged"], (stage, r)
+
+
+def _recompute_zero3_and_pipeline_worker(rank):
+    """Every module recomputed (core_attn, mlp_act, layernorm) against none, DP 2 at ZeRO-3 and PP 2 at ZeRO-1,
+    gpt2 with dropout 0.1 and untied llama, one launch; the recomputations counted."""
+    from models.recompute import DiscardedOutput
+    counted = [0]
+    recompute = DiscardedOutput._recompute
+    DiscardedOutput._recompute = lambda self, grad: counted.append(1) or recompute(self, grad)
+    out = {}
+    models = {"gpt2": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
+              "llama": {"variant": "llama", "num_kv_heads": 2, "tie_embeddings": False}}
+    for layout, zero, pp in (("ZeRO-3", 3, 1), ("PP2", 1, 2)):
+        for variant, model in models.items():
+            for policy, modules in (("none", ()), ("selective", ALL_MODULES)):
+                counted.clear()
+                out[layout, variant, policy] = train_worker(
+                    rank, 1, pp, {"zero_optimization": {"stage": zero}}, model, 4, 2 if pp > 1 else None,
+                    recompute=policy, recompute_modules=modules)["loss"]
+                out[layout, variant, policy, "recomputed"] = len(counted)
+    return out
+
+
+def test_selective_recomputation_under_zero3_and_pipeline_stages():
+    # output-discarding recomputation (mlp_act, layernorm) runs a module in the backward: under ZeRO-3 its
+    # weights must be gathered again, under PP it runs inside the pipeline engine's backward
+    for r in run_distributed(_recompute_zero3_and_pipeline_worker, 2):
+        for layout in ("ZeRO-3", "PP2"):
+            for variant in ("gpt2", "llama"):
+                assert r[layout, variant, "selective"] == r[layout, variant, "none"], (layout, variant, r)
+                assert r[layout, variant, "none", "recomputed"] == 0
+                assert r[layout, variant, "selective", "recomputed"] > 0, (layout, variant, r)
+
+
+def _recompute_context_parallel_worker(rank):
+    """CP 2 (DeepSpeed-Ulysses), ZeRO-1: every module recomputed against none, gpt2 with dropout 0.1 and llama;
+    the checkpoints of the core attention counted."""
+    calls = [0]
+    checkpoint = deepspeed.checkpointing.checkpoint
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return checkpoint(*args, **kwargs)
+    deepspeed.checkpointing.checkpoint = counting  # build_engine takes it from here
+    out = {}
+    models = {"gpt2": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
+              "llama": {"variant": "llama", "num_kv_heads": 2}}
+    for variant, model in models.items():
+        for policy, modules in (("none", ()), ("selective", ALL_MODULES)):
+            state = initialize_model_parallel(1, 1, context_parallel=2)
+            model_parallel_seed(1234)
+            ds = resolve_ds_config({**BASE_DS, **Z1}, data_parallel=1, pipeline_parallel=1, micro_batch_size=4)
+            engine = build_engine(GPTConfig(**{**TINY, **model}), ds, state, init_seed=1234, recompute=policy,
+                                  recompute_modules=modules)
+            batches = lm_batches(GlobalBatchLoader(real_text_tokens(8 * 3), 8, 4, 0, 1))  # the same on both
+            calls[0] = 0
+            out[variant, policy] = [train_step(engine, batches) for _ in range(3)]
+            out[variant, policy, "core_attn checkpoints"] = calls[0]
+    deepspeed.checkpointing.checkpoint = checkpoint
+    return out
+
+
+def test_selective_recomputation_under_context_parallelism():
+    # the core attention is recomputed between Ulysses' all-to-alls (Attention._attend), which are not repeated
+    for r in run_distributed(_recompute_context_parallel_worker, 2):
+        for variant in ("gpt2", "llama"):
+            assert r[variant, "selective"] == r[variant, "none"], (variant, r)
+            assert r[variant, "none", "core_attn checkpoints"] == 0
+            assert r[variant, "selective", "core_attn checkpoints"] == 3 * 2 * TINY["num_layers"], (variant, r)
