@@ -1,6 +1,6 @@
 """Every collective of one optimizer step, counted by DeepSpeed's comms logger, against the analytic minimum.
 
-Two gloo CPU ranks train the tests' tiny GPT (tests/engine_utils.py: h 32, 4 layers, 16 tokens, fp32, global
+tp x pp x dp gloo CPU ranks (2, 4 or 8) train the tests' tiny GPT (tests/engine_utils.py: h 32, 4 layers, 16 tokens, fp32, global
 batch 8) with ``"comms_logger": {"enabled": true, "prof_all": true}`` at each layout. The project's own
 collectives go through ``deepspeed.comm`` (models/parallel/collectives.py) under ``tp/...`` names, beside
 ZeRO's and the pipeline engine's. One step's collectives are the log after the second step less the log after the
@@ -28,17 +28,19 @@ from pipeline.planning.hardware import hardware
 from pipeline.planning.layouts import Job, Layout, step_collectives
 from pipeline.planning.shapes import gpt_shape
 
-LAYOUTS = {  # name: (tp, pp, zero, sp); DP takes the rest of the ranks (2, or 4 for the combined layouts)
-    "tp2": (2, 1, 0, False), "tp2-sp": (2, 1, 0, True), "pp2": (1, 2, 1, False),
-    "dp2-z0": (1, 1, 0, False), "dp2-z1": (1, 1, 1, False), "dp2-z2": (1, 1, 2, False), "dp2-z3": (1, 1, 3, False),
-    "tp2-dp2-z1": (2, 1, 1, False), "tp2-sp-dp2-z1": (2, 1, 1, True), "pp2-dp2-z1": (1, 2, 1, False),
-    "tp2-pp2-z1": (2, 2, 1, False), "tp2-sp-pp2-z1": (2, 2, 1, True), "tp2-dp2-z3": (2, 1, 3, False),
-    "tp2-sp-dp2-z3": (2, 1, 3, True)}
-COMBINED = {"tp2-dp2-z1", "tp2-sp-dp2-z1", "pp2-dp2-z1", "tp2-pp2-z1", "tp2-sp-pp2-z1", "tp2-dp2-z3", "tp2-sp-dp2-z3"}
+LAYOUTS = {  # name: (tp, pp, dp, zero, sp); the world is tp x pp x dp ranks
+    "tp2": (2, 1, 1, 0, False), "tp2-sp": (2, 1, 1, 0, True), "pp2": (1, 2, 1, 1, False),
+    "dp2-z0": (1, 1, 2, 0, False), "dp2-z1": (1, 1, 2, 1, False), "dp2-z2": (1, 1, 2, 2, False),
+    "dp2-z3": (1, 1, 2, 3, False),
+    "tp2-dp2-z1": (2, 1, 2, 1, False), "tp2-sp-dp2-z1": (2, 1, 2, 1, True), "pp2-dp2-z1": (1, 2, 2, 1, False),
+    "tp2-pp2-z1": (2, 2, 1, 1, False), "tp2-sp-pp2-z1": (2, 2, 1, 1, True), "tp2-dp2-z3": (2, 1, 2, 3, False),
+    "tp2-sp-dp2-z3": (2, 1, 2, 3, True),
+    "tp2-pp2-dp2-z1": (2, 2, 2, 1, False), "tp2-sp-pp2-dp2-z1": (2, 2, 2, 1, True)}
 
 
 def world_size(name: str) -> int:
-    return 4 if name in COMBINED else 2
+    tp, pp, dp, _, _ = LAYOUTS[name]
+    return tp * pp * dp
 
 
 LOGGED_OP = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
@@ -54,7 +56,7 @@ def _logs(rank, name: str) -> tuple[dict, dict]:
     """The comms log after the first and after the second step of one engine."""
     import deepspeed.comm as dc
     from engine_utils import train_worker
-    tp, pp, zero, sp = LAYOUTS[name]
+    tp, pp, _, zero, sp = LAYOUTS[name]
     dc.reset_log()
     zero_cfg = {"stage": zero, **({"stage3_param_persistence_threshold": 0} if zero == 3 else {})}
     logs = []
@@ -91,8 +93,7 @@ def _shape():
 def analytic(name: str) -> Counter:
     """{(kind, logged bytes): count} of the planner's list for rank 0 of the layout (the first stage)."""
     from engine_utils import BASE_DS
-    tp, pp, zero, sp = LAYOUTS[name]
-    dp = world_size(name) // (tp * pp)
+    tp, pp, dp, zero, sp = LAYOUTS[name]
     gb = BASE_DS["train_batch_size"]
     job = Job(_shape(), hardware("h100-dgx"), gpus=world_size(name), global_batch=gb, precision="fp32")
     counts = Counter()
@@ -111,10 +112,12 @@ def measured_by_kind(name: str, step: dict) -> tuple[Counter, Counter]:
     (but its 72-byte partition metadata); an all-gather or reduce-scatter DP's (ZeRO), or under TP x PP the
     pipeline engine's TP join; an all-reduce of the tied embedding's gradient size the tied stages', one of more
     than 64 bytes DP's (when there is a DP group), the rest DeepSpeed's norms, overflow checks and bookkeeping."""
-    tp, pp, zero, sp = LAYOUTS[name]
-    dp = world_size(name) // (tp * pp)
+    from engine_utils import BASE_DS, SEQ
+    tp, pp, dp, zero, sp = LAYOUTS[name]
     m = _shape()
     tied = m.hidden * m.vocab // tp * 4 if pp > 1 and m.tied else None
+    # under TP x PP (no SP) the pipeline engine all-gathers 1/t of each micro-batch's message over TP
+    pipe_join = BASE_DS["train_batch_size"] // dp * SEQ * m.hidden * 4 // tp if pp > 1 and tp > 1 and not sp else None
     modeled, others = Counter(), Counter()
     for (op, size), count in step.items():
         base = LOGGED_OP.get(op.split("/")[-1])
@@ -123,7 +126,7 @@ def measured_by_kind(name: str, step: dict) -> tuple[Counter, Counter]:
         elif base in ("send", "recv"):
             kind = f"pp:{base}" if pp > 1 and size > 128 else None
         elif base in ("all_gather", "reduce_scatter"):
-            kind = f"dp:{base}" if dp > 1 else "tp:all_gather" if pp > 1 and tp > 1 else None
+            kind = "tp:all_gather" if size == pipe_join and base == "all_gather" else f"dp:{base}" if dp > 1 else None
         elif base == "all_reduce":
             kind = "pp:all_reduce" if size == tied else f"dp:{base}" if dp > 1 and size > 64 else None
         else:
@@ -133,7 +136,7 @@ def measured_by_kind(name: str, step: dict) -> tuple[Counter, Counter]:
 
 
 def _run(names: list[str]) -> dict:
-    """{layout: rank 0's step} over 2 ranks for the single layouts and 4 for the combined ones."""
+    """{layout: rank 0's step}, the layouts of each world size in one launch."""
     sys.path.insert(0, str(common.ROOT / "tests"))
     from dist import run_distributed
     out = {}
@@ -159,7 +162,7 @@ def main(argv=None):
             rows.append([name, kind, sum(c for (k, _), c in modeled.items() if k == kind),
                          sum(c for (k, _), c in want.items() if k == kind), m, a, f"{m / a:.2f}" if a else "-"])
         extras += [[name, op, size, count] for (op, size), count in sorted(others.items())]
-    print("# one optimizer step, rank 0, tiny GPT (h 32, L 4, s 16, b 8, fp32), 2 gloo ranks (4 combined)")
+    print("# one optimizer step, rank 0, tiny GPT (h 32, L 4, s 16, b 8, fp32), tp x pp x dp gloo ranks")
     print(format_table(["layout", "group:op", "count", "analytic count", "bytes", "analytic bytes",
                         "measured/analytic"], rows))
     print("\n# beyond the analytic list (logged name, bytes, count)")
