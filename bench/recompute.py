@@ -2,7 +2,7 @@
 
 TP gloo CPU ranks build the same gpt2 GPT (bf16, or ``--dtype fp32``; dropout 0.1 everywhere, as in Korthikanti
 et al. 2022) with each policy wired by ``pipeline.engine.build``'s own switches (``select_recompute_modules`` for
-selective: core_attn, each of mlp_act and layernorm alone, and all three; the model's ``checkpoint_fn`` for full; DeepSpeed's ``checkpointing.checkpoint``, which restores the
+selective: core_attn, each of mlp_act, mlp (the whole MLP) and layernorm alone, and core_attn + mlp_act + layernorm; the model's ``checkpoint_fn`` for full; DeepSpeed's ``checkpointing.checkpoint``, which restores the
 model-parallel RNG streams), and count the bytes autograd saves for the backward of one TransformerLayer
 (bench/activation_memory.py's census: each storage once, parameters left out, plus the inputs DeepSpeed's
 checkpoint keeps on its ctx) beside the planner's
@@ -34,7 +34,7 @@ from dist import run_distributed  # noqa: E402
 from common import format_table  # noqa: E402
 
 from models import GPT, GPTConfig  # noqa: E402
-from models.gpt import RECOMPUTE_MODULES, select_recompute_modules  # noqa: E402
+from models.gpt import select_recompute_modules  # noqa: E402
 from models.parallel import initialize_model_parallel, model_parallel_seed  # noqa: E402
 from pipeline.planning.memory import layer_activations  # noqa: E402
 from pipeline.planning.shapes import gpt_shape  # noqa: E402
@@ -43,8 +43,9 @@ from pipeline.planning.shapes import gpt_shape  # noqa: E402
 _CENSUSES: list[SavedTensorCensus] = []
 # (label, --recompute, --recompute-modules): each selective module alone, then all of them
 VARIANTS = (("none", "none", ()), ("selective", "selective", ("core_attn",)),
-            ("selective mlp_act", "selective", ("mlp_act",)), ("selective layernorm", "selective", ("layernorm",)),
-            ("selective all", "selective", RECOMPUTE_MODULES), ("full", "full", ()))
+            ("selective mlp_act", "selective", ("mlp_act",)), ("selective mlp", "selective", ("mlp",)),
+            ("selective layernorm", "selective", ("layernorm",)),
+            ("selective all three", "selective", ("core_attn", "mlp_act", "layernorm")), ("full", "full", ()))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

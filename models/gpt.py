@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .moe import MoEMLP, is_moe_layer
+from .feed_forward import FeedForward
+from .moe import ExpertMLP, MoEMLP, is_moe_layer
 from .recompute import DiscardedOutput
 from .tiling import tiled_cross_entropy, tiled_mlp
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, RowParallelLinear, SequenceParallelLayerNorm,
@@ -212,7 +213,7 @@ class Attention(nn.Module):
         return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
-RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm")
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "mlp", "moe_act", "layernorm")
 
 
 def select_core_attention(model: nn.Module, checkpoint_fn) -> None:
@@ -223,25 +224,34 @@ def select_core_attention(model: nn.Module, checkpoint_fn) -> None:
 
 def select_recompute_modules(model: nn.Module, checkpoint_fn, modules) -> None:
     """Selective recomputation of ``modules`` (Megatron-Core's ``recompute_modules`` names where they mean the
-    same): ``core_attn`` through ``checkpoint_fn`` (DeepSpeed's, which restores the model-parallel RNG for the
-    attention dropout); ``mlp_act`` (GELU, or SwiGLU's silu(gate) * up, of every dense MLP) and ``layernorm``
-    (both norms of every layer, LayerNorm or RMSNorm) by output-discarding recomputation (models/recompute.py)."""
+    same): ``core_attn`` and ``mlp`` (the whole dense MLP, matmuls included) through ``checkpoint_fn``
+    (DeepSpeed's, which restores the model-parallel RNG for the attention dropout); ``mlp_act`` (GELU, or SwiGLU's
+    silu(gate) * up, of every dense MLP), ``moe_act`` (the same in every expert) and ``layernorm`` (both norms of
+    every layer, LayerNorm or RMSNorm) by output-discarding recomputation (models/recompute.py)."""
     unknown = set(modules) - set(RECOMPUTE_MODULES)
     if unknown:
         raise ValueError(f"unknown recompute modules {sorted(unknown)}; choose from {', '.join(RECOMPUTE_MODULES)}")
+    if {"mlp", "mlp_act"} <= set(modules):
+        raise ValueError("recompute modules mlp and mlp_act: mlp recomputes the whole MLP, its activation included; "
+                         "name one of them")
     for m in model.modules():
         if isinstance(m, Attention) and "core_attn" in modules:
             m.recompute_fn = checkpoint_fn
         elif isinstance(m, MLP):
             m.recompute_act = "mlp_act" in modules
+            m.recompute_fn = checkpoint_fn if "mlp" in modules else None
+        elif isinstance(m, ExpertMLP):
+            m.recompute_act = "moe_act" in modules
         elif isinstance(m, TransformerLayer):
             m.recompute_norms = "layernorm" in modules
 
 
-class MLP(nn.Module):
+class MLP(FeedForward):
+    """The dense MLP. ``recompute_fn`` (Megatron-Core's ``mlp`` recompute module): the whole block, matmuls
+    included, in a checkpoint that keeps only its input."""
+
     def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.gated = config.variant == "llama"
+        super().__init__(gated=config.variant == "llama")
         f = config.ffn_hidden_size
         sp = config.sequence_parallel
         self.fc_in = ColumnParallelLinear(config.hidden_size, output_sizes=(f, f) if self.gated else (f,),
@@ -250,26 +260,14 @@ class MLP(nn.Module):
         self.fc_out = RowParallelLinear(f, config.hidden_size, bias=config.bias, input_is_parallel=True,
                                         init_method=_output_init(config), sequence_parallel=sp)
         self.tiles = config.tiled_mlp
-        self.recompute_act = False  # selective recomputation of the activation (select_recompute_modules)
+        self.recompute_fn = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles > 1:  # ALST: never the whole [s, ffn / tp] (models/tiling.py); recomputes its tiles anyway
             return tiled_mlp(MLP._compute, self, x, self.tiles)
-        if self.recompute_act and self.training and torch.is_grad_enabled():
-            h = DiscardedOutput(self._activation, self.fc_in(x))  # keeps fc_in's output, not the activation's
-            y = self.fc_out(h.output)
-            h.discard(y)
-            return y
-        return self._compute(x)
-
-    def _compute(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(self._activation(self.fc_in(x)))
-
-    def _activation(self, h: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(h, approximate="tanh")
+        if self.recompute_fn is not None and self.training and torch.is_grad_enabled():
+            return self.recompute_fn(self._compute, x)
+        return super().forward(x)
 
 
 class TransformerLayer(nn.Module):

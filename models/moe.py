@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
+from .feed_forward import FeedForward
 from .parallel import (ColumnParallelLinear, RowParallelLinear, collectives, get_parallel_state, get_shard_spec,
                        tp_rank, tp_world_size)
 from .parallel.sharding import set_shard_spec
@@ -41,25 +42,18 @@ def is_moe_layer(config: GPTConfig, index: int) -> bool:
     return config.is_moe_layer(index)
 
 
-class ExpertMLP(nn.Module):
+class ExpertMLP(FeedForward):
     """One expert: the project's MLP (SwiGLU for llama, GELU-tanh for gpt2), its columns split over the TP ranks
     as the dense MLP's (DeepSpeed's ``enable_expert_tensor_parallelism``; docs/moe.md says why). ``fc_in`` holds
-    [gate; up] as the dense MLP's does. Built with zero weights: ``MoEMLP`` draws every expert's."""
+    [gate; up] as the dense MLP's does. Built with zero weights: ``MoEMLP`` draws every expert's.
+    ``recompute_act``: Megatron-Core's ``moe_act``."""
 
     def __init__(self, config: GPTConfig, ffn: int):
-        super().__init__()
-        self.gated = config.variant == "llama"
+        super().__init__(gated=config.variant == "llama")
         h = config.hidden_size
         self.fc_in = ColumnParallelLinear(h, output_sizes=(ffn, ffn) if self.gated else (ffn,), bias=config.bias,
                                           init_method=nn.init.zeros_)
         self.fc_out = RowParallelLinear(ffn, h, bias=config.bias, input_is_parallel=True, init_method=nn.init.zeros_)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc_in(x)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            return self.fc_out(F.silu(gate) * up)
-        return self.fc_out(F.gelu(h, approximate="tanh"))
 
 
 def _full_shape(param: torch.Tensor) -> tuple[int, ...]:

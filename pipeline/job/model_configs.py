@@ -69,6 +69,8 @@ def recompute_modules_arg(text: str) -> tuple[str, ...]:
     if bad or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"{text!r}: {'unknown ' + ', '.join(map(repr, bad)) if bad else 'repeated'}"
                                          f" module; give a comma list of {', '.join(RECOMPUTE_MODULES)}")
+    if {"mlp", "mlp_act"} <= set(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: mlp recomputes the whole MLP, mlp_act included; name one of them")
     return tuple(n for n in RECOMPUTE_MODULES if n in names)
 
 
@@ -97,8 +99,9 @@ def add_model_args(p) -> None:
                         "layer (docs/performance.md has the measured memory)")
     g.add_argument("--recompute-modules", type=recompute_modules_arg, default=None,
                    help=f"what --recompute selective recomputes, a comma list of {', '.join(RECOMPUTE_MODULES)} "
-                        f"(Megatron-Core's names; mlp_act: the dense MLP's GELU / SwiGLU; layernorm: both norms, "
-                        f"LayerNorm or RMSNorm; default core_attn)")
+                        f"(Megatron-Core's names; mlp_act: the dense MLP's GELU / SwiGLU; mlp: the whole dense MLP; "
+                        f"moe_act: the experts' activation; layernorm: both norms, LayerNorm or RMSNorm; default "
+                        f"core_attn)")
     g.add_argument("--activation-checkpointing", dest="recompute", action="store_const", const="full",
                    help="the same as --recompute full")
     g.add_argument("--compile", action="store_true",

@@ -31,6 +31,8 @@ no longer keeps, in the terms above (``recompute_savings``):
                  projection): nothing worth its recomputation, as the H200 measurement shows
     mlp_act      the second MLP linear's input, 2sbf/t (the paper's 8sbh/t for gpt2's f = 4h; SwiGLU's
                  silu(gate) * up the same); the activation's input (the first linear's output) is kept
+    mlp          the whole dense MLP in a checkpoint keeping its input: the first linear's output and the
+                 activation's, 4sbf/t (SwiGLU: 6sbf/t, gate and up); not with mlp_act, which it includes
     layernorm    the QKV and first MLP linear's inputs (the norms' outputs), 4sbh (/t with SP); the norms'
                  inputs are kept
     (mlp_act and layernorm by output-discarding recomputation, models/recompute.py: a plain checkpoint of
@@ -89,8 +91,9 @@ def recompute_savings(m: ModelShape, b: int, tp: int, sp: bool, modules=SELECTIV
         return 0.0
     _, _, scores = layer_activation_terms(m, b)
     saved = {"core_attn": scores / tp, "mlp_act": 2.0 * m.seq * b * m.ffn / tp,
+             "mlp": (6.0 if m.gated_mlp else 4.0) * m.seq * b * m.ffn / tp,
              "layernorm": 4.0 * m.seq * b * m.hidden / (tp if sp else 1)}
-    return sum(saved[name] for name in modules)
+    return sum(saved.get(name, 0.0) for name in modules)  # moe_act: the planner does not plan MoE layers
 
 
 def layer_activations(m: ModelShape, b: int, tp: int, sp: bool, policy: str, modules=SELECTIVE_DEFAULT) -> float:

@@ -68,6 +68,12 @@ def _recompute_policies_worker(rank):
     sp = {"hidden_dropout": 0.1, "attention_dropout": 0.1, "sequence_parallel": True}
     for label, policy in (("none", "none"), ("selective all", "selective")):
         out["sp", label] = train_worker(rank, 2, 1, None, sp, recompute=policy, recompute_modules=ALL_MODULES)["loss"]
+    # the whole MLP (Megatron-Core's mlp: its TP all-reduce runs again), and the experts' activation (moe_act)
+    out["mlp"] = train_worker(rank, 2, 1, None, {"hidden_dropout": 0.1, "attention_dropout": 0.1},
+                              recompute="selective", recompute_modules=("core_attn", "mlp", "layernorm"))["loss"]
+    moe = {"variant": "llama", "num_kv_heads": 2, "num_experts": 4, "moe_top_k": 2}
+    for label, policy in (("none", "none"), ("moe_act", "selective")):
+        out["moe", label] = train_worker(rank, 2, 1, Z1, moe, recompute=policy, recompute_modules=("moe_act",))["loss"]
     return out
 
 
@@ -79,6 +85,8 @@ def test_recomputation_policies_are_exact_at_tp2(reference):
         for label in ("selective", "selective all", "full"):
             assert r[dropout, label] == r[dropout, "none"], (dropout, label, r)
     assert r["sp", "selective all"] == r["sp", "none"], r  # sequence parallelism: the norms on sequence chunks
+    assert r["mlp"] == r[0.1, "none"], r
+    assert r["moe", "moe_act"] == r["moe", "none"], r
     _assert_same(r[0.0, "none"], reference, "TP=2 (every policy, bit for bit)")
 
 
