@@ -1,7 +1,7 @@
 """Every collective of one optimizer step, counted by DeepSpeed's comms logger, against the analytic minimum.
 
-tp x pp x dp gloo CPU ranks (2, 4 or 8) train the tests' tiny GPT (tests/engine_utils.py: h 32, 4 layers, 16 tokens, fp32, global
-batch 8) with ``"comms_logger": {"enabled": true, "prof_all": true}`` at each layout. The project's own
+tp x pp x dp gloo CPU ranks (2, 4 or 8) train the tests' tiny GPT (tests/engine_utils.py: h 32, 4 layers, 16
+tokens, fp32, global batch 8) with ``"comms_logger": {"enabled": true, "prof_all": true}`` at each layout. The project's own
 collectives go through ``deepspeed.comm`` (models/parallel/collectives.py) under ``tp/...`` names, beside
 ZeRO's and the pipeline engine's. One step's collectives are the log after the second step less the log after the
 first, so start-up broadcasts and the pipeline's first-step shape messages drop out.

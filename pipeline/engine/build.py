@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import deepspeed
 import torch
-import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -63,7 +62,7 @@ def zero3_over_data_and_context(model: torch.nn.Module, ds_config: dict, state: 
     return ds_config
 
 
-def skip_nonfinite_steps_by_the_norm(engine) -> bool:
+def skip_nonfinite_steps_by_the_norm(engine) -> None:
     """bf16 under ZeRO 1/2: let the gradient norm alone decide which steps to skip, as DeepSpeed's fp32 path does.
 
     DeepSpeed reads every gradient twice before a bf16 step: a NaN/Inf pass (``check_overflow``: one kernel per
@@ -71,26 +70,24 @@ def skip_nonfinite_steps_by_the_norm(engine) -> bool:
     whenever a gradient is NaN or Inf and then skips the step by itself. The first pass finds nothing the second
     does not; it was 1.4% of a llama medium step at one CPU rank (bench/train_step.py). Same steps skipped,
     ``engine.skipped_steps`` counts them. (The norm counts a TP-replicated parameter on tensor rank 0 only, the
-    pass on every rank: their gradients are the same on all TP ranks, all-reduced under SP.) True when the pass
-    was dropped."""
+    pass on every rank: their gradients are the same on all TP ranks, all-reduced under SP.)"""
     opt = engine.optimizer
-    if not (isinstance(opt, DeepSpeedZeroOptimizer) and opt.dtype == torch.bfloat16 and opt.check_grad_overflow
+    if (isinstance(opt, DeepSpeedZeroOptimizer) and opt.dtype == torch.bfloat16 and opt.check_grad_overflow
             and opt.compute_grad_norm):
-        return False
-    opt.check_overflow = lambda partition_gradients=True: None  # self.overflow stays False until the norm says
-    return True
+        opt.check_overflow = lambda partition_gradients=True: None  # self.overflow stays False until the norm says
 
 
-def skip_averaging_over_one_rank(engine) -> bool:
-    """ZeRO 1/2 divide every gradient bucket by the data-parallel size, 1 included: a pass over all gradients for
-    nothing (0.4% of a medium model's step at one CPU rank; a single-GPU finetune pays it too). Over one rank the
-    sum is the mean. True when the division was dropped."""
-    opt = engine.optimizer
-    if not (isinstance(opt, DeepSpeedZeroOptimizer) and dist.get_world_size(group=opt.dp_process_group) == 1
-            and opt.sequence_parallel_size == 1):
-        return False
-    opt.gradient_average = False
-    return True
+def skip_reducing_over_one_rank(engine, state: ParallelState) -> None:
+    """Over a data-parallel group of one process DeepSpeed still reduces every gradient: without ZeRO it
+    flattens them into buckets, all-reduces them and copies them back; ZeRO 1/2 divide every bucket by 1 (0.4%
+    of a medium model's step at one CPU rank; a single-GPU finetune pays it too). Under context parallelism the
+    group is data x context and the chunks' gradients must be summed, so only when that group is one process."""
+    if state.get_sequence_data_parallel_world_size() != 1:
+        return
+    if not engine.is_pipe and engine.zero_optimization_stage() == 0:
+        engine.enable_backward_allreduce = False
+    elif isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
+        engine.optimizer.gradient_average = False  # over one rank the sum is the mean
 
 
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
@@ -164,14 +161,9 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu,
                                            lr_scheduler=lr_scheduler)
     safe_load.install(engine)  # loads weights only, hashes what it saves
-    skip_nonfinite_steps_by_the_norm(engine)
-    skip_averaging_over_one_rank(engine)
     engine.is_pipe = state.pipeline_parallel > 1
     if engine.is_pipe:  # a non-finite gradient is named as the GPT's parameter (grad_watch)
         engine.param_display_name = lambda n: pipe_to_gpt_name(n, model_config)
-    if not engine.is_pipe and zero_stage(ds_config) == 0 and state.get_sequence_data_parallel_world_size() == 1:
-        # Without ZeRO, DeepSpeed flattens every gradient into buckets, all-reduces them over the
-        # data-parallel group and copies them back, even when that group is this one process. (Under context
-        # parallelism the group is data x context: the chunks' gradients must be summed.)
-        engine.enable_backward_allreduce = False
+    skip_nonfinite_steps_by_the_norm(engine)
+    skip_reducing_over_one_rank(engine, state)
     return engine

@@ -2,11 +2,13 @@
 import deepspeed
 import pytest
 import torch
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from dist import run_distributed
 from engine_utils import BASE_DS, TINY, GlobalBatchLoader, real_text_tokens, train_worker
 from models import GPTConfig
 from models.parallel import initialize_model_parallel, model_parallel_seed
+from models.recompute import DiscardedOutput
 from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import EngineConfigError, resolve_ds_config
 from pipeline.engine.schedules import LRSchedule
@@ -136,7 +138,6 @@ def test_batch_sizes_resolved():
 
 def _nan_step_worker(rank):
     """bf16, DP 2, ZeRO 1 then 2: rank 1's gradient of one weight is NaN at step 2 only."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     out = {}
     for stage in (1, 2):
         state = initialize_model_parallel(1, 1)
@@ -164,7 +165,7 @@ def _nan_step_worker(rank):
         out[stage, "finite"] = all(bool(torch.isfinite(p).all()) for p in weights[2])
         out[stage, "separate passes"] = len(passes)
         out[stage, "zero optimizer"] = isinstance(engine.optimizer, DeepSpeedZeroOptimizer)
-        out[stage, "averaged"] = engine.optimizer.gradient_average  # skip_averaging_over_one_rank: DP 1 only
+        out[stage, "averaged"] = engine.optimizer.gradient_average  # skip_reducing_over_one_rank: DP 1 only
     return out
 
 
@@ -183,8 +184,7 @@ def test_bf16_zero_skips_a_nan_step_by_the_gradient_norm():
 def _recompute_zero3_and_pipeline_worker(rank):
     """Every module recomputed (core_attn, mlp_act, layernorm) against none, DP 2 at ZeRO-3 and PP 2 at ZeRO-1,
     gpt2 with dropout 0.1 and untied llama, one launch; the recomputations counted."""
-    from models.recompute import DiscardedOutput
-    counted = [0]
+    counted = []
     recompute = DiscardedOutput._recompute
     DiscardedOutput._recompute = lambda self, grad: counted.append(1) or recompute(self, grad)
     out = {}
@@ -198,6 +198,7 @@ def _recompute_zero3_and_pipeline_worker(rank):
                     rank, 1, pp, {"zero_optimization": {"stage": zero}}, model, 4, 2 if pp > 1 else None,
                     recompute=policy, recompute_modules=modules)["loss"]
                 out[layout, variant, policy, "recomputed"] = len(counted)
+    DiscardedOutput._recompute = recompute
     return out
 
 
