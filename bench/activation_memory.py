@@ -43,7 +43,7 @@ from common import format_table  # noqa: E402
 from dist import run_distributed  # noqa: E402  the tests' launcher: N spawned gloo CPU ranks, results returned
 
 from models import GPT, GPTConfig
-from models.parallel import initialize_model_parallel, model_parallel_seed
+from models.parallel import get_parallel_state, initialize_model_parallel, model_parallel_seed
 
 
 class SavedTensorCensus:
@@ -77,7 +77,8 @@ def _param_storages(model) -> set[int]:
 
 def _build(config_kw: dict, sequence_parallel: bool, checkpointing: bool):
 
-    model = GPT(GPTConfig(**config_kw, sequence_parallel=sequence_parallel), init_seed=0).to(torch.bfloat16).train()
+    layout = get_parallel_state().layout.replace(sequence_parallel=sequence_parallel)
+    model = GPT(GPTConfig(**config_kw), init_seed=0, layout=layout).to(torch.bfloat16).train()
     if checkpointing:
         model.checkpoint_fn = deepspeed.checkpointing.checkpoint
     return model
@@ -90,7 +91,7 @@ def _batch(b: int, s: int, vocab: int):
 
 
 def _layer_bytes(model, b: int, s: int, h: int, tp: int) -> int:
-    local = s // tp if model.config.sequence_parallel else s
+    local = s // tp if model.layout.sequence_parallel else s
     x = torch.randn(b, local, h, dtype=torch.bfloat16, requires_grad=True)
     with SavedTensorCensus(_param_storages(model)) as census:
         y = model.layers[0](x)

@@ -35,12 +35,12 @@ from activation_memory import SavedTensorCensus, _param_storages  # noqa: E402
 from common import format_table  # noqa: E402
 
 from models import GPT, GPTConfig  # noqa: E402
-from models.parallel import initialize_model_parallel, model_parallel_seed  # noqa: E402
+from models.parallel import get_parallel_state, initialize_model_parallel, model_parallel_seed  # noqa: E402
 
 
 def _model(config_kw: dict, tiles: int) -> GPT:
-    tiling = {"tiled_mlp": tiles, "tiled_loss": tiles} if tiles > 1 else {}
-    return GPT(GPTConfig(**config_kw, **tiling), init_seed=0).to(torch.bfloat16).train()
+    layout = get_parallel_state().layout.replace(tiled_mlp=tiles, tiled_loss=tiles)
+    return GPT(GPTConfig(**config_kw), init_seed=0, layout=layout).to(torch.bfloat16).train()
 
 
 def _batch(s: int, b: int, vocab: int):

@@ -20,3 +20,5 @@ Library, each module importable on its own (data, normalize, scoring without tor
   scoring/     - metrics (micro/macro-F1, official Jaccard, per-class chart), per-class thresholds, E-c prediction files
   job/         - the finetuning job's arguments, inputs, providers, loop hooks and final scoring
 """
+
+import pipeline  # noqa: F401  (first: its process settings and quiet loggers before torch and transformers load)

@@ -73,7 +73,7 @@ class GPTEncoder(LayerDepths, GPT):
         # causal: the padding after each row's length changes nothing. Sequence and context parallelism cut the
         # sequence into TP (x CP) equal chunks: a batch is padded to that multiple here, cut back after the gather.
         s = input_ids.shape[1]
-        pad = -s % ((tp_world_size() if self.config.sequence_parallel else 1) * cp_world_size())
+        pad = -s % ((tp_world_size() if self.layout.sequence_parallel else 1) * cp_world_size())
         if pad:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
         return self.hidden_states(input_ids)[:, :s]

@@ -9,12 +9,14 @@ from pathlib import Path
 VARIANTS = ("gpt2", "llama")
 MOE_FIELDS = ("num_experts", "moe_top_k", "moe_layer_freq", "moe_dense_layers", "moe_ffn_hidden_size",
               "moe_aux_loss_coeff",
-              "moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity", "moe_norm_topk_prob",
-              "moe_expert_parallel")
+              "moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity", "moe_norm_topk_prob")
+# how a run lays the model out, not the model: the run's Layout (models/parallel/layout.py) holds them
+LAYOUT_FIELDS = {"sequence_parallel": "--sequence-parallel", "tiled_mlp": "--tiled-mlp", "tiled_loss": "--tiled-loss",
+                 "moe_expert_parallel": "--expert-parallel"}
 
 
 class ConfigError(ValueError):
-    pass
+    user_error = True  # a command reports it in one line (pipeline.job.errors.is_user_error)
 
 
 def read_json(path: str | Path, what: str, error: type[Exception]):
@@ -61,9 +63,6 @@ class GPTConfig:
     qk_norm: bool = False                  # llama: RMSNorm over head_dim on each Q and K head before RoPE (Qwen3)
     sliding_window: int | None = None      # llama: Mistral's window; only as long as seq_length or longer (see below)
     hf_model_type: str | None = None       # the Hugging Face family exports write (None: by variant and options)
-    sequence_parallel: bool = False        # split norms/dropout/residuals along the sequence across TP ranks
-    tiled_mlp: int = 1                     # ALST: the MLP on this many sequence tiles (models/tiling.py)
-    tiled_loss: int = 1                    # ALST: output layer + loss on this many sequence tiles
     # mixture of experts (models/moe.py, docs/moe.md); num_experts 0: dense
     num_experts: int = 0                   # experts per MoE layer
     moe_top_k: int = 2                     # experts per token
@@ -75,7 +74,6 @@ class GPTConfig:
     moe_capacity_factor: float | None = None  # None: dropless; else slots per expert = ceil(k S / E x factor)
     moe_min_capacity: int = 4              # with a capacity factor: at least this many slots per expert
     moe_norm_topk_prob: bool = True        # renormalise the top-k weights (Mixtral; Qwen3-MoE's norm_topk_prob)
-    moe_expert_parallel: int = 1           # layout: experts split over this many data-parallel ranks
     extra: dict = field(default_factory=dict)  # free-form metadata (e.g. where an import came from)
 
     def __post_init__(self):
@@ -124,15 +122,6 @@ class GPTConfig:
         llama_only = self._llama_option_problem()
         if llama_only:
             return llama_only
-        if not isinstance(self.sequence_parallel, bool):
-            return f"sequence_parallel must be true or false, got {self.sequence_parallel!r}"
-        for name in ("tiled_mlp", "tiled_loss"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                return f"{name} must be a positive integer (the number of sequence tiles), got {getattr(self, name)!r}"
-        if self.tiled_mlp > 1 and self.sequence_parallel:
-            # DeepSpeed's TiledMLP recomputes its tiles as [b x s / N, h] rows, which a sequence-parallel MLP
-            # (an all-gather along the sequence dimension) cannot take
-            return "tiled_mlp (--tiled-mlp) and sequence_parallel (--sequence-parallel) exclude each other"
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 return f"{name} must be in [0, 1), got {getattr(self, name)}"
@@ -168,14 +157,11 @@ class GPTConfig:
                                                        for i in dense):
             return f"moe_dense_layers must be a list of layer indices in [0, {c.num_layers}), got {dense!r}"
         c.moe_dense_layers = sorted(set(dense))
-        for name in ("moe_top_k", "moe_layer_freq", "moe_expert_parallel"):
+        for name in ("moe_top_k", "moe_layer_freq"):
             if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
                 return f"{name} must be a positive integer, got {getattr(c, name)!r}"
         if c.moe_top_k > c.num_experts:
             return f"moe_top_k {c.moe_top_k} is more than num_experts {c.num_experts}"
-        if c.num_experts % c.moe_expert_parallel:
-            return (f"num_experts {c.num_experts} is not divisible by the expert-parallel size "
-                    f"{c.moe_expert_parallel}; choose an --expert-parallel that divides it")
         f = c.moe_ffn_hidden_size
         if f is not None and (not isinstance(f, int) or f < 1):
             return f"moe_ffn_hidden_size must be a positive integer, got {c.moe_ffn_hidden_size!r}"
@@ -183,8 +169,6 @@ class GPTConfig:
             return f"moe_capacity_factor must be positive (or null: dropless), got {c.moe_capacity_factor!r}"
         if c.moe_aux_loss_coeff < 0 or c.moe_z_loss_coeff < 0:
             return "moe_aux_loss_coeff and moe_z_loss_coeff must not be negative"
-        if c.sequence_parallel or c.tiled_mlp > 1:
-            return "MoE layers (num_experts > 0) do not take sequence_parallel or tiled_mlp yet"
         return None
 
     def is_moe_layer(self, index: int) -> bool:
@@ -199,13 +183,11 @@ class GPTConfig:
         """The longest sequence the model computes: its positions, and a sliding window if it has one."""
         return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
-    def check_parallel(self, tensor_parallel: int, pipeline_parallel: int = 1, context_parallel: int = 1) -> None:
-        """Raise ConfigError if the model cannot be split this way."""
-        if self.num_experts and context_parallel > 1:
-            raise ConfigError(f"invalid model config: MoE layers (num_experts {self.num_experts}) run at "
-                              f"context parallel 1 only for now (asked: CP {context_parallel}); see docs/moe.md")
+    def check_parallel(self, tensor_parallel: int, pipeline_parallel: int = 1, context_parallel: int = 1, *,
+                       sequence_parallel: bool = False) -> None:
+        """Raise ConfigError if the model cannot be split this way (``pipeline.job.layout.model_splits``)."""
         if context_parallel > 1:
-            self.check_context_parallel(tensor_parallel, context_parallel)
+            self.check_context_parallel(tensor_parallel, context_parallel, sequence_parallel=sequence_parallel)
         checks = [("num_heads", self.num_heads, tensor_parallel, "tensor-parallel size"),
                   ("num_kv_heads", self.num_kv_heads, tensor_parallel, "tensor-parallel size"),
                   ("ffn_hidden_size", self.ffn_hidden_size, tensor_parallel, "tensor-parallel size")]
@@ -215,21 +197,24 @@ class GPTConfig:
         for name, value, by, what in checks:
             if value % by:
                 raise ConfigError(f"invalid model config for tensor_parallel={tensor_parallel}: {name} {value} "
-                                  f"is not divisible by the {what} {by}")
-        if self.sequence_parallel and self.seq_length % tensor_parallel:
+                                  f"is not divisible by the {what} {by}; choose a --tensor-parallel that divides "
+                                  f"{value}")
+        if sequence_parallel and self.seq_length % tensor_parallel:
             raise ConfigError(f"invalid model config for tensor_parallel={tensor_parallel}: sequence parallelism "
                               f"splits the sequence into {tensor_parallel} equal chunks, and seq_length "
                               f"{self.seq_length} is not divisible by {tensor_parallel}; choose a seq_length "
                               f"that is a multiple of {tensor_parallel}")
         if pipeline_parallel > self.num_layers:
             raise ConfigError(f"pipeline_parallel={pipeline_parallel} is more than num_layers {self.num_layers}: "
-                              f"every pipeline stage needs at least one transformer layer")
+                              f"every pipeline stage needs at least one transformer layer; use at most "
+                              f"{self.num_layers} stages")
 
-    def check_context_parallel(self, tensor_parallel: int, context_parallel: int) -> None:
+    def check_context_parallel(self, tensor_parallel: int, context_parallel: int, *,
+                               sequence_parallel: bool = False) -> None:
         """Context parallelism (DeepSpeed-Ulysses) splits the sequence into ``context_parallel`` chunks (each split
         again by TP under sequence parallelism) and each TP rank's heads across the context group."""
         where = f"invalid model config for context_parallel={context_parallel}, tensor_parallel={tensor_parallel}"
-        chunks = context_parallel * (tensor_parallel if self.sequence_parallel else 1)
+        chunks = context_parallel * (tensor_parallel if sequence_parallel else 1)
         if self.seq_length % chunks:
             what = (f"context_parallel x tensor_parallel = {chunks} (sequence parallelism)"
                     if chunks != context_parallel else f"context_parallel {context_parallel}")
@@ -242,12 +227,7 @@ class GPTConfig:
 
     # -- (de)serialisation ----------------------------------------------------
     def to_dict(self) -> dict:
-        # sequence_parallel is how one run lays out its activations (like its TP size), not part of the
-        # model: saved configs leave it out, so a checkpoint loads at any layout, with or without it.
         d = dataclasses.asdict(self)
-        for layout_only in ("sequence_parallel", "tiled_mlp", "tiled_loss"):  # so is the tiling of the compute
-            d.pop(layout_only)
-        d.pop("moe_expert_parallel")  # and the spread of the experts
         if not self.num_experts:  # a dense model's config lists no MoE field
             for name in MOE_FIELDS:
                 d.pop(name, None)
@@ -257,6 +237,10 @@ class GPTConfig:
     def from_dict(cls, d: dict, source: str = "model config") -> "GPTConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known - {"model_type"})
+        layout = [name for name in unknown if name in LAYOUT_FIELDS]
+        if layout:
+            raise ConfigError(f"{source}: {layout[0]} is how a run lays the model out, not part of the model; drop "
+                              f"it from the config and pass {LAYOUT_FIELDS[layout[0]]} to the command")
         if unknown:
             raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; "
                               f"known fields: {', '.join(sorted(known))}")

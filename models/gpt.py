@@ -32,10 +32,11 @@ from .feed_forward import FeedForward
 from .moe import ExpertMLP, MoEMLP, is_moe_layer
 from .recompute import DiscardedOutput
 from .tiling import tiled_cross_entropy, tiled_mlp
-from .parallel import (ColumnParallelLinear, HeadRMSNorm, RowParallelLinear, SequenceParallelLayerNorm,
+from .parallel import (ColumnParallelLinear, HeadRMSNorm, Layout, RowParallelLinear, SequenceParallelLayerNorm,
                        SequenceParallelRMSNorm, UlyssesAttention, VocabParallelEmbedding, chunk_start, context_chunk,
                        copy_to_tensor_parallel_region, cp_world_size, gather_from_context_parallel_region,
-                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region, global_count,
+                       gather_from_sequence_parallel_region, get_parallel_state, gather_from_tensor_parallel_region,
+                       global_count,
                        mark_sequence_parallel, normal_init, reduce_from_context_parallel_region,
                        sequence_chunk_rng, sequence_gather_linear, sequence_parallel_parameter, tensor_parallel_rng,
                        tp_rank, tp_world_size, vocab_parallel_cross_entropy, vocab_parallel_parameter)
@@ -58,8 +59,7 @@ def stage_seed(init_seed: int | None, index: int) -> int | None:
     return None if init_seed is None else init_seed + index
 
 
-def _norm(config: GPTConfig) -> nn.Module:
-    sp = config.sequence_parallel
+def _norm(config: GPTConfig, sp: bool) -> nn.Module:
     if config.variant == "gpt2":
         return (SequenceParallelLayerNorm if sp else nn.LayerNorm)(config.hidden_size, eps=config.norm_eps)
     return (SequenceParallelRMSNorm if sp else nn.RMSNorm)(config.hidden_size, eps=config.norm_eps)
@@ -145,7 +145,7 @@ def short_causal_attention(q, k, v):
 class Attention(nn.Module):
     """Causal self-attention, heads split across TP ranks (column-parallel QKV, row-parallel output)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layout: Layout):
         super().__init__()
         tp = tp_world_size()
         d = config.head_dim
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         self.local_kv_heads = config.num_kv_heads // tp
         self.head_dim = d
         self.dropout = config.attention_dropout
-        sp = config.sequence_parallel
+        sp = layout.sequence_parallel
         self.qkv = ColumnParallelLinear(
             config.hidden_size, output_sizes=(config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d),
             bias=config.bias or config.qkv_bias, init_method=normal_init(config.init_std), sequence_parallel=sp)
@@ -250,16 +250,16 @@ class MLP(FeedForward):
     """The dense MLP. ``recompute_fn`` (Megatron-Core's ``mlp`` recompute module): the whole block, matmuls
     included, in a checkpoint that keeps only its input."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layout: Layout):
         super().__init__(gated=config.variant == "llama")
         f = config.ffn_hidden_size
-        sp = config.sequence_parallel
+        sp = layout.sequence_parallel
         self.fc_in = ColumnParallelLinear(config.hidden_size, output_sizes=(f, f) if self.gated else (f,),
                                           bias=config.bias, init_method=normal_init(config.init_std),
                                           sequence_parallel=sp)
         self.fc_out = RowParallelLinear(f, config.hidden_size, bias=config.bias, input_is_parallel=True,
                                         init_method=_output_init(config), sequence_parallel=sp)
-        self.tiles = config.tiled_mlp
+        self.tiles = layout.tiled_mlp
         self.recompute_fn = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,16 +274,17 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.))). ``moe``: the MLP is a mixture of
     experts (``models.moe.MoEMLP``)."""
 
-    def __init__(self, config: GPTConfig, init_seed: int | None = None, moe: bool = False):
+    def __init__(self, config: GPTConfig, layout: Layout, init_seed: int | None = None, moe: bool = False):
         super().__init__()
+        sp = layout.sequence_parallel
         with seeded_init(init_seed):
-            self.input_norm = _norm(config)
-            self.attention = Attention(config)
-            self.post_attention_norm = _norm(config)
-            self.mlp = (MoEMLP(config, config.init_std, config.init_std / math.sqrt(2.0 * config.num_layers))
-                        if moe else MLP(config))
+            self.input_norm = _norm(config, sp)
+            self.attention = Attention(config, layout)
+            self.post_attention_norm = _norm(config, sp)
+            self.mlp = (MoEMLP(config, layout, config.init_std, config.init_std / math.sqrt(2.0 * config.num_layers))
+                        if moe else MLP(config, layout))
         self.dropout = nn.Dropout(config.hidden_dropout)
-        self.sequence_parallel = config.sequence_parallel
+        self.sequence_parallel = sp
         self.recompute_norms = False  # selective recomputation of both norms (select_recompute_modules)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
@@ -314,26 +315,27 @@ class Embedding(nn.Module):
     each rank adds the positions of its own chunk (so the position table is a sequence-parallel parameter).
     """
 
-    def __init__(self, config: GPTConfig, init_seed: int | None = None):
+    def __init__(self, config: GPTConfig, layout: Layout, init_seed: int | None = None):
         super().__init__()
         self.config = config
+        self.sequence_parallel = layout.sequence_parallel
         with seeded_init(init_seed):
             self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                           pad_multiple=config.make_vocab_size_divisible_by,
                                                           init_method=normal_init(config.init_std),
-                                                          sequence_parallel=config.sequence_parallel)
+                                                          sequence_parallel=self.sequence_parallel)
             self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
                                         if config.variant == "gpt2" else None)
             if self.position_embeddings is not None:
                 nn.init.normal_(self.position_embeddings.weight, std=config.init_std)
-                if config.sequence_parallel:
+                if self.sequence_parallel:
                     mark_sequence_parallel(self.position_embeddings.weight)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def logits(self, hidden: torch.Tensor, sequence_split: bool | None = None) -> torch.Tensor:
         """Output layer of a tied model: the word-embedding matrix, transposed. ``sequence_split``: whether
         ``hidden`` is this rank's sequence chunk (default: as the model's final norm gives it)."""
-        split = self.config.sequence_parallel if sequence_split is None else sequence_split
+        split = self.sequence_parallel if sequence_split is None else sequence_split
         return parallel_lm_logits(hidden, self.word_embeddings.weight, split)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -348,20 +350,20 @@ class Embedding(nn.Module):
             input_ids = context_chunk(input_ids)  # this rank's [b, s / cp] under context parallelism
         h = self.word_embeddings(input_ids)  # [b, s / cp / tp, h] under sequence parallelism
         if self.position_embeddings is not None:
-            start = chunk_start(input_ids.shape[1]) + (tp_rank() * h.shape[1] if self.config.sequence_parallel else 0)
+            start = chunk_start(input_ids.shape[1]) + (tp_rank() * h.shape[1] if self.sequence_parallel else 0)
             if positions is None:
                 positions = torch.arange(start, start + h.shape[1], device=input_ids.device)
             table = self.position_embeddings.weight
-            if self.config.sequence_parallel:
+            if self.sequence_parallel:
                 table = sequence_parallel_parameter(table)
             h = h + F.embedding(positions, table)
-        return _dropout(self.dropout, h, self.config.sequence_parallel)
+        return _dropout(self.dropout, h, self.sequence_parallel)
 
 
 class FinalNorm(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layout: Layout):
         super().__init__()
-        self.norm = _norm(config)
+        self.norm = _norm(config, layout.sequence_parallel)
 
     def forward(self, x):
         return self.norm(x)
@@ -370,9 +372,9 @@ class FinalNorm(nn.Module):
 class LMHead(nn.Module):
     """Output layer of an untied model: a vocab-parallel weight like the input embedding's."""
 
-    def __init__(self, config: GPTConfig, init_seed: int | None = None):
+    def __init__(self, config: GPTConfig, layout: Layout, init_seed: int | None = None):
         super().__init__()
-        self.sequence_parallel = config.sequence_parallel
+        self.sequence_parallel = layout.sequence_parallel
         with seeded_init(init_seed):
             self.weight = vocab_parallel_parameter(config.vocab_size, config.hidden_size,
                                                    config.make_vocab_size_divisible_by, normal_init(config.init_std))
@@ -415,29 +417,43 @@ def context_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, v
     raise ValueError(f"unknown reduction {reduction!r}")
 
 
+def model_layout(layout: Layout | None) -> Layout:
+    """The layout a model is built at: the one given, else the current process groups' (a plain single process
+    when none were built). A given layout must be the one the process groups were built for."""
+    current = get_parallel_state().layout
+    if layout is None:
+        return current
+    if (layout.tensor, layout.context) != (current.tensor, current.context):
+        raise ValueError(f"the model's layout ({layout}) is not the process groups' ({current}); build the groups "
+                         f"from the same Layout (models.parallel.initialize_model_parallel(layout=...))")
+    return layout
+
+
 class GPT(nn.Module):
     """``init_seed`` fixes the initial weights (each stage draws from ``init_seed + its index``);
-    without it one seed is drawn from the default RNG."""
+    without it one seed is drawn from the default RNG. ``layout``: how the run lays the model out (sequence
+    parallelism, tiling; ``model_layout``)."""
 
-    def __init__(self, config: GPTConfig, init_seed: int | None = None):
+    def __init__(self, config: GPTConfig, init_seed: int | None = None, *, layout: Layout | None = None):
         super().__init__()
+        self.layout = layout = model_layout(layout)
         config.check_parallel(tp_world_size())
         self.config = config
         if init_seed is None:
             init_seed = int(torch.randint(0, 2**31 - 1, ()))
         L = config.num_layers
-        self.embedding = Embedding(config, stage_seed(init_seed, 0))
-        self.layers = nn.ModuleList(TransformerLayer(config, stage_seed(init_seed, i + 1), is_moe_layer(config, i))
-                                    for i in range(L))
-        self.final_norm = FinalNorm(config)
-        self.lm_head = None if config.tie_embeddings else LMHead(config, stage_seed(init_seed, L + 2))
+        self.embedding = Embedding(config, layout, stage_seed(init_seed, 0))
+        self.layers = nn.ModuleList(TransformerLayer(config, layout, stage_seed(init_seed, i + 1),
+                                                     is_moe_layer(config, i)) for i in range(L))
+        self.final_norm = FinalNorm(config, layout)
+        self.lm_head = None if config.tie_embeddings else LMHead(config, layout, stage_seed(init_seed, L + 2))
         self.checkpoint_fn = None  # set by the training wiring, e.g. deepspeed.checkpointing.checkpoint
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [b, s, h] of the whole sequence (for replicated consumers, e.g. a
         classification head: under sequence parallelism they are gathered, the gradient split)."""
         h = self._local_hidden_states(input_ids)
-        if self.config.sequence_parallel:
+        if self.layout.sequence_parallel:
             h = gather_from_sequence_parallel_region(h, 1, tensor_parallel_output_grad=False)
         return gather_from_context_parallel_region(h)
 
@@ -480,7 +496,7 @@ class GPT(nn.Module):
                    if isinstance(layer.mlp, MoEMLP) and layer.mlp.aux_loss is not None)
 
     def _forward(self, input_ids, labels, label_smoothing: float, reduction: str):
-        if labels is not None and self.config.tiled_loss > 1:
+        if labels is not None and self.layout.tiled_loss > 1:
             return self._tiled_loss(input_ids, labels, label_smoothing, reduction)
         logits = self.parallel_logits(input_ids)
         if labels is None:
@@ -496,13 +512,13 @@ class GPT(nn.Module):
             raise ValueError(f"the tiled loss reduces to a mean or a sum, not {reduction!r}")
         labels = context_chunk(labels)
         h = self._local_hidden_states(input_ids)
-        if self.config.sequence_parallel:  # the tiles take the whole chunk (replicated over TP, as hidden_states)
+        if self.layout.sequence_parallel:  # the tiles take the whole chunk (replicated over TP, as hidden_states)
             h = gather_from_sequence_parallel_region(h, 1, tensor_parallel_output_grad=False)
         head = self.embedding if self.lm_head is None else self.lm_head
         logits_fn = self.embedding.logits if self.lm_head is None else self.lm_head
         total = reduce_from_context_parallel_region(tiled_cross_entropy(
             lambda x: logits_fn(x, sequence_split=False), head.parameters(), h, labels,
-            vocab_size=self.config.vocab_size, tiles=self.config.tiled_loss, label_smoothing=label_smoothing))
+            vocab_size=self.config.vocab_size, tiles=self.layout.tiled_loss, label_smoothing=label_smoothing))
         return total if reduction == "sum" else total / global_count(labels != -100).clamp(min=1)
 
     @torch.no_grad()

@@ -32,8 +32,11 @@ from torch import nn
 
 from .config import GPTConfig
 from .feed_forward import FeedForward
-from .parallel import (ColumnParallelLinear, RowParallelLinear, collectives, get_parallel_state, get_shard_spec,
-                       tp_rank, tp_world_size)
+from .parallel import (ColumnParallelLinear, Layout, RowParallelLinear, collectives, cp_world_size,
+                       gather_from_sequence_parallel_region, get_parallel_state, get_shard_spec,
+                       reduce_from_context_parallel_region, scatter_to_sequence_parallel_region, tp_rank,
+                       tp_world_size)
+from .tiling import tiled_mlp
 from .parallel.sharding import set_shard_spec
 
 
@@ -48,12 +51,19 @@ class ExpertMLP(FeedForward):
     [gate; up] as the dense MLP's does. Built with zero weights: ``MoEMLP`` draws every expert's.
     ``recompute_act``: Megatron-Core's ``moe_act``."""
 
-    def __init__(self, config: GPTConfig, ffn: int):
+    def __init__(self, config: GPTConfig, ffn: int, tiles: int = 1):
         super().__init__(gated=config.variant == "llama")
+        self.tiles = tiles  # ALST's tiled MLP (--tiled-mlp): the expert's routed tokens in this many tiles
         h = config.hidden_size
         self.fc_in = ColumnParallelLinear(h, output_sizes=(ffn, ffn) if self.gated else (ffn,), bias=config.bias,
                                           init_method=nn.init.zeros_)
         self.fc_out = RowParallelLinear(ffn, h, bias=config.bias, input_is_parallel=True, init_method=nn.init.zeros_)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tiles = min(self.tiles, x.shape[0])  # [routed tokens, h]: DeepSpeed's TiledMLP takes expert rows as they are
+        if tiles > 1:
+            return tiled_mlp(FeedForward._compute, self, x, tiles)
+        return super().forward(x)
 
 
 def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -77,8 +87,12 @@ def route(logits: torch.Tensor, k: int, normalize: bool, capacity_factor: float 
         weights = weights / weights.sum(dim=-1, keepdim=True)
     mask = F.one_hot(experts, E)                                     # [S, k, E]
     counts = mask.sum(dim=(0, 1))
-    l_aux = E * torch.sum(mask.float().mean(dim=0).sum(dim=0) * probs.mean(dim=0))
-    z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean()
+    # the losses' means over the whole sequence: under context parallelism each rank holds an equal chunk of it,
+    # sums go over the context group (the gradient of each rank's own tokens stays its own, as the loss's)
+    tokens = S * cp_world_size()
+    routed = reduce_from_context_parallel_region(counts.float()) / tokens
+    l_aux = E * torch.sum(routed * reduce_from_context_parallel_region(probs.sum(dim=0)) / tokens)
+    z_loss = reduce_from_context_parallel_region(torch.logsumexp(logits.float(), dim=-1).square().sum()) / tokens
     # slots in token order, choice order within a token (the first choice of token t before its second)
     locations = (torch.cumsum(mask.reshape(S * k, E), dim=0) - 1).reshape(S, k, E)
     locations = (locations * mask).sum(-1)                           # [S, k]
@@ -195,13 +209,15 @@ class MoEMLP(nn.Module):
     ``ReferenceGate``). After each forward, ``aux_loss`` holds coeff x load-balancing loss (+ z-loss coeff x
     z-loss), with its graph, for ``GPT.forward`` to add to the loss; ``exp_counts`` the tokens per expert."""
 
-    def __init__(self, config: GPTConfig, init_std: float, out_std: float):
+    def __init__(self, config: GPTConfig, layout: Layout, init_std: float, out_std: float):
         super().__init__()
         from deepspeed.moe.layer import MoE  # noqa: PLC0415
         ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
-        expert = ExpertMLP(config, ffn)
+        expert = ExpertMLP(config, ffn, layout.tiled_mlp)
+        # under sequence parallelism the layer routes the whole sequence, replicated over TP as without it
+        self.sequence_parallel = layout.sequence_parallel
         self.moe = MoE(config.hidden_size, expert, num_experts=config.num_experts,
-                       ep_size=config.moe_expert_parallel, k=config.moe_top_k,
+                       ep_size=layout.expert, k=config.moe_top_k,
                        capacity_factor=config.moe_capacity_factor or 1.0,
                        min_capacity=config.moe_min_capacity, drop_tokens=config.moe_capacity_factor is not None,
                        use_rts=False, top2_2nd_expert_sampling=False,
@@ -213,10 +229,11 @@ class MoEMLP(nn.Module):
         self.aux_loss = None
         self.exp_counts = None
         self.stat_sums = None  # [tokens per expert..., dropped routes, routes, aux loss, forwards] (training)
-        self._init_experts(config, expert, init_std, out_std)
+        self._init_experts(config, layout, expert, init_std, out_std)
         nn.init.normal_(self.moe.deepspeed_moe.gate.wg.weight, std=init_std)
 
-    def _init_experts(self, config: GPTConfig, template: ExpertMLP, init_std: float, out_std: float) -> None:
+    def _init_experts(self, config: GPTConfig, layout: Layout, template: ExpertMLP, init_std: float,
+                      out_std: float) -> None:
         """DeepSpeed deep-copies one expert (the copies lose the ShardSpecs, given back here): every expert gets
         its own draw. Every rank draws all ``num_experts`` full (TP=1) weights in global order and keeps its own
         (``ep_rank x local + i``), its TP shard of them, so that the weights and the RNG stream after them are
@@ -228,7 +245,7 @@ class MoEMLP(nn.Module):
                 if specs[name] is not None:
                     set_shard_spec(p, specs[name])
         # DeepSpeed's expert groups: consecutive ranks of the data-parallel group, its rank there = dp rank mod EP
-        first = get_parallel_state().get_data_parallel_rank() % config.moe_expert_parallel * len(local)
+        first = get_parallel_state().get_sequence_data_parallel_rank() % layout.expert * len(local)
         self.first_expert = first  # the global index of local expert 0 (expert_slice)
         for e in range(config.num_experts):
             ours = local[e - first] if first <= e < first + len(local) else None
@@ -241,6 +258,12 @@ class MoEMLP(nn.Module):
                         weight.copy_(spec.shard(drawn, tp_rank(), tp_world_size()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # the gradient of the whole sequence is whole on every rank: keep the chunk
+            x = gather_from_sequence_parallel_region(x, 1, tensor_parallel_output_grad=False)
+        out = self._route(x)
+        return scatter_to_sequence_parallel_region(out, 1) if self.sequence_parallel else out
+
+    def _route(self, x: torch.Tensor) -> torch.Tensor:
         out, l_aux, self.exp_counts = self.moe(x)
         gate = self.moe.deepspeed_moe.gate
         self.aux_loss = self.coeff * l_aux + (self.z_coeff * gate.z_loss if self.z_coeff else 0.0)
@@ -306,6 +329,19 @@ def gather_experts(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str
             tensors = [key[len(prefix) + 2:] for key in state if key.startswith(prefix + "0.")]
             out.update((f"{prefix}{e}.{t}", gathered[f"{prefix}{e}.{t}"]) for e in range(total) for t in tensors)
     return out
+
+
+def register_expert_groups(state) -> None:
+    """Hand DeepSpeed-MoE the layout's expert and expert-data groups (``ParallelState.expert_groups``) under the
+    name it looks them up by (``ep_size_E``), so that it builds none of its own."""
+    from deepspeed.utils import groups  # noqa: PLC0415
+    forget_expert_groups()
+    name = f"ep_size_{state.layout.expert}"
+    ep, ep_ranks, expert_data, expert_data_ranks = state.expert_groups()
+    groups._EXPERT_PARALLEL_GROUP[name], groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ep, ep_ranks
+    groups._EXPERT_DATA_PARALLEL_GROUP[name], groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = (expert_data,
+                                                                                               expert_data_ranks)
+    groups.expert_tensor_parallel_world_size = state.tensor_parallel
 
 
 def forget_expert_groups() -> None:

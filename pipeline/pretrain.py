@@ -22,14 +22,14 @@ from pipeline.data import DistributedBatchLoader, StreamBatchLoader, build_pretr
 from pipeline.data.build import run_tokenizer
 from pipeline.data.options import add_data_args
 from pipeline.engine.build import build_engine
-from pipeline.engine.ds_config import EngineConfigError
 from pipeline.engine.schedules import add_lr_args, schedule_from_args
 from pipeline.engine.steps import lm_batches, lm_step_record, lm_validation_record, train_step
 from pipeline.generation.training import add_sample_args, sample_hooks
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.families import ModelFamily
-from pipeline.job.loop import Job, StepResult, apply_sequence_parallel, every, is_rank0, setup, train_loop, when
-from pipeline.job.model_configs import add_model_args, choose_model_config, make_model_config, check_recompute_args
+from pipeline.job.loop import Job, StepResult, every, is_rank0, setup, train_loop, when
+from pipeline.job.model_configs import (add_model_args, check_recompute_args, choose_model_config, make_model_config,
+                                        preview_model_config)
 from pipeline.job.options import (EngineOptions, add_checkpoint_args, add_engine_args, add_run_args,
                                   default_ds_config)
 from pipeline.tracking.metrics import MetricsWriter
@@ -57,10 +57,9 @@ class Model:
     load_dir: Path | None
 
 
-def provide_model_config(args) -> Model:
+def provide_model_config(args, raw_config: dict, family: ModelFamily) -> Model:
     """The model config and the tokenizer (a resumed run keeps the one it trained with)."""
     load_dir = Path(args.load) if args.load else None
-    raw_config, family = choose_model_config(args.model_config, args.model_type, load_dir)
     tokenizer = run_tokenizer(load_dir, args.tokenizer, family.default_tokenizer, corpus=args.data,
                               vocab_size=args.vocab_size)
     return Model(family, make_model_config(raw_config, tokenizer.vocab_size, args.seq_length), tokenizer, load_dir)
@@ -88,10 +87,9 @@ def provide_engine(args, m: Model, job: Job, start: StartPoint, loader):
     """The DeepSpeed engine, built and restored from ``start``; returns (engine, first step - 1)."""
     builder = m.family.build_for_training if job.state.pipeline_parallel == 1 else None
     engine = build_engine(m.config, start.ds, job.state, init_seed=args.seed, schedule=schedule_from_args(args, job.ds),
-                          recompute=args.recompute, recompute_modules=args.recompute_modules,
                           full_state_dict=start.full_state, model_builder=builder)
     step = restore(engine, start, m.config, loader)
-    if args.compile:
+    if job.layout.compile:
         engine.compile()
     return engine, step
 
@@ -99,15 +97,12 @@ def provide_engine(args, m: Model, job: Job, start: StartPoint, loader):
 def main(argv=None) -> dict:
     """The job (a user error raises; run as a command, ``pipeline.job.errors.command`` reports it in one line)."""
     args = parse_args(argv)
-    if args.compile and args.pipeline_parallel > 1:
-        raise EngineConfigError("--compile is for pipeline-parallel 1 only (DeepSpeed's pipeline engine runs its "
-                                "stages layer by layer); drop --compile or use --pipeline-parallel 1")
-    job = setup(EngineOptions.from_args(args))
-    m = provide_model_config(args)
-    m.family.check_layout(m.config, job.state.tensor_parallel, job.state.pipeline_parallel)
-    apply_sequence_parallel(m.config, job)
+    raw_config, family = choose_model_config(args.model_config, args.model_type, Path(args.load) if args.load else None)
+    job = setup(EngineOptions.from_args(args), config=preview_model_config(raw_config, args.seq_length),
+                family=family, extras={"sample_interval": args.sample_interval})
+    m = provide_model_config(args, raw_config, family)
     train, make_valid = provide_data(args, m, job)
-    layout = job.layout(m.family.name)
+    layout = job.record(m.family.name)
     engine, step = provide_engine(args, m, job, plan_start(m.load_dir, args.load_tag, layout, job.ds), train)
     save_dir = Path(args.save) if args.save else None
     if save_dir is not None and is_rank0():

@@ -7,13 +7,15 @@ import json
 import torch
 
 from models import GPTConfig
-from models.parallel import initialize_model_parallel, model_parallel_seed
+from models.parallel import Layout, initialize_model_parallel, model_parallel_seed
 from pipeline.engine.build import build_engine
 from pipeline.engine.steps import lm_batches, loss_scale, train_step
 from pipeline.engine.ds_config import resolve_ds_config
 from pipeline.engine.schedules import LRSchedule
 
 SEQ = 16
+LAYOUT_NAMES = {"sequence_parallel": "sequence_parallel", "tiled_mlp": "tiled_mlp", "tiled_loss": "tiled_loss",
+                "moe_expert_parallel": "expert"}
 TINY = dict(variant="gpt2", vocab_size=256, hidden_size=32, num_layers=4, num_heads=4, max_position_embeddings=SEQ,
             hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
 BASE_DS = {
@@ -58,12 +60,15 @@ def train_worker(rank, tp=1, pp=1, ds_overrides=None, model_overrides=None, step
     if fp16_on_cpu:
         from deepspeed.accelerator import get_accelerator
         get_accelerator().is_fp16_supported = lambda: True
-    state = initialize_model_parallel(tensor_parallel=tp, pipeline_parallel=pp)
+    model_overrides = dict(model_overrides or {})
+    # the layout's fields among the overrides (a test's shorthand): into the run's Layout, not the model config
+    layout = {LAYOUT_NAMES[k]: model_overrides.pop(k) for k in list(model_overrides) if k in LAYOUT_NAMES}
+    state = initialize_model_parallel(layout=Layout(tensor=tp, pipeline=pp, **layout))
     model_parallel_seed(1234)
     ds = {**BASE_DS, **(ds_overrides or {})}
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, pipeline_parallel=pp,
                            micro_batch_size=micro or ds["train_batch_size"] // state.data_parallel)
-    config = GPTConfig(**{**TINY, **(model_overrides or {})})
+    config = GPTConfig(**{**TINY, **model_overrides})
     engine = build_engine(config, ds, state, init_seed=1234, schedule=LRSchedule(3e-3, 2, steps, "cosine"),
                           recompute=recompute, recompute_modules=recompute_modules)
     table = real_text_tokens(ds["train_batch_size"] * steps)

@@ -177,7 +177,7 @@ def fit_ds_config(args, base: Base, data: Splits, job: Job, device: torch.device
         longest = max(len(ids) for ids in data.encoded["train"])
         shape = model_shape(base.config, "encoder", seq=longest)
         prec = precision(ds)
-        sp = bool(getattr(base.config, "sequence_parallel", False))
+        sp = job.layout.sequence_parallel
         per_sequence = activations(shape, 1, state.tensor_parallel, 1, sp, "none", 1, prec)
         states = model_states(shape.params / state.tensor_parallel, zero_stage(ds), state.data_parallel, prec)
         sharing = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # CPU ranks share RAM
@@ -234,6 +234,6 @@ def run_settings(args, base: Base, data: Splits, head: Head, job: Job, steps: tu
             "encoder": base.family.name, "encoder_layers": base.config.num_layers, "pooling": head.config.pooling,
             "mlp_hidden": list(args.mlp_hidden),
             "precision": precision(job.ds), "tensor_parallel": job.state.tensor_parallel,
-            "sequence_parallel": bool(getattr(base.config, "sequence_parallel", False)),
+            "sequence_parallel": job.layout.sequence_parallel,
             "data_parallel": job.state.data_parallel, "seed": args.seed,
             "holdout": args.holdout, "holdout_seed": args.holdout_seed}

@@ -19,7 +19,7 @@ from finetune.job.loop import finetune_step, loop_hooks
 from finetune.job.providers import (fit_ds_config, provide_base, provide_data, provide_engine, provide_head,
                                     run_settings)
 from finetune.job.resume import continue_interrupted, remove_state, save_state_hook
-from pipeline.job.loop import apply_sequence_parallel, is_rank0, quiet_deepspeed, setup, train_loop
+from pipeline.job.loop import is_rank0, quiet_deepspeed, setup, train_loop
 from pipeline.job.options import EngineOptions
 from pipeline.tracking.metrics import MetricsWriter
 
@@ -31,15 +31,14 @@ def run(args) -> dict:
     base = provide_base(args)
     data = provide_data(args, base)
     head = provide_head(args, base, data)
-    job = setup(EngineOptions.from_args(args))
-    apply_sequence_parallel(base.config, job)
+    job = setup(EngineOptions.from_args(args), config=base.config, family=base.family)
     job = fit_ds_config(args, base, data, job, torch.device(get_accelerator().current_device_name()))
     engine, schedule, steps_per_epoch, total_steps = provide_engine(args, base, data, head, job)
     inputs = _train_inputs(args, base, data, head, job, engine)
 
     save = Path(args.save) if args.save else None
     settings = run_settings(args, base, data, head, job, (steps_per_epoch, total_steps), inputs.cached)
-    layout = job.layout(base.family.name)
+    layout = job.record(base.family.name)
     done, losses = continue_interrupted(engine, save, settings, layout, inputs.batches)
     metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None, monitor=engine.monitor,
                             prefix="finetune")

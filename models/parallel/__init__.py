@@ -3,6 +3,7 @@
 from .context import (UlyssesAttention, chunk_start, context_chunk, gather_from_context_parallel_region, global_count,
                       reduce_from_context_parallel_region, scale_gradient)
 from .cross_entropy import vocab_parallel_cross_entropy
+from .layout import Layout
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, normal_init,
                      sequence_gather_linear, sharded_parameter, vocab_parallel_parameter)
 from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
@@ -30,7 +31,7 @@ __all__ = [
     "MODEL_PARALLEL_RNG", "CONTEXT_PARALLEL_RNG", "get_rng_tracker", "model_parallel_seed", "tensor_parallel_rng",
     "sequence_chunk_rng",
     "ShardSpec", "divide", "full_state_dict", "gather_full", "get_shard_spec", "padded_size",
-    "ParallelConfigError", "ParallelState", "initialize_model_parallel", "get_parallel_state",
+    "Layout", "ParallelConfigError", "ParallelState", "initialize_model_parallel", "get_parallel_state",
     "destroy_model_parallel", "tp_group", "tp_rank", "tp_world_size",
     "UlyssesAttention", "chunk_start", "context_chunk", "gather_from_context_parallel_region", "global_count",
     "reduce_from_context_parallel_region", "scale_gradient", "cp_group", "cp_rank", "cp_world_size",

@@ -21,13 +21,21 @@ from __future__ import annotations
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
 
+from .layout import Layout
+
 
 class ParallelConfigError(ValueError):
-    pass
+    user_error = True  # a command reports it in one line (pipeline.job.errors.is_user_error)
 
 
 class ParallelState:
-    def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1):
+    """The process groups of a ``Layout`` (given whole, or as its three model-parallel sizes: the rest of the layout
+    at its defaults). ``layout`` is the run's layout with its data-parallel size filled in from the world."""
+
+    def __init__(self, tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1, *,
+                 layout: Layout | None = None):
+        if layout is not None:
+            tensor_parallel, pipeline_parallel, context_parallel = layout.tensor, layout.pipeline, layout.context
         if tensor_parallel < 1 or pipeline_parallel < 1 or context_parallel < 1:
             raise ParallelConfigError(f"tensor_parallel ({tensor_parallel}), pipeline_parallel ({pipeline_parallel}) "
                                       f"and context_parallel ({context_parallel}) must be >= 1")
@@ -42,6 +50,8 @@ class ParallelState:
                 f"{world} is not divisible by tensor_parallel ({tensor_parallel}) x {cp_size}pipeline_parallel "
                 f"({pipeline_parallel}) = {model_ranks}; launch a multiple of {model_ranks} processes or change "
                 f"the parallel sizes")
+        self.layout = (layout or Layout(tensor=tensor_parallel, pipeline=pipeline_parallel,
+                                        context=context_parallel)).replace(data=world // model_ranks)
         self.tensor_parallel = tensor_parallel
         self.pipeline_parallel = pipeline_parallel
         self.context_parallel = context_parallel
@@ -69,8 +79,7 @@ class ParallelState:
             self._group["data_context"] = self._group["data"]
             self._group_ranks["data_context"] = self._group_ranks["data"]
         else:  # data x context: the ranks that share this rank's pipe and model coordinates
-            self._make_groups("data_context", [self.topology.filter_match(pipe=p, model=m)
-                                               for p in range(pipeline_parallel) for m in range(tensor_parallel)])
+            self._make_groups("data_context", self._all_data_context_groups())
         self._rank["data_context"] = self._group_ranks["data_context"].index(self.rank)
 
     def _make_groups(self, axis: str, rank_lists) -> None:
@@ -159,6 +168,28 @@ class ParallelState:
     def is_last_stage(self):
         return self._rank["pipe"] == self.pipeline_parallel - 1
 
+    def get_expert_parallel_world_size(self):
+        return self.layout.expert
+
+    def expert_groups(self):
+        """(expert-parallel group, its ranks, expert-data-parallel group, its ranks) of the layout's EP size, built
+        on first use (collective). Both are cut from data x context, not from data alone: the sequence chunks of
+        context parallelism route their tokens to the experts as the replicas do, and the experts' gradients
+        must be summed over the chunks as every other parameter's (DeepSpeed cuts them from its data group, which
+        under context parallelism leaves each chunk's expert gradients apart). Consecutive E ranks of data x
+        context share their experts (DeepSpeed's order: the expert rank is the data x context rank mod E)."""
+        if "expert" not in self._group:
+            ep = self.layout.expert
+            for ranks in self._all_data_context_groups():
+                self._make_groups("expert", [ranks[i:i + ep] for i in range(0, len(ranks), ep)])
+                self._make_groups("expert_data", [ranks[i::ep] for i in range(ep)])
+        return (self._group["expert"], self._group_ranks["expert"], self._group["expert_data"],
+                self._group_ranks["expert_data"])
+
+    def _all_data_context_groups(self):
+        return [self.topology.filter_match(pipe=p, model=m) for p in range(self.pipeline_parallel)
+                for m in range(self.tensor_parallel)]
+
     def __repr__(self):
         return (f"ParallelState(rank={self.rank}, tp={self.tensor_parallel}, cp={self.context_parallel}, "
                 f"pp={self.pipeline_parallel}, dp={self.data_parallel}, coords={self._rank})")
@@ -168,10 +199,11 @@ _STATE: ParallelState | None = None
 
 
 def initialize_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                              context_parallel: int = 1) -> ParallelState:
-    """Build the process groups (collective: call on every rank) and make them current."""
+                              context_parallel: int = 1, *, layout: Layout | None = None) -> ParallelState:
+    """Build the process groups of ``layout`` (or of the three sizes) and make them current (collective: call on
+    every rank)."""
     global _STATE
-    _STATE = ParallelState(tensor_parallel, pipeline_parallel, context_parallel)
+    _STATE = ParallelState(tensor_parallel, pipeline_parallel, context_parallel, layout=layout)
     return _STATE
 
 

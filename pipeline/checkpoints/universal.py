@@ -80,7 +80,7 @@ from models import GPT, GPTConfig
 from models.moe import EXPERT_INDEX, expert_slice
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline.checkpoints import safe_load
-from pipeline.job.errors import UserError
+from pipeline.job.errors import UserError, is_rank0
 from pipeline.job.families import family_of_dict
 from pipeline.job.files import DiskFullError, atomic_dir
 
@@ -214,7 +214,7 @@ def prepare(load_dir, tag: str, saved: dict, current: dict, *, log=print) -> Pat
     """Collective. The universal cache of ``load_dir/tag`` (converted on rank 0 if needed), or None
     (with the reason logged) where the optimizer state cannot move to this layout."""
     reason = unsupported_reason(saved, current)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = is_rank0()
     if reason is not None:
         if saved.get("universal_only"):
             raise UniversalError(f"{Path(load_dir) / tag} holds a universal checkpoint only, and {reason}")

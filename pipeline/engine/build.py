@@ -17,7 +17,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from models import GPT
 from models.gpt import select_recompute_modules
-from models.moe import forget_expert_groups
+from models.moe import register_expert_groups
 from models.parallel import ParallelState
 
 from pipeline.checkpoints import safe_load
@@ -26,8 +26,8 @@ from pipeline.engine.pipe_model import gpt_pipeline, pipe_to_gpt_name
 from pipeline.engine.schedules import LRSchedule, Scheduler
 from pipeline.checkpoints.state_dicts import load_full_state_dict
 from pipeline.checkpoints.universal import attach_info
-from pipeline.engine.ds_config import (EngineConfigError, check_supported, context_parallel_ds_config,
-                                       sequence_parallel_ds_config, zero_stage)
+from pipeline.engine.ds_config import (EngineConfigError, context_parallel_ds_config, sequence_parallel_ds_config,
+                                       zero_stage)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float | None = None) -> list[dict]:
@@ -92,8 +92,8 @@ def skip_reducing_over_one_rank(engine, state: ParallelState) -> None:
 
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
                  schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None,
-                 full_state_dict: dict | None = None, param_groups_fn=None, recompute: str = "none",
-                 recompute_modules=("core_attn",)):
+                 full_state_dict: dict | None = None, param_groups_fn=None, recompute: str | None = None,
+                 recompute_modules=None):
     """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only).
 
     ``ds_config`` must have been through ``resolve_ds_config``. ``full_state_dict`` (full TP=1 weights,
@@ -103,13 +103,15 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     learning rate (e.g. layer-wise decay when finetuning). Returns the engine; ``engine.is_pipe``
     tells which training step to use. ``recompute``: none, selective (each layer's ``recompute_modules``:
     core_attn, Megatron-Core's default, mlp_act, layernorm; ``models.gpt.select_recompute_modules``) or full
-    (every layer; ``activation_checkpointing`` is its old name).
+    (every layer; ``activation_checkpointing`` is its old name). By default both are the layout's (``state.layout``,
+    validated by ``pipeline.job.layout`` before the process groups were built).
     """
-
-    check_supported(ds_config, state.pipeline_parallel)
+    layout = state.layout
+    recompute = recompute or layout.recompute
+    recompute_modules = recompute_modules or layout.recompute_modules or ("core_attn",)
     if get_accelerator().device_name() == "cpu":
         keep_freed_host_memory()  # DeepSpeed's per-step gradient buffers would be faulted in again every step
-    if getattr(model_config, "sequence_parallel", False):
+    if layout.sequence_parallel:
         ds_config = sequence_parallel_ds_config(ds_config, state)
     if activation_checkpointing:
         recompute = "full"
@@ -157,7 +159,7 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     if zero_stage(ds_config) == 3 and state.context_parallel > 1:
         ds_config = zero3_over_data_and_context(model, ds_config, state)
     if any(is_moe_param(p) for g in groups for p in g["params"]):
-        forget_expert_groups()
+        register_expert_groups(state)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu,
                                            lr_scheduler=lr_scheduler)
     safe_load.install(engine)  # loads weights only, hashes what it saves

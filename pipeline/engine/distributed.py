@@ -19,6 +19,13 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def launched_world_size() -> int:
+    """The world size the launcher gave (its WORLD_SIZE), or the process group's once it is joined; 1 without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(backend: str | None = None, *, timeout_minutes: float | None = None) -> None:
     """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
 

@@ -23,12 +23,12 @@ def load_ds_config(path_or_dict) -> dict:
     return read_json(path_or_dict, "DeepSpeed config", EngineConfigError)
 
 
-def _enabled(ds: dict, key: str) -> bool:
+def enabled(ds: dict, key: str) -> bool:
     return bool(ds.get(key, {}).get("enabled", False))
 
 
 def precision(ds: dict) -> str:
-    return "fp16" if _enabled(ds, "fp16") else "bf16" if _enabled(ds, "bf16") else "fp32"
+    return "fp16" if enabled(ds, "fp16") else "bf16" if enabled(ds, "bf16") else "fp32"
 
 
 def zero_stage(ds: dict) -> int:
@@ -73,7 +73,6 @@ def resolve_ds_config(ds: dict, *, data_parallel: int, pipeline_parallel: int = 
             f"data-parallel size {data_parallel}; drop one of the three so the others determine it")
     ds.update(train_batch_size=glob, train_micro_batch_size_per_gpu=micro,
               gradient_accumulation_steps=glob // (micro * data_parallel))
-    check_supported(ds, pipeline_parallel, source)
     _prefer_fused_torch_adam(ds)
     return ds
 
@@ -86,37 +85,6 @@ def _prefer_fused_torch_adam(ds: dict) -> None:
     if (ds.get("optimizer", {}).get("type", "").lower() in ("adam", "adamw") and params.get("torch_adam")
             and "fused" not in params and "foreach" not in params):
         params["fused"] = True
-
-
-def check_supported(ds: dict, pipeline_parallel: int, source: str = "DeepSpeed config") -> None:
-    if _enabled(ds, "fp16") and _enabled(ds, "bf16"):
-        raise EngineConfigError(f"{source}: fp16 and bf16 are both enabled; enable one of them (set the other's "
-                                f"\"enabled\" to false)")
-    if _enabled(ds, "fp16") and zero_stage(ds) == 0 and pipeline_parallel == 1:
-        # Measured with DeepSpeed 0.19.8: engine.backward scales the loss only for ZeRO optimizers,
-        # so its ZeRO-0 fp16 optimizer unscales gradients that were never scaled (updates / 2^16).
-        raise EngineConfigError(f"{source}: fp16 needs ZeRO stage 1 or 2 here (DeepSpeed's ZeRO-0 fp16 optimizer "
-                                f"does not apply the loss scale in engine.backward); set zero_optimization.stage "
-                                f"to 1, or use bf16")
-    if pipeline_parallel > 1 and zero_stage(ds) > 1:
-        raise EngineConfigError(
-            f"{source}: ZeRO stage {zero_stage(ds)} cannot be combined with pipeline parallelism "
-            f"(pipeline_parallel={pipeline_parallel}); use ZeRO stage 0 or 1 with pipelines, or --pipeline-parallel 1")
-    if (pipeline_parallel > 1 and zero_stage(ds) == 0 and precision(ds) == "fp32"
-            and float(ds.get("gradient_clipping", 0.0)) > 0):
-        # DeepSpeed's plain fp32 pipeline path clips with a norm that counts tied weights on every
-        # stage that holds them; its ZeRO-1 and mixed-precision optimizers count them once.
-        raise EngineConfigError(f"{source}: gradient clipping with pipeline parallelism in fp32 needs ZeRO stage 1 "
-                                f"(set zero_optimization.stage to 1), bf16/fp16, or gradient_clipping 0")
-    if pipeline_parallel > 1 and ds.get("zero_optimization", {}).get("offload_optimizer"):
-        raise EngineConfigError(f"{source}: optimizer offload is not supported with pipeline parallelism")
-
-
-def check_context_parallel_options(options) -> None:
-    """The refusals of ``--context-parallel`` before any work (``options``: ``job.options.EngineOptions``)."""
-    cp = options.context_parallel
-    if cp < 1:
-        raise EngineConfigError(f"--context-parallel {cp}: the context-parallel size must be 1 or more")
 
 
 def context_parallel_ds_config(ds: dict, source: str = "DeepSpeed config", largest_param: int = 0) -> dict:
@@ -132,12 +100,7 @@ def context_parallel_ds_config(ds: dict, source: str = "DeepSpeed config", large
         return ds
     ds = copy.deepcopy(ds)
     zero = ds["zero_optimization"]
-    for key, needed in (("reduce_scatter", False), ("contiguous_gradients", True)):
-        if zero.get(key, needed) != needed:
-            raise EngineConfigError(f"{source}: zero_optimization.{key} {str(not needed).lower()} with "
-                                    f"--context-parallel at ZeRO stage 3: DeepSpeed would give 1/C of the summed "
-                                    f"gradients of the sequence chunks (docs/long_context.md); set it to "
-                                    f"{str(needed).lower()} (or leave it out)")
+    for key, needed in (("reduce_scatter", False), ("contiguous_gradients", True)):  # (others: pipeline.job.layout)
         zero[key] = needed
     zero["reduce_bucket_size"] = max(int(float(zero.get("reduce_bucket_size", 5e8))), largest_param)
     return ds
@@ -152,15 +115,8 @@ def sequence_parallel_ds_config(ds: dict, state: ParallelState, source: str = "D
     parallelism each rank holds its own chunk (already 1/tp of the tensor), so both must be off.
     """
     ds = copy.deepcopy(ds)
-    if ds.get("activation_checkpointing", {}).get("partition_activations"):
-        raise EngineConfigError(f"{source}: activation_checkpointing.partition_activations splits activations "
-                                f"that sequence parallelism has already split across the TP ranks; set it to false")
-    if state.pipeline_parallel > 1:
+    if state.pipeline_parallel > 1:  # (a config setting them true is refused by pipeline.job.layout)
         pipe = ds.setdefault("pipeline", {})
         for key in ("pipe_partitioned", "grad_partitioned"):
-            if pipe.get(key):
-                raise EngineConfigError(f"{source}: pipeline.{key} is true, but under sequence parallelism each TP "
-                                        f"rank sends its own sequence chunk between stages; set it to false "
-                                        f"(or leave it out)")
             pipe[key] = False
     return ds

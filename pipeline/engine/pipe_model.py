@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from models import GPTConfig
 from models.gpt import Embedding, FinalNorm, LMHead, TransformerLayer, context_parallel_cross_entropy, stage_seed
 from models.moe import MoEMLP, is_moe_layer
-from models.parallel import ParallelState, scale_gradient, vocab_parallel_cross_entropy
+from models.parallel import Layout, ParallelState, scale_gradient, vocab_parallel_cross_entropy
 
 TIED_KEY = "embed"
 
@@ -89,32 +89,34 @@ class MoELMHead(LMHead):
         return super().forward(hidden), aux
 
 
-def layer_specs(config: GPTConfig, init_seed: int) -> list:
+def layer_specs(config: GPTConfig, layout: Layout, init_seed: int) -> list:
     """The stages in order; each draws its initial weights from the seed ``models.gpt.GPT`` gives it."""
     L, moe = config.num_layers, bool(config.num_experts)
     if config.tie_embeddings:
-        first = TiedLayerSpec(TIED_KEY, Embedding, config, stage_seed(init_seed, 0),
+        first = TiedLayerSpec(TIED_KEY, Embedding, config, layout, stage_seed(init_seed, 0),
                               tied_weight_attr=["word_embeddings.weight"])
-        last = TiedLayerSpec(TIED_KEY, Embedding, config, stage_seed(init_seed, 0),
+        last = TiedLayerSpec(TIED_KEY, Embedding, config, layout, stage_seed(init_seed, 0),
                              forward_fn=_tied_logits_aux if moe else _tied_logits,
                              tied_weight_attr=["word_embeddings.weight"])
     else:
-        first = LayerSpec(Embedding, config, stage_seed(init_seed, 0))
-        last = LayerSpec(MoELMHead if moe else LMHead, config, stage_seed(init_seed, L + 2))
+        first = LayerSpec(Embedding, config, layout, stage_seed(init_seed, 0))
+        last = LayerSpec(MoELMHead if moe else LMHead, config, layout, stage_seed(init_seed, L + 2))
     layer = MoETransformerLayer if moe else TransformerLayer
-    return [first, *(LayerSpec(layer, config, stage_seed(init_seed, i + 1), is_moe_layer(config, i)) for i in range(L)),
-            LayerSpec(MoEFinalNorm if moe else FinalNorm, config), last]
+    return [first, *(LayerSpec(layer, config, layout, stage_seed(init_seed, i + 1), is_moe_layer(config, i))
+                     for i in range(L)),
+            LayerSpec(MoEFinalNorm if moe else FinalNorm, config, layout), last]
 
 
 def gpt_pipeline(config: GPTConfig, state: ParallelState, init_seed: int, *, activation_checkpointing: bool = False,
                  checkpoint_fn=None) -> PipelineModule:
-    config.check_parallel(state.tensor_parallel, state.pipeline_parallel, state.context_parallel)
+    layout = state.layout
+    config.check_parallel(layout.tensor, layout.pipeline, layout.context, sequence_parallel=layout.sequence_parallel)
     kwargs = {}
     if activation_checkpointing:
         kwargs.update(activation_checkpoint_interval=1, checkpointable_layers=["TransformerLayer"])
         if checkpoint_fn is not None:
             kwargs["activation_checkpoint_func"] = checkpoint_fn
-    return PipelineModule(layers=layer_specs(config, init_seed),
+    return PipelineModule(layers=layer_specs(config, layout, init_seed),
                           loss_fn=VocabParallelLoss(config.vocab_size, state.context_parallel),
                           topology=pipe_topology(state), partition_method="type:TransformerLayer", **kwargs)
 

@@ -129,7 +129,11 @@ def lm_step_record(engine, r, *, tokens_per_step: int, flops_per_step: float, wo
                    peak_tflops: float | None) -> dict:
     """What a language model's training step logs: loss, lr, loss scale, gradient norm, speed and MFU."""
     tflops = flops_per_step / r.seconds / world_size / 1e12
-    dp_group = engine.mpu.get_data_parallel_group() if engine.mpu is not None else None
+    # the MoE routing of every token: summed over data x context (the chunks of context parallelism route theirs; the
+    # pipeline engine's grid counts them among its data-parallel ranks)
+    mpu = engine.mpu
+    dp_group = (getattr(mpu, "get_sequence_data_parallel_group", mpu.get_data_parallel_group)()
+                if mpu is not None else None)
     pipe_group = engine.mpu.get_pipe_parallel_group() if getattr(engine, "is_pipe", False) else None
     return {"step": r.step, "loss": r.out, "lr": engine.get_lr()[0], "loss_scale": loss_scale(engine),
             "grad_norm": grad_norm(engine), "skipped_steps": int(engine.skipped_steps),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.engine.ds_config import zero_stage
 from pipeline.generation.decode import generate
 from pipeline.generation.decoders import decoder_for
 from pipeline.generation.prompts import PromptError, encode_prompts, read_prompts
@@ -40,13 +39,9 @@ def check_sample_args(args, job, config) -> None:
         if args.sample_prompts is not None:
             raise PromptError("--sample-prompts without --sample-interval; pass --sample-interval N")
         return
+    # (the layouts it cannot sample at are refused with the rest: pipeline.job.layout.samples_during_training)
     refusals = [(args.sample_interval < 1, f"--sample-interval must be >= 1, got {args.sample_interval}"),
-                (args.sample_prompts is None, "--sample-interval needs --sample-prompts FILE"),
-                (job.state.pipeline_parallel > 1, "--sample-interval is for --pipeline-parallel 1 only"),
-                (getattr(job.state, "context_parallel", 1) > 1, "--sample-interval is not for --context-parallel"),
-                (getattr(config, "sequence_parallel", False), "--sample-interval is not for --sequence-parallel"),
-                (getattr(config, "tiled_mlp", 1) > 1, "--sample-interval is not for --tiled-mlp"),
-                (zero_stage(job.ds) == 3, "--sample-interval is not for ZeRO stage 3 (partitioned weights)")]
+                (args.sample_prompts is None, "--sample-interval needs --sample-prompts FILE")]
     reason = next((message for refused, message in refusals if refused), None)
     if reason:
         raise PromptError(f"{reason}; drop --sample-interval or change the layout")

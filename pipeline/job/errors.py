@@ -46,11 +46,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
-from models.config import ConfigError
-from models.parallel.state import ParallelConfigError
-
-__all__ = ["UserError", "InputError", "ArgumentParser", "user_error_types", "format_user_error", "reported_errors",
-           "command", "add_debug_arg",
+__all__ = ["UserError", "InputError", "ArgumentParser", "is_user_error", "is_rank0", "format_user_error",
+           "reported_errors", "command", "add_debug_arg",
            "EXIT_USER_ERROR", "DEBUG_ENV"]
 
 EXIT_USER_ERROR = 2
@@ -60,14 +57,17 @@ _PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirec
 
 class UserError(Exception):
     """Something the user handed in or asked for is wrong; the message says where, what, and what to do."""
+    user_error = True  # what a command reports in one line; the models' own errors say so too (``user_error``)
 
 
 class InputError(UserError, ValueError):
     """A malformed input file or argument value, for modules without an error class of their own."""
 
 
-def user_error_types() -> tuple[type[BaseException], ...]:
-    return (UserError, ConfigError, ParallelConfigError, *_PATH_ERRORS)
+def is_user_error(error: BaseException) -> bool:
+    """A ``UserError``, an error of a lower layer marked ``user_error`` (the model configs' and the layout's), or a
+    path the user gave that the OS refused. This module imports nothing above it: the marker, not the class."""
+    return getattr(type(error), "user_error", False) or isinstance(error, _PATH_ERRORS)
 
 
 def format_user_error(error: BaseException) -> str:
@@ -80,7 +80,8 @@ def format_user_error(error: BaseException) -> str:
     return "error: " + re.sub(r"\s*\n\s*", " ", message.strip())
 
 
-def _is_rank0() -> bool:
+def is_rank0() -> bool:
+    """Whether this process is rank 0: of the process group once joined, else as the launcher numbered it."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
@@ -96,8 +97,10 @@ def reported_errors(argv: Sequence[str] | None = None) -> Iterator[None]:
     """Turn a user error raised in the block into the one line on stderr and ``SystemExit(2)``."""
     try:
         yield
-    except user_error_types() as e:
-        rank0 = _is_rank0()
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        rank0 = is_rank0()
         if rank0 or getattr(e, "every_rank", False):
             if _debug(argv):
                 traceback.print_exc()

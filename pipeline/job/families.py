@@ -23,7 +23,8 @@ import torch
 
 from models import GPT, MLSTM, GPTConfig, MLSTMConfig
 from models.config import ConfigError
-from models.parallel import get_shard_spec
+from models.parallel import Layout, get_parallel_state, get_shard_spec
+from pipeline.job.layout import LayoutCheck, validate
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,9 @@ class ModelFamily:
     default_preset: str             # models/configs/<preset>.json when none is given
     default_tokenizer: str          # what pipeline.data.load_tokenizer builds when none is given
     layouts: str                    # the parallel layouts it trains at, in words (for refusals)
-    build_module: Callable          # (config, init_seed) -> the training module at this rank's TP shard
+    build_module: Callable          # (config, init_seed, layout) -> the module at this rank's shard of the layout
     stream_data: bool               # truncated BPTT over contiguous streams (else shuffled packed sequences)
-    pipeline_capable: bool          # trains with pipeline parallelism (pipeline/engine/pipe_model.py)
+    pipeline_parallel_capable: bool  # trains with pipeline parallelism (pipeline/engine/pipe_model.py)
     tensor_parallel_capable: bool
     # "hf_exporter", "hf_verifier", "scorer", "encoder", "decoder", "hf_classifier" (a finetuned classifier -> HF)
     refs: dict[str, str] = field(default_factory=dict)
@@ -49,8 +50,9 @@ class ModelFamily:
                               f"it has {', '.join(self.refs) or 'none'}") from None
         return getattr(importlib.import_module(module), attr)
 
-    def build(self, config, init_seed: int | None = None) -> torch.nn.Module:
-        return self.build_module(config, init_seed)
+    def build(self, config, init_seed: int | None = None, layout: Layout | None = None) -> torch.nn.Module:
+        """The model at ``layout`` (default: the current process groups')."""
+        return self.build_module(config, init_seed, layout)
 
     def build_for_training(self, config, init_seed: int | None = None) -> torch.nn.Module:
         """``build``; a stream model keeps its TBPTT state between calls, so the engine's forward stays
@@ -60,31 +62,26 @@ class ModelFamily:
             model.carry_state = True
         return model
 
-    def check_layout(self, config, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
-        """Raise ConfigError when the family (or this config) cannot be split as (TP, PP)."""
-        refused = [f"--{flag} {n}" for flag, n, ok in (("tensor-parallel", tensor_parallel,
-                                                        self.tensor_parallel_capable),
-                                                       ("pipeline-parallel", pipeline_parallel,
-                                                        self.pipeline_capable)) if n != 1 and not ok]
-        if refused:
-            raise ConfigError(f"{' '.join(refused)}: the {self.name} model trains with {self.layouts} only; "
-                              f"use --tensor-parallel 1 --pipeline-parallel 1")
-        check = getattr(config, "check_parallel", None)
-        if check is not None:
-            check(tensor_parallel, pipeline_parallel)
+    def check_layout(self, config, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                     context_parallel: int = 1) -> None:
+        """Raise ``LayoutError`` when the family (or this config) cannot be split as (TP, PP, CP): the layout rules
+        (``pipeline.job.layout``) of a model that is scored, generated from or imported."""
+        validate(LayoutCheck(Layout(tensor=tensor_parallel, pipeline=pipeline_parallel, context=context_parallel),
+                             config, self))
 
     def shard_specs(self, config) -> dict:
-        """{parameter name: ShardSpec or None} of the full state dict, from a model built on the meta device."""
+        """{parameter name: ShardSpec or None} of the full state dict, from a model built on the meta device (with
+        every expert: a full state dict names them all, whatever this rank's expert-parallel size)."""
         with torch.device("meta"):
-            model = self.build(config, 0)
+            model = self.build(config, 0, get_parallel_state().layout.replace(expert=1))
         return {name: get_shard_spec(p) for name, p in model.named_parameters()}
 
 
-def _build_gpt(config: GPTConfig, init_seed: int | None) -> GPT:
-    return GPT(config, init_seed=init_seed)
+def _build_gpt(config: GPTConfig, init_seed: int | None, layout: Layout | None = None) -> GPT:
+    return GPT(config, init_seed=init_seed, layout=layout)
 
 
-def _build_mlstm(config: MLSTMConfig, init_seed: int | None) -> MLSTM:
+def _build_mlstm(config: MLSTMConfig, init_seed: int | None, layout: Layout | None = None) -> MLSTM:
     """The same initial weights on every data-parallel rank, without touching the global RNG streams."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed or 0)
@@ -102,7 +99,7 @@ def register(family: ModelFamily) -> ModelFamily:
 register(ModelFamily(
     name="gpt", config_class=GPTConfig, default_preset="gpt2-tiny", default_tokenizer="train-bpe",
     layouts="tensor, pipeline and data parallelism", build_module=_build_gpt, stream_data=False,
-    pipeline_capable=True, tensor_parallel_capable=True,
+    pipeline_parallel_capable=True, tensor_parallel_capable=True,
     refs={"hf_exporter": "pipeline.hf.export:export_gpt", "hf_verifier": "pipeline.hf.export:gpt_logits",
           "scorer": "pipeline.evaluation.lm_scoring.scoring:GPTScorer", "encoder": "finetune.model:GPTEncoder",
           "decoder": "pipeline.generation.decoders:GPTDecoder",
@@ -111,7 +108,7 @@ register(ModelFamily(
 register(ModelFamily(
     name="mlstm", config_class=MLSTMConfig, default_preset="mlstm-tiny", default_tokenizer="bytes",
     layouts="data parallelism (and ZeRO)", build_module=_build_mlstm, stream_data=True,
-    pipeline_capable=False, tensor_parallel_capable=False,
+    pipeline_parallel_capable=False, tensor_parallel_capable=False,
     refs={"hf_exporter": "pipeline.hf.export:export_mlstm", "hf_verifier": "pipeline.hf.export:mlstm_logits",
           "scorer": "pipeline.evaluation.lm_scoring.scoring:MLSTMScorer", "encoder": "finetune.model:MLSTMEncoder",
           "decoder": "pipeline.generation.decoders:MLSTMDecoder"}))

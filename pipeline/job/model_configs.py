@@ -61,6 +61,17 @@ def make_model_config(raw: dict, vocab_size: int, seq_length: int | None):
     return family.config_class.from_dict(raw, source=source)
 
 
+def preview_model_config(raw: dict, seq_length: int | None):
+    """The model config as far as it is known before the tokenizer is (its own vocabulary, or the class
+    default): what the layout rules read (heads, sequence, layers, experts) before any work starts."""
+    source = raw.get("_source", "model config")
+    raw = {k: v for k, v in raw.items() if k != "_source"}
+    family = family_of_dict(raw, source)
+    if seq_length is not None:
+        raw["seq_length"] = seq_length
+    return family.config_class.from_dict(raw, source=source)
+
+
 def recompute_modules_arg(text: str) -> tuple[str, ...]:
     """argparse type of ``--recompute-modules``: a comma list of ``RECOMPUTE_MODULES``, each once (returned in
     that order)."""

@@ -9,13 +9,17 @@ from test_tensor_parallel import CONFIGS, _batch, _reference, assert_matches_ref
 
 from models import GPT, GPTConfig
 from models.config import ConfigError
-from models.parallel import full_state_dict, get_parallel_state, initialize_model_parallel, model_parallel_seed
+from models.parallel import Layout, full_state_dict, get_parallel_state, initialize_model_parallel, model_parallel_seed
+
+TILING = ("tiled_mlp", "tiled_loss")
 
 
 def _run_cp(rank, tp, cp, config, sequence_parallel):
-    state = initialize_model_parallel(tensor_parallel=tp, context_parallel=cp)
+    tiling = {k: v for k, v in config.items() if k in TILING}
+    state = initialize_model_parallel(layout=Layout(tensor=tp, context=cp, sequence_parallel=sequence_parallel,
+                                                    **tiling))
     model_parallel_seed(1234)
-    model = GPT(GPTConfig(**config, sequence_parallel=sequence_parallel))
+    model = GPT(GPTConfig(**{k: v for k, v in config.items() if k not in TILING}))
     ids, labels = _batch()
     logits = model(ids)
     loss = model(ids, labels)
@@ -64,7 +68,6 @@ def test_refusals():
     with pytest.raises(ConfigError, match="the 2 attention heads of each tensor-parallel rank are not divisible by "
                                           "context_parallel 4"):
         GPTConfig(**CONFIGS["gpt2"], seq_length=8).check_parallel(2, context_parallel=4)
-    sp = GPTConfig(**CONFIGS["gpt2"], seq_length=12, sequence_parallel=True)
     with pytest.raises(ConfigError, match=r"context_parallel x tensor_parallel = 8 \(sequence parallelism\)"):
-        sp.check_parallel(2, context_parallel=4)
+        config.check_parallel(2, context_parallel=4, sequence_parallel=True)
     assert get_parallel_state().get_sequence_parallel_world_size() == 1  # one process: no context group

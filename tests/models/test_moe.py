@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from models.config import ConfigError, GPTConfig
+from models.config import GPTConfig
 from models.gpt import GPT
 from models.moe import route
 from pipeline.checkpoints.state_dicts import load_full_state_dict
@@ -57,8 +57,6 @@ def test_aux_loss_reaches_the_training_loss():
     model.eval()
     ce = model(ids[:, :-1], ids[:, 1:])
     assert torch.allclose(loss - ce, model.moe_aux_loss()) and float(loss - ce) > 0.4  # l_aux >= 1 for uniform
-    with pytest.raises(ConfigError, match="num_experts 4 is not divisible"):
-        GPTConfig(variant="llama", num_experts=4, moe_expert_parallel=3)
 
 
 def test_flops_count_the_active_parameters():

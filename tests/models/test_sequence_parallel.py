@@ -8,6 +8,7 @@ from test_tensor_parallel import CONFIGS, _batch, _reference, assert_matches_ref
 from models import GPT, GPTConfig
 from models.gpt import Embedding
 from models.parallel import (
+    Layout,
     full_state_dict,
     gather_from_sequence_parallel_region,
     initialize_model_parallel,
@@ -20,9 +21,9 @@ from models.parallel import (
 
 
 def _run_sp(rank, tp, config):
-    initialize_model_parallel(tensor_parallel=tp)
+    initialize_model_parallel(layout=Layout(tensor=tp, sequence_parallel=True))
     model_parallel_seed(1234)
-    model = GPT(GPTConfig(**config, sequence_parallel=True))
+    model = GPT(GPTConfig(**config))
     ids, labels = _batch()
     logits = model(ids)
     loss = model(ids, labels)
@@ -64,9 +65,8 @@ def _ops_and_dropout(rank, tp):
     (rs * torch.arange(4, dtype=torch.float64).view(1, 4, 1) * (rank + 1)).sum().backward()
     out["rs"], out["rs_grad"] = rs.detach(), y.grad.clone()
     # dropout of the sequence-split region: the same input chunk on both ranks, different masks
-    config = GPTConfig(**{**CONFIGS["gpt2"], "hidden_dropout": 0.5, "variant": "llama", "tie_embeddings": False},
-                       sequence_parallel=True)
-    emb = Embedding(config, init_seed=0).train()
+    config = GPTConfig(**{**CONFIGS["gpt2"], "hidden_dropout": 0.5, "variant": "llama", "tie_embeddings": False})
+    emb = Embedding(config, Layout(tensor=tp, sequence_parallel=True), init_seed=0).train()
     out["dropped"] = emb(torch.full((1, 8), 7)).detach()
     out["tp_rank"] = tp_rank()
     try:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from models import GPTConfig
 from models.gpt import SHORT_CPU_ATTENTION, Attention, short_causal_attention
-from models.parallel import initialize_model_parallel
+from models.parallel import Layout, initialize_model_parallel
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
@@ -37,7 +37,7 @@ def test_the_layer_gives_sdpa_result_on_both_sides_of_the_threshold(seq, monkeyp
     initialize_model_parallel(1, 1)
     config = GPTConfig(variant="llama", hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=1, vocab_size=128,
                        max_position_embeddings=256, attention_dropout=0.0, hidden_dropout=0.0)
-    layer = Attention(config).eval()
+    layer = Attention(config, Layout()).eval()
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(2, 4, seq, 16, generator=g), torch.randn(2, 2, seq, 16, generator=g), torch.randn(2, 2, seq, 16, generator=g)
     used = []

@@ -6,10 +6,11 @@ from test_tensor_parallel import CONFIGS, _batch, _max_rel
 
 from models import GPT, GPTConfig
 from models.config import ConfigError
+from models.parallel import Layout
 
 
-def _loss_and_grads(config: dict, **kwargs):
-    model = GPT(GPTConfig(**config), init_seed=7)
+def _loss_and_grads(config: dict, layout: Layout = Layout(), **kwargs):
+    model = GPT(GPTConfig(**config), init_seed=7, layout=layout)
     ids, labels = _batch()
     loss = model(ids, labels, **kwargs)
     loss.backward()
@@ -22,7 +23,7 @@ def test_tiled_equals_untiled(variant, tiles):
     mlp, loss_tiles = tiles
     for kwargs in ({}, {"label_smoothing": 0.1, "reduction": "sum"}):
         ref_loss, ref_grads = _loss_and_grads(CONFIGS[variant], **kwargs)
-        loss, grads = _loss_and_grads({**CONFIGS[variant], "tiled_mlp": mlp, "tiled_loss": loss_tiles}, **kwargs)
+        loss, grads = _loss_and_grads(CONFIGS[variant], Layout(tiled_mlp=mlp, tiled_loss=loss_tiles), **kwargs)
         diffs = {"loss": _max_rel(loss, ref_loss), **{n: _max_rel(grads[n], ref_grads[n]) for n in ref_grads}}
         worst = max(diffs, key=diffs.get)
         print(f"{variant} tiled MLP {mlp} / loss {loss_tiles} {kwargs}: max relative difference {diffs[worst]:.2e} "
@@ -31,13 +32,9 @@ def test_tiled_equals_untiled(variant, tiles):
 
 
 def test_tiling_settings():
-    with pytest.raises(ConfigError, match="tiled_mlp must be a positive integer"):
-        GPTConfig(**CONFIGS["gpt2"], tiled_mlp=0)
-    with pytest.raises(ConfigError, match="tiled_mlp .* and sequence_parallel .* exclude each other"):
-        GPTConfig(**CONFIGS["gpt2"], tiled_mlp=2, sequence_parallel=True)
-    config = GPTConfig(**CONFIGS["llama"], tiled_mlp=2, tiled_loss=4)
-    assert "tiled_mlp" not in config.to_dict() and "tiled_loss" not in config.to_dict()  # not saved with the model
-    model = GPT(config, init_seed=0)
+    with pytest.raises(ConfigError, match="tiled_mlp is how a run lays the model out.*pass --tiled-mlp"):
+        GPTConfig.from_dict({**CONFIGS["gpt2"], "tiled_mlp": 2})  # a layout setting, not the model's
+    model = GPT(GPTConfig(**CONFIGS["llama"]), init_seed=0, layout=Layout(tiled_mlp=2, tiled_loss=4))
     ids, labels = _batch()
     with pytest.raises(ValueError, match="the tiled loss reduces to a mean or a sum"):
         model(ids, labels, reduction="none")

@@ -85,12 +85,7 @@ def load_project_model(checkpoint_dir: str | Path, tensor_parallel: int = 1, tok
     initialize_model_parallel(tensor_parallel, 1, context_parallel)
     config, full, tokenizer_dir = read_full_checkpoint(checkpoint_dir, lazy=True)
     family = family_of(config)
-    family.check_layout(config, tensor_parallel, 1)
-    if context_parallel > 1:
-        if not hasattr(config, "check_context_parallel"):
-            raise InputError(f"--context-parallel {context_parallel}: context parallelism splits the windows of "
-                             f"attention models (the GPT variants), not of {type(config).__name__}; drop it")
-        config.check_context_parallel(tensor_parallel, context_parallel)
+    family.check_layout(config, tensor_parallel, 1, context_parallel)  # the layout's rules (pipeline.job.layout)
     tokenizer_dir = tokenizer or tokenizer_dir
     if tokenizer_dir is None:
         raise FileNotFoundError(f"{checkpoint_dir} has no tokenizer; pass --tokenizer")

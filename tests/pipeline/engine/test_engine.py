@@ -9,8 +9,10 @@ from engine_utils import BASE_DS, TINY, GlobalBatchLoader, real_text_tokens, tra
 from models import GPTConfig
 from models.parallel import initialize_model_parallel, model_parallel_seed
 from models.recompute import DiscardedOutput
+from models.parallel import Layout
+from pipeline.job.layout import LayoutCheck, LayoutError, validate
 from pipeline.engine.build import build_engine
-from pipeline.engine.ds_config import EngineConfigError, resolve_ds_config
+from pipeline.engine.ds_config import EngineConfigError, precision, resolve_ds_config, zero_stage
 from pipeline.engine.schedules import LRSchedule
 from pipeline.engine.steps import lm_batches, train_step
 
@@ -113,20 +115,30 @@ def test_fp16_dynamic_loss_scale_skips_overflow_steps():
     assert r["loss"][-1] < r["loss"][0]
 
 
-@pytest.mark.parametrize("ds,pp,message", [
-    ({**BASE_DS, "zero_optimization": {"stage": 2}}, 2, "ZeRO stage 2 cannot be combined with pipeline parallelism"),
-    ({**BASE_DS, "zero_optimization": {"stage": 3}}, 2, "ZeRO stage 3 cannot be combined with pipeline parallelism"),
-    ({**BASE_DS, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, 1, "fp16 and bf16 are both enabled"),
-    ({**BASE_DS, "train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, 1,
+@pytest.mark.parametrize("ds,message", [
+    ({**BASE_DS, "train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
      "global batch 10 is not a multiple of micro batch 4 x data-parallel size 1"),
-    ({**BASE_DS, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 1,
+    ({**BASE_DS, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3},
      "train_batch_size 8 != micro batch 2 x gradient_accumulation_steps 3"),
-    (BASE_DS, 2, "gradient clipping with pipeline parallelism in fp32 needs ZeRO stage 1"),
-    ({**BASE_DS, "fp16": {"enabled": True}}, 1, "fp16 needs ZeRO stage 1 or 2 here"),
+])
+def test_refused_batch_sizes(ds, message):
+    with pytest.raises(EngineConfigError) as e:
+        resolve_ds_config(ds, data_parallel=1, pipeline_parallel=1)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("ds,pp,message", [
+    ({**BASE_DS, "zero_optimization": {"stage": 2}}, 2, "ZeRO stage 2 with --pipeline-parallel 2"),
+    ({**BASE_DS, "zero_optimization": {"stage": 3}}, 2, "ZeRO stage 3 with --pipeline-parallel 2"),
+    ({**BASE_DS, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, 1, "fp16 and bf16 are both enabled"),
+    (BASE_DS, 2, "gradient clipping with --pipeline-parallel in fp32 at ZeRO stage 0"),
+    ({**BASE_DS, "fp16": {"enabled": True}}, 1, "fp16 with ZeRO stage 0"),
 ])
 def test_refused_combinations(ds, pp, message):
-    with pytest.raises(EngineConfigError) as e:
-        resolve_ds_config(ds, data_parallel=1, pipeline_parallel=pp)
+    """The DeepSpeed settings the layout validator refuses (pipeline.job.layout), before any process group."""
+    check = LayoutCheck(Layout(pipeline=pp, zero_stage=zero_stage(ds), precision=precision(ds)), ds=ds)
+    with pytest.raises(LayoutError) as e:
+        validate(check)
     assert message in str(e.value)
 
 

@@ -15,6 +15,8 @@ from pipeline.generation.decoders import decoder_for
 from pipeline.generation.loading import load_generation_model
 from pipeline.generation.prompts import PromptError
 from pipeline.generation.sampling import SampleSettings
+from models.parallel import Layout
+from pipeline.job.layout import LayoutCheck, refusal
 from pipeline.generation.training import check_sample_args
 
 MODEL = {"variant": "gpt2", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 32,
@@ -65,14 +67,18 @@ def test_samples_leave_the_losses_unchanged(tmp_path):
     ({"sample_prompts": "p.txt"}, "--sample-prompts without --sample-interval"),
     ({"sample_interval": 0, "sample_prompts": "p.txt"}, "--sample-interval must be >= 1"),
     ({"sample_interval": 5}, "--sample-interval needs --sample-prompts FILE"),
-    ({"sample_interval": 5, "sample_prompts": "p.txt", "pp": 2}, "for --pipeline-parallel 1 only"),
-    ({"sample_interval": 5, "sample_prompts": "p.txt", "sp": True}, "not for --sequence-parallel"),
-    ({"sample_interval": 5, "sample_prompts": "p.txt", "zero": 3}, "not for ZeRO stage 3"),
-    ({"sample_interval": 5, "sample_prompts": "p.txt", "cp": 2}, "not for --context-parallel"),
 ])
 def test_sample_arguments_are_refused_in_one_line(given, message):
     args = SimpleNamespace(sample_interval=given.get("sample_interval"), sample_prompts=given.get("sample_prompts"))
-    job = SimpleNamespace(state=SimpleNamespace(pipeline_parallel=given.get("pp", 1), context_parallel=given.get("cp", 1)),
-                          ds={"zero_optimization": {"stage": given.get("zero", 1)}})
     with pytest.raises(PromptError, match=message):
-        check_sample_args(args, job, SimpleNamespace(sequence_parallel=given.get("sp", False)))
+        check_sample_args(args, None, None)
+
+
+@pytest.mark.parametrize("layout, message", [
+    (Layout(pipeline=2), "with --pipeline-parallel"), (Layout(tensor=2, sequence_parallel=True), "--sequence-parallel"),
+    (Layout(zero_stage=3), "ZeRO stage 3"), (Layout(context=2), "--context-parallel"),
+    (Layout(tiled_mlp=2), "--tiled-mlp"),
+])
+def test_layouts_without_samples_are_refused_before_the_run(layout, message):
+    assert message in refusal(LayoutCheck(layout, extras={"sample_interval": 5}))
+    assert refusal(LayoutCheck(layout)) is None  # the layout alone trains

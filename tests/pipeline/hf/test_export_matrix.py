@@ -16,9 +16,10 @@ from dist import run_distributed
 from engine_utils import BASE_DS, TINY, GlobalBatchLoader, real_text_tokens
 
 from models import GPTConfig
-from models.parallel import initialize_model_parallel, model_parallel_seed
+from models.parallel import Layout, initialize_model_parallel, model_parallel_seed
 from pipeline.checkpoints import checkpoint
-from pipeline.engine.ds_config import EngineConfigError, check_supported, precision, resolve_ds_config
+from pipeline.engine.ds_config import precision, resolve_ds_config
+from pipeline.job.layout import LayoutCheck, refusal
 from pipeline.engine.build import build_engine
 from pipeline.engine.steps import lm_batches, train_step
 from pipeline.export_hf import main as export_main
@@ -33,9 +34,7 @@ def supported(tp, pp):
     out = []
     for (prec, extra), stage in itertools.product(PRECISIONS.items(), range(4)):
         ds = {**BASE_DS, **extra, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}
-        try:
-            check_supported(ds, pp)
-        except EngineConfigError:
+        if refusal(LayoutCheck(Layout(pipeline=pp, zero_stage=stage, precision=prec), ds=ds)):
             continue
         out.append((f"{prec}_z{stage}", ds))
     return out

@@ -9,7 +9,6 @@ Qwen3-MoE with layers kept dense (decoder_sparse_step 2, mlp_only_layers) and no
 family has shared experts (Qwen3-MoE has none; Qwen2-MoE's shared expert is not imported). A classifier finetuned
 on each at DP2 (EP 1 and 2, the same losses and weights) trains with the router loss and exports as its
 *ForSequenceClassification."""
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 from finetune.hf_export import compare_with_project
 from models import GPT, GPTConfig
 from models.moe import expert_slice
-from models.parallel import full_state_dict, initialize_model_parallel
+from models.parallel import Layout, full_state_dict, initialize_model_parallel
 from pipeline.checkpoints.checkpoint import read_full_checkpoint, save, save_run_files
 from pipeline.checkpoints.state_dicts import load_full_state_dict, read_state_dict
 from pipeline.data import load_tokenizer
@@ -107,11 +106,11 @@ def _layout_logits(rank, model_dirs, save_root):
     (each rank writing its experts' files)."""
     out = {}
     for layout, (tp, ep) in LAYOUTS.items():
-        state = initialize_model_parallel(tensor_parallel=tp)
+        state = initialize_model_parallel(layout=Layout(tensor=tp, expert=ep))
         ds = resolve_ds_config({**BASE_DS, "train_batch_size": state.data_parallel},
                                data_parallel=state.data_parallel, pipeline_parallel=1, micro_batch_size=1)
         for name, path in model_dirs.items():
-            config = dataclasses.replace(GPTConfig.from_file(f"{path}/config.json"), moe_expert_parallel=ep)
+            config = GPTConfig.from_file(f"{path}/config.json")
             engine = build_engine(config, ds, state, init_seed=0,
                                   full_state_dict=read_state_dict(f"{path}/model.safetensors", lazy=True))
             engine.eval()

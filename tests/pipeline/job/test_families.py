@@ -1,6 +1,7 @@
 """The model-family registry: every entry names what every command asks of it, and refuses layouts by name."""
 import pytest
 
+from pipeline.job.layout import LayoutError
 from models import GPTConfig, MLSTMConfig
 from models.config import ConfigError
 from pipeline.job.families import FAMILIES, family_named, family_of, family_of_dict
@@ -25,9 +26,9 @@ def test_family_of_a_config_and_the_layouts_it_refuses():
     mlstm = MLSTMConfig(vocab_size=64, embed_dim=8, hidden_size=16, seq_length=8)
     assert family_of(gpt).name == "gpt" and family_of(mlstm).name == "mlstm"
     family_of(gpt).check_layout(gpt, 2, 2)
-    with pytest.raises(ConfigError, match="num_heads 4 is not divisible by the tensor-parallel size 3"):
+    with pytest.raises(LayoutError, match="num_heads 4 is not divisible by the tensor-parallel size 3"):
         family_of(gpt).check_layout(gpt, 3, 1)
-    with pytest.raises(ConfigError, match="--tensor-parallel 2: the mlstm model trains with data parallelism"):
+    with pytest.raises(LayoutError, match="--tensor-parallel 2 with the mlstm model: it trains with data parallelism"):
         family_of(mlstm).check_layout(mlstm, 2, 1)
     specs = family_of(mlstm).shard_specs(mlstm)
     assert specs and all(spec is None for spec in specs.values())

@@ -82,10 +82,10 @@ def _jobs(rank, argvs, refusals=()):
 
 def _refusal_cases(moe):
     return [(("--expert-parallel", "2"), "ds.json", "moe.json",
-             "--expert-parallel 2 does not divide the data-parallel size 1"),
-            (("--expert-parallel", "3"), "ds.json", "moe.json", "--expert-parallel 3 does not divide num_experts 4"),
+             "--expert-parallel 2: does not divide data x context parallel 1"),
+            (("--expert-parallel", "3"), "ds.json", "moe.json", "--expert-parallel 3: does not divide num_experts 4"),
             ((), "ds_z3.json", "moe.json", "zero_optimization.stage 3 with MoE layers"),
-            (("--expert-parallel", "2"), "ds.json", "dense.json", "the model has no experts"),
+            (("--expert-parallel", "2"), "ds.json", "dense.json", "with a dense model (num_experts 0): nothing to split"),
             (("--load", str(_save(moe, "EP2 TP2"))), "ds_z0.json", "moe.json",  # convert_moe reads ZeRO-1/2 only
              "optimizer state moves between ZeRO-1/2 layouts only")]
 

@@ -1,0 +1,148 @@
+"""The composition matrix (tests/composition.py): every cell the layout validator allows trains 4 steps through
+DeepSpeed's engine exactly as one process (per-step losses and DeepSpeed's global gradient norm), with its layout
+shown to be in force; every cell it refuses is refused by the job in one line, exit 2, before any work; and
+docs/composition.md is what the validator and the matrix give. One launch per world size (1, 2, 4, 8 ranks), many
+cells each."""
+import collections
+
+import deepspeed.comm as dc
+import pytest
+import torch
+from composition import (DOC, GLOBAL_BATCH, MICRO_BATCH, STEPS, cell_id, cell_layout, cell_refusal, cells, ds_config,
+                         model_config, render)
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import groups
+from dist import run_distributed
+from engine_utils import GlobalBatchLoader, real_text_tokens
+
+import models.gpt
+import models.moe
+from models.parallel import Layout, destroy_model_parallel, initialize_model_parallel, model_parallel_seed
+from models.recompute import DiscardedOutput
+from pipeline.engine.build import build_engine
+from pipeline.engine.ds_config import resolve_ds_config
+from pipeline.engine.schedules import LRSchedule
+from pipeline.engine.steps import lm_batches, train_step
+
+# measured on this CPU, largest over the cells (losses / gradient norms): fp32 8.7e-8 / 1.4e-7 from one process; bf16
+# 7.1e-5 / 1.5e-3 and fp16 1.1e-5 / 2.0e-4 from one process of the same precision (their reductions round in other
+# orders); one bf16 / fp16 process from the fp32 one: 1.1e-4 / 1.6e-3 and 3.2e-6 / 4.0e-4
+TOLERANCE = {"fp32": 1e-6, "bf16": 1.5e-2, "fp16": 2e-3}
+VS_FP32 = {"bf16": 1.6e-2, "fp16": 4e-3}
+COUNTED = collections.Counter()
+
+
+def _count(module, name: str, key: str) -> None:
+    """Count the calls of ``module.name`` (the project's own tiling functions) under ``key``."""
+    fn = getattr(module, name)
+    setattr(module, name, lambda *a, **k: COUNTED.update([key]) or fn(*a, **k))
+
+
+def _counting() -> None:
+    _count(models.gpt, "tiled_mlp", "tiled_mlp")
+    _count(models.moe, "tiled_mlp", "tiled_mlp")
+    _count(models.gpt, "tiled_cross_entropy", "tiled_loss")
+    recompute = DiscardedOutput._recompute
+    DiscardedOutput._recompute = lambda self, grad: COUNTED.update(["recomputed"]) or recompute(self, grad)
+
+
+def _train(layout: Layout, moe: bool) -> dict:
+    """4 steps at ``layout``: losses, gradient norms and what shows the layout was in force."""
+    state = initialize_model_parallel(layout=layout)
+    model_parallel_seed(1234)
+    ds = resolve_ds_config(ds_config(layout), data_parallel=state.data_parallel,
+                           pipeline_parallel=state.pipeline_parallel, micro_batch_size=MICRO_BATCH)
+    dc.comms_logger.comms_dict.clear()
+    COUNTED.clear()
+    engine = build_engine(model_config(moe), ds, state, init_seed=1234, schedule=LRSchedule(3e-3, 2, STEPS, "cosine"))
+    table = real_text_tokens(GLOBAL_BATCH * STEPS)
+    batches = lm_batches(GlobalBatchLoader(table, GLOBAL_BATCH, ds["train_micro_batch_size_per_gpu"],
+                                           state.get_data_parallel_rank(), state.data_parallel))
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(train_step(engine, batches))
+        norms.append(float(engine.get_global_grad_norm()))
+    name = f"ep_size_{layout.expert}"
+    shown = {"sizes": (state.tensor_parallel, state.context_parallel, state.pipeline_parallel, state.data_parallel),
+             "zero": engine.zero_optimization_stage(), "pipe_stages": engine.num_stages if engine.is_pipe else 1,
+             "ep": groups._get_expert_parallel_world_size(name) if name in groups._EXPERT_PARALLEL_GROUP else 0,
+             "expert_data": (groups._get_expert_data_parallel_world_size(name)
+                             if name in groups._EXPERT_DATA_PARALLEL_GROUP else 0),
+             "sp_world": groups._get_sequence_parallel_world_size(),
+             "ops": sorted(dc.comms_logger.comms_dict), "counted": dict(COUNTED),
+             "dtype": str(next(engine.module.parameters()).dtype)}
+    del engine
+    destroy_model_parallel()
+    return {"losses": losses, "norms": norms, "shown": shown}
+
+
+def _cells_worker(rank, todo) -> dict:
+    get_accelerator().is_fp16_supported = lambda: True  # DeepSpeed's CPU accelerator refuses fp16 otherwise
+    torch.manual_seed(0)
+    _counting()
+    return {key: _train(layout, moe) for key, (layout, moe) in todo.items()}
+
+
+def _one_process(layout: Layout) -> Layout:
+    return Layout(precision=layout.precision, zero_stage=1)
+
+
+def _reference_key(layout: Layout, moe: bool) -> tuple:
+    return ("reference", moe, layout.precision)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """{cell or reference key: rank 0's result}: one launch per world size."""
+    by_world = collections.defaultdict(dict)
+    for names in cells():
+        if cell_refusal(names) is None:
+            layout, moe = cell_layout(names)
+            by_world[layout.world][names] = (layout, moe)
+            by_world[1][_reference_key(layout, moe)] = (_one_process(layout), moe)
+            by_world[1][_reference_key(layout.replace(precision="fp32"), moe)] = (Layout(zero_stage=1), moe)
+    out = {}
+    for world, todo in sorted(by_world.items()):
+        out.update(run_distributed(_cells_worker, world, todo, env={"OMP_NUM_THREADS": "1"})[0])
+    return out
+
+
+def _rel(a, b) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def _assert_in_force(names, layout: Layout, shown: dict) -> None:
+    ops = " ".join(shown["ops"])
+    assert shown["sizes"] == (layout.tensor, layout.context, layout.pipeline, layout.data)
+    assert shown["zero"] == layout.zero_stage and shown["pipe_stages"] == layout.pipeline
+    if layout.pipeline == 1:  # DeepSpeed's own context group (its pipeline grid counts CP ranks as data ranks)
+        assert shown["sp_world"] == layout.context
+    checks = {"TP2": "tp/" in ops, "TP2+SP": "tp/all_gather" in ops and "tp/reduce_scatter" in ops,
+              "CP2": "all_to_all_single" in shown["ops"], "PP2": "send" in ops and "recv" in ops,
+              # (under CP, ZeRO-3 reduces by all-reduce: pipeline.engine.ds_config.context_parallel_ds_config)
+              "DP2 ZeRO-3": "all_gather" in ops and ("reduce_scatter" in ops or layout.context > 1),
+              "EP2 MoE": "ep/" in ops and shown["ep"] == 2 and shown["expert_data"] == layout.data * layout.context // 2,
+              "tiled MLP": shown["counted"].get("tiled_mlp", 0) > 0,
+              "tiled loss": shown["counted"].get("tiled_loss", 0) > 0,
+              "recompute": shown["counted"].get("recomputed", 0) > 0,
+              "bf16": shown["dtype"] == "torch.bfloat16", "fp16": shown["dtype"] == "torch.float16"}
+    failed = [name for name in names if not checks.get(name, True)]
+    assert not failed, (cell_id(names), failed, shown)
+
+
+@pytest.mark.parametrize("names", [c for c in cells() if cell_refusal(c) is None], ids=cell_id)
+def test_composition_cells(names, trained):
+    layout, moe = cell_layout(names)
+    alone = layout == _one_process(layout)  # bf16 or fp16 alone: against fp32, else it is its own reference
+    ref = trained[_reference_key(layout.replace(precision="fp32") if alone else layout, moe)]
+    got = trained[names]
+    loss_rel, norm_rel = _rel(got["losses"], ref["losses"]), _rel(got["norms"], ref["norms"])
+    print(f"{cell_id(names)} ({layout}): losses {loss_rel:.1e}, gradient norms {norm_rel:.1e} from one "
+          f"{'fp32 ' if alone else ''}process")
+    tol = VS_FP32[layout.precision] if alone else TOLERANCE[layout.precision]
+    assert loss_rel < tol and norm_rel < tol, (got, ref)
+    _assert_in_force(names, layout, got["shown"])
+
+
+def test_the_composition_page_is_what_the_validator_and_the_matrix_give():
+    assert DOC.read_text() == render(), "docs/composition.md is stale: run python tests/composition.py --write"
