@@ -104,11 +104,10 @@ class StopWatch:
         received, deadline = [], None
         while not self._closed:
             timeout = None if deadline is None or self.boundary.is_set() else max(deadline - time.monotonic(), 0)
-            try:
-                ready, _, _ = select.select([self._read], [], [], timeout)
-                data = os.read(self._read, 64) if ready else b""
-            except (OSError, ValueError):
-                return  # closed
+            ready, _, _ = select.select([self._read], [], [], timeout)
+            data = os.read(self._read, 64) if ready else b""
+            if self._closed:
+                break
             received += [signal.Signals(n) for n in data if n in STOP_SIGNALS]
             if len(received) >= 2:
                 _end_now(received[-1], f"a second stop signal ({received[-1].name}) received: ending the job now, "
@@ -118,14 +117,17 @@ class StopWatch:
             if deadline is not None and not ready and not self.boundary.is_set():
                 _end_now(received[0], f"{received[0].name} received and no step completed within "
                                       f"{self.grace_s:g} s ({GRACE_ENV}): ending the job now, without saving")
+        os.close(self._read)  # by the thread itself: closed only once nothing waits on it
 
     def close(self) -> None:
+        """The wakeup fd back to what it was, then the thread woken (a byte that is no signal, or the pipe's end)
+        and the write end closed: the thread ends and closes the read end."""
         self._closed = True
         with contextlib.suppress(ValueError):
             signal.set_wakeup_fd(self._previous)
-        for fd in (self._write, self._read):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with contextlib.suppress(OSError):  # the thread may have closed its end already
+            os.write(self._write, b"\0")
+        os.close(self._write)
 
 
 def _end_now(signum: int, why: str) -> None:
@@ -230,8 +232,10 @@ def current() -> Guard:
 def configure(save: str | None, *, exit_signal_handler: bool, max_bad_steps: int, fp16: bool) -> Guard:
     """The guard of the run ``setup`` starts (signals installed on every rank; the run lock taken by rank 0)."""
     global _current
+    grace_s = stop_grace_s()
+    _current.uninstall()  # a job of this process that ended before its loop (a notebook, tests): its handlers go
     _current = Guard(Path(save) if save else None, max_bad_steps, check_finite=not fp16 and max_bad_steps > 0,
-                     grace_s=stop_grace_s())
+                     grace_s=grace_s)
     if exit_signal_handler:
         _current.install()
     if save:

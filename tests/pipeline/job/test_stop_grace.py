@@ -55,3 +55,15 @@ def test_a_step_boundary_within_the_grace_stops_cleanly():
 def test_a_grace_that_is_not_a_number_is_refused_at_start():
     proc, lines, _ = run("", grace="nan")
     assert proc.returncode == 1 and "PIPELINE_STOP_GRACE_S: 'nan' is not a finite number" in proc.stderr
+
+
+def test_a_new_job_in_one_process_leaves_no_watch_behind():
+    """A second configure (a notebook's second job, one that ended before its loop) and the loop's end: the
+    wakeup fd is back to none and no watch thread is left (one would read a reused fd)."""
+    script = ("import signal, threading, time\nfrom pipeline.job import faults\n"
+              "for _ in range(2):\n"
+              "    guard = faults.configure(None, exit_signal_handler=True, max_bad_steps=1, fp16=False)\n"
+              "guard.uninstall()\ntime.sleep(0.5)\n"
+              "print('left', signal.set_wakeup_fd(-1), sum(t.name == 'stop-watch' for t in threading.enumerate()))")
+    proc = run_cli([sys.executable, "-c", script], ROOT, check=False)
+    assert proc.returncode == 0 and "left -1 0" in proc.stdout, proc.stdout + proc.stderr
