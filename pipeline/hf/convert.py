@@ -279,6 +279,7 @@ def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype:
     export holds the source and one tensor, not a second model.
     """
     dtype = parse_dtype(dtype)
+    hf_family(config)  # a model no transformers class holds (GPT-2 with MoE layers): said so, not as missing keys
     rules = weight_map(config)
     _check_keys(full_state_dict, rules, "project state dict")
     source_dtypes = set()
@@ -531,7 +532,8 @@ def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: boo
 
 HF_FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
     HFFamily("gpt2", "gpt2", "GPT2Config", GPT2_ARCH, "GPT2ForSequenceClassification", "GPT2Model",
-             _gpt2_config_from_hf, _gpt2_config_to_hf, lambda c: None),
+             _gpt2_config_from_hf, _gpt2_config_to_hf,
+             lambda c: f"num_experts={c.num_experts} (GPT-2 has no MoE layers)" if c.num_experts else None),
     HFFamily("llama", "llama", "LlamaConfig", LLAMA_ARCH, "LlamaForSequenceClassification", "LlamaModel",
              _llama_config_from_hf, _llama_config_to_hf, _holds()),
     HFFamily("qwen2", "llama", "Qwen2Config", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2Model",
@@ -569,7 +571,9 @@ def hf_family(config: GPTConfig) -> HFFamily:
             return family
     raise ConversionError(f"no Hugging Face family holds this {config.variant} model "
                           f"(qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, bias={config.bias}, "
-                          f"sliding_window={config.sliding_window})")
+                          f"sliding_window={config.sliding_window}, num_experts={config.num_experts}); no "
+                          f"transformers class computes it (docs/huggingface.md lists the families and what they "
+                          f"hold)")
 
 
 def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | None = None,

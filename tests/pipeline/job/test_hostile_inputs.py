@@ -42,6 +42,8 @@ def work(tmp_path_factory):
     d = tmp_path_factory.mktemp("hostile")
     write_job_files(d, MODEL, json.__doc__ * 20)
     run_distributed(_pretrain, 1, pretrain(d, d / "run"))
+    (d / "moe.json").write_text(json.dumps({**MODEL, "num_experts": 4, "moe_top_k": 2}))
+    run_distributed(_pretrain, 1, [*pretrain(d, d / "moerun"), "--model-config", d / "moe.json"])
     lines = (shared_data("semeval2018-ec") / "dev.tsv").read_text(encoding="utf-8").splitlines()[:21]
     (d / "dev.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     run_cli([sys.executable, "-m", "finetune.train", "--base", d / "run", "--train", d / "dev.tsv", "--dev",
@@ -71,7 +73,6 @@ def make_lying_files(d) -> None:
     """Files that are not what they claim: configs, GGUF, safetensors, ensembles."""
     (d / "notjson.json").write_text("{'variant': 'gpt2',")
     (d / "list.json").write_text("[1, 2]")
-    (d / "moe.json").write_text(json.dumps({**MODEL, "num_experts": 4, "moe_top_k": 2}))
     (d / "cut.gguf").write_bytes(b"GGUF" + struct.pack("<I", 3) + b"\x01\x00")
     (d / "huge.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2**40, 0) + bytes(64))
     (d / "keys.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2**40) + bytes(64))
@@ -251,6 +252,10 @@ FILES = [
     ("export_hf of an ensemble", lambda d: ("pipeline.export_hf", ["--checkpoint", d / "ens_ints", "--out",
                                                                     d / "x"]),
      "{d}/ens_ints is an ensemble of finetuned classifiers (ensemble.json), not a language-model checkpoint"),
+    ("export_hf of a GPT-2 MoE run", lambda d: ("pipeline.export_hf", ["--checkpoint", d / "moerun", "--out",
+                                                                        d / "x"]),
+     "no Hugging Face family holds this gpt2 model (qkv_bias=False, qk_norm=False, bias=True, sliding_window=None, "
+     "num_experts=4); no transformers class computes it"),
     ("finetune --base a Hugging Face export", _finetune(base="hf"),
      "{d}/hf is a Hugging Face model directory ({d}/hf/config.json names GPT2LMHeadModel), not a checkpoint of "
      "this project; read it with --hf where a command takes one, or import it with python -m pipeline.import_hf"),
