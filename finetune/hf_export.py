@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from finetune.scoring.thresholds import load_thresholds
 from pipeline.checkpoints.model_dir import copy_tokenizer_files
-from pipeline.hf.convert import hf_family, parse_dtype, to_hf
+from pipeline.hf.convert import ConversionError, hf_family, parse_dtype, to_hf
 from pipeline.hf.safetensors_io import write_hf_weights
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_named
@@ -41,6 +41,11 @@ def check_exportable(info: dict) -> None:
     if head.pooling != "last":
         problems.append(f"pooling is {head.pooling!r}, but transformers' *ForSequenceClassification pools the last "
                         f"token (train with --pooling last)")
+    if "hf_classifier" in family.refs:
+        try:
+            hf_family(info["encoder_config"])
+        except ConversionError as e:  # e.g. a GPT-2 encoder with MoE layers: no transformers class holds it
+            problems.append(str(e))
     if head.mlp_hidden:
         problems.append(f"the head has an MLP ({list(head.mlp_hidden)}), but transformers' classifier is one linear "
                         f"layer (train without --mlp-hidden)")

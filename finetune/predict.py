@@ -31,6 +31,7 @@ from finetune.scoring.thresholds import apply_thresholds
 from pipeline.hf.convert import add_dtype_arg, parse_dtype
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.files import check_output_file, refuse_overlap
+from pipeline.job.numbers import positive_int, probability
 
 
 def parse_args(argv=None):
@@ -41,9 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="predictions file to write (E-c format)")
     p.add_argument("--text-column", default=None, help="text column of a non-E-c file (default 'text')")
     p.add_argument("--id-column", default=None, help="ID column of a non-E-c file (default: row numbers)")
-    p.add_argument("--threshold", type=float, default=None, help="one threshold for every label instead of the "
+    p.add_argument("--threshold", type=probability(), default=None, help="one threshold for every label instead of the "
                                                                  "tuned ones")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     add_dtype_arg(p, help="dtype the classifier computes in (bfloat16: about 3x faster on a CPU with bf16 units)")
     p.add_argument("--probabilities", default=None, help="also write the probabilities to this TSV file")
     p.add_argument("--eval-json", default=None, help="write the scores to this JSON file (labelled data)")

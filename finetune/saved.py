@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.job.errors import UserError
 from models import GPTConfig, MLSTMConfig
 from pipeline.data import load_saved_tokenizer
-from pipeline.checkpoints.checkpoint import is_deepspeed_run_dir, read_full_model_state
+from pipeline.checkpoints.checkpoint import is_deepspeed_run_dir, read_full_model_state, refuse_other_model_kinds
 from pipeline.job.families import family_named
 from pipeline.checkpoints.model_dir import CONFIG_FILE, read_model_dir, tokenizer_dir_of
 from pipeline.checkpoints.state_dicts import load_full_state_dict
@@ -193,6 +193,7 @@ def load_base_state(directory: str | Path) -> tuple[GPTConfig | MLSTMConfig, dic
         raise BaseModelError(f"base model {d} is a file; give its directory")
     if d.name.startswith("global_step") and (d.parent / CONFIG_FILE).is_file():
         return read_full_model_state(d.parent, d.name)
+    refuse_other_model_kinds(d, allow=(CLASSIFIER_FILE,))  # an ensemble, a TF-IDF model, a Hugging Face model
     if (d / CLASSIFIER_FILE).is_file():
         info, full = read_classifier_dir(d)
         encoder = {k[len(ENCODER_PREFIX):]: v for k, v in full.items() if k.startswith(ENCODER_PREFIX)}

@@ -23,6 +23,7 @@ import transformers
 
 from pipeline.job.errors import ArgumentParser, InputError, command, console_script
 from pipeline.job.files import atomic_write_json
+from pipeline.job.numbers import non_negative_int, positive_int
 from pipeline.hf.convert import add_dtype_arg, short_dtype_name
 from pipeline.evaluation.lm_scoring import evaluate_bpc, evaluate_lambada, evaluate_wikitext
 from pipeline.evaluation.tasks import (MEGATRON_STRIDE, TASKS, check_outputs, harness_main, load_data, load_model,
@@ -41,27 +42,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "lambada: JSON lines {\"text\": ...}; bpc: any UTF-8 text file")
     p.add_argument("--include-path", type=Path,
                    help="--harness: a folder of task YAML files (e.g. tasks reading local data files, offline)")
-    p.add_argument("--num-fewshot", type=int, help="--harness: few-shot examples (default: each task's own)")
+    p.add_argument("--num-fewshot", type=non_negative_int,
+                   help="--harness: few-shot examples (default: each task's own)")
     p.add_argument("--log-samples", action="store_true",
                    help="--harness: also write each request's answers (log-likelihood, greedy) to the JSON")
     p.add_argument("--out", required=True, type=Path, help="result JSON file")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf", type=Path, help="Hugging Face causal-LM directory or .gguf file")
     model.add_argument("--checkpoint", type=Path, help="project checkpoint directory")
-    p.add_argument("--tensor-parallel", type=int, default=1,
+    p.add_argument("--tensor-parallel", type=positive_int, default=1,
                    help="--checkpoint: tensor-parallel size to score with (launch TP x DP ranks like the main job)")
-    p.add_argument("--context-parallel", type=int, default=1,
+    p.add_argument("--context-parallel", type=positive_int, default=1,
                    help="--checkpoint: split each window over C ranks (DeepSpeed-Ulysses; launch TP x C x DP ranks)")
     p.add_argument("--tokenizer", type=Path,
                    help="tokenizer directory or .gguf file (default: the model's own)")
-    p.add_argument("--context-length", type=int,
+    p.add_argument("--context-length", type=positive_int,
                    help="tokens the model reads per window (default: the model's maximum positions)")
-    p.add_argument("--stride", type=int,
+    p.add_argument("--stride", type=positive_int,
                    help=f"wikitext/bpc: new tokens scored per window; smaller gives each token more context "
                         f"and costs more (default: Megatron's {MEGATRON_STRIDE}, capped at --context-length)")
-    p.add_argument("--batch-size", type=int, default=8,
+    p.add_argument("--batch-size", type=positive_int, default=8,
                    help="windows (wikitext, bpc) or passages (lambada) per forward (default: 8)")
-    p.add_argument("--max-examples", type=int,
+    p.add_argument("--max-examples", type=positive_int,
                    help="score a prefix only: the first N passages (lambada), articles (wikitext) or lines (bpc)")
     add_dtype_arg(p, default="fp32", help="model weights and compute")
     p.add_argument("--device", default="auto",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline.generation.run import add_sampling_args, run_generation
 from pipeline.job.errors import ArgumentParser, command, console_script
+from pipeline.job.numbers import positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a file of prompts: one a line, or JSON lines {\"prompt\": ...} in a .jsonl file")
     p.add_argument("--out", type=Path, required=True, help="the JSON lines to write, one per prompt")
     add_sampling_args(p)
-    p.add_argument("--tensor-parallel", type=int, default=1,
+    p.add_argument("--tensor-parallel", type=positive_int, default=1,
                    help="tensor-parallel size to generate at (launch that many ranks; default 1)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="prompts decoded together (default 8)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the model's own)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="weights and compute (default fp32)")

@@ -16,6 +16,7 @@ import sys
 
 
 from pipeline.job.errors import ArgumentParser, command, console_script
+from pipeline.job.numbers import positive_int
 from pipeline.hf.convert import add_dtype_arg, num_parameters_message
 from pipeline.hf.importer import import_hf
 
@@ -25,8 +26,10 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--model", required=True, help="Hugging Face model directory, or a .gguf file")
     p.add_argument("--gguf-file", help="name of the .gguf file inside --model (when it is a directory)")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
-    p.add_argument("--tensor-parallel", type=int, default=1, help="TP size the model will be trained at (checked)")
-    p.add_argument("--pipeline-parallel", type=int, default=1, help="PP size the model will be trained at (checked)")
+    p.add_argument("--tensor-parallel", type=positive_int, default=1,
+                   help="TP size the model will be trained at (checked)")
+    p.add_argument("--pipeline-parallel", type=positive_int, default=1,
+                   help="PP size the model will be trained at (checked)")
     add_dtype_arg(p, help="dtype of the saved weights (float32: the training master weights)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     return p.parse_args(argv)

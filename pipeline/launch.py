@@ -10,15 +10,21 @@ naming the first rank that failed, its exit code or signal and its own line (the
 
     error: torchrun: rank 0 (pid 4242) failed first, exit code 2 (2 worker(s) failed): invalid model config ...
 
-and the launcher exits with that worker's exit code (1 for a signal). The deepspeed launcher (the documented
+and the launcher exits with that worker's exit code (1 for a signal). Its own arguments are checked first, each
+refusal one line (exit code 2): no script, ``--nproc_per_node`` neither a count from 1 to 1024 nor one of
+torchrun's words (auto, cpu, gpu, xpu), any other error of torchrun's parser. The deepspeed launcher (the documented
 one) needs none of this: it ends a failed job with one log line, ``... exits with return code = 2``.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from torch.distributed.run import get_args_parser, run
+
+from pipeline.job.errors import InputError, reported_errors
+from pipeline.job.numbers import int_in
 
 __all__ = ["main", "summary"]
 
@@ -37,8 +43,35 @@ def summary(error: ChildFailedError) -> tuple[str, int]:
     return line, failure.exitcode if failure.exitcode > 0 else 1
 
 
+PROG = "python -m pipeline.launch"
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+MAX_NPROC = 1024
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """torchrun's own parser, its errors one line (not its usage block), ``--nproc_per_node`` checked before
+    any worker starts (0 would start none; ``abc`` is torchrun's traceback)."""
+    if not argv:
+        raise InputError(f"{PROG}: give the script to run and its arguments, e.g. {PROG} --nproc_per_node 2 "
+                         f"pipeline/pretrain.py --model-config ...; see {PROG} --help")
+    parser = get_args_parser()
+    parser.prog = PROG
+
+    def error(message: str):
+        raise InputError(f"{PROG}: {message}; see {PROG} --help")
+    parser.error = error
+    args = parser.parse_args(argv)
+    if args.nproc_per_node not in NPROC_WORDS:
+        try:
+            int_in(1, MAX_NPROC)(args.nproc_per_node)
+        except argparse.ArgumentTypeError as e:
+            error(f"argument --nproc_per_node: {e} (or one of {', '.join(NPROC_WORDS)})")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    with reported_errors(argv):
+        args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)
     except ChildFailedError as e:

@@ -14,34 +14,40 @@ from __future__ import annotations
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.files import atomic_write_json, check_output_file
 from pipeline.job.model_configs import recompute_modules_arg
+from pipeline.job.numbers import float_in, int_in, positive_float, positive_int
 from pipeline.planning.hardware import profiles
 from pipeline.planning.layouts import DEFAULT_BUCKET
 from pipeline.planning.memory import POLICIES, PRECISION_BYTES
 from pipeline.planning.planner import PlanError, format_plan, format_validation, make_job, rank_layouts
 from pipeline.planning.validation import plot_validation, validation_rows
 
+MAX_GPUS = 2**20  # beyond any cluster: the search enumerates the divisors of the GPU count and of the batch
+MAX_SIZE = 2**30
+
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m pipeline.plan", description=__doc__)
     p.add_argument("--model-config", help="a JSON file or a preset of models/configs/ (gpt or mlstm)")
-    p.add_argument("--gpus", type=int, help="how many GPUs")
+    p.add_argument("--gpus", type=int_in(1, MAX_GPUS), help=f"how many GPUs (at most {MAX_GPUS})")
     p.add_argument("--hardware", default="h100-dgx", help="a profile of pipeline/planning/hardware.json")
-    p.add_argument("--seq-length", type=int, help="tokens per sequence (default: the config's)")
-    p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step (default: max(gpus, 8))")
+    p.add_argument("--seq-length", type=int_in(1, MAX_SIZE), help="tokens per sequence (default: the config's)")
+    p.add_argument("--global-batch-size", type=int_in(1, MAX_SIZE),
+                   help="sequences per optimizer step (default: max(gpus, 8))")
     p.add_argument("--precision", default="bf16", choices=sorted(PRECISION_BYTES))
-    p.add_argument("--sustained-tflops", type=float, help="the matmul rate per GPU (default: the profile's)")
-    p.add_argument("--bucket", type=float, default=DEFAULT_BUCKET, help="DeepSpeed's reduce_bucket_size (elements)")
+    p.add_argument("--sustained-tflops", type=positive_float, help="the matmul rate per GPU (default: the profile's)")
+    p.add_argument("--bucket", type=float_in(1, MAX_SIZE), default=DEFAULT_BUCKET,
+                   help="DeepSpeed's reduce_bucket_size (elements)")
     g = p.add_argument_group("pin a part of the layout")
-    g.add_argument("--tp", type=int)
-    g.add_argument("--pp", type=int)
+    g.add_argument("--tp", type=int_in(1, MAX_GPUS))
+    g.add_argument("--pp", type=int_in(1, MAX_GPUS))
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     g.add_argument("--sp", choices=["on", "off"])
     g.add_argument("--recompute", choices=POLICIES)
     g.add_argument("--recompute-modules", type=recompute_modules_arg,
                    help="what selective recomputes: core_attn and/or mlp_act, layernorm (a comma list; the planner "
                         "tries core_attn alone and all three)")
-    g.add_argument("--micro-batch", type=int)
-    p.add_argument("--top", type=int, default=10, help="how many layouts to print")
+    g.add_argument("--micro-batch", type=int_in(1, MAX_SIZE))
+    p.add_argument("--top", type=positive_int, default=10, help="how many layouts to print")
     p.add_argument("--json", help="also write the ranked predictions to this file")
     p.add_argument("--force", action="store_true", help="replace an existing --json or --plot file")
     p.add_argument("--validate", action="store_true", help="the table against the papers; exit 1 if a row is off")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.files import check_output_file, refuse_overlap
+from pipeline.job.numbers import int_in
 from pipeline.tracking.plot import plot_runs
 
 
@@ -20,7 +21,7 @@ def parse_args(argv=None):
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or their metrics.jsonl)")
     parser.add_argument("--out", required=True, help="the picture to write (.png, .svg, .pdf)")
     parser.add_argument("--label", action="append", help="a legend name per run (default: the run's folder name)")
-    parser.add_argument("--dpi", type=int, default=80)
+    parser.add_argument("--dpi", type=int_in(1, 2400), default=80)
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     return parser.parse_args(argv)
 

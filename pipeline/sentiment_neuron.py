@@ -23,6 +23,7 @@ import torch
 from models.mlstm import MLSTM, load_mlstm
 from pipeline.checkpoints.checkpoint import is_deepspeed_run_dir, read_full_checkpoint
 from pipeline.job.errors import ArgumentParser, command
+from pipeline.job.numbers import positive_int
 from pipeline.evaluation.sentiment_neuron import DEFAULT_CS, run_sentiment_neuron
 
 
@@ -31,9 +32,10 @@ def parse_args(argv=None):
     ap.add_argument("--model", required=True, help="directory with config.json + model.safetensors (save_mlstm)")
     ap.add_argument("--data-dir", required=True, help="directory with train.tsv, val.tsv, test.tsv")
     ap.add_argument("--out", required=True, help="output directory (results.json, unit_<i>.png)")
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--max-length", type=int, default=None, help="truncate texts to this many bytes")
-    ap.add_argument("--limit", type=int, default=None, help="use only the first N examples of each split (smoke runs)")
+    ap.add_argument("--batch-size", type=positive_int, default=64)
+    ap.add_argument("--max-length", type=positive_int, default=None, help="truncate texts to this many bytes")
+    ap.add_argument("--limit", type=positive_int, default=None,
+                    help="use only the first N examples of each split (smoke runs)")
     ap.add_argument("--Cs", default=",".join(f"{c:g}" for c in DEFAULT_CS),
                     help="comma-separated C grid for the L1 probe")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

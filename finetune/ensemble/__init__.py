@@ -97,6 +97,11 @@ def load_ensemble(directory: str | os.PathLike, dtype: torch.dtype = torch.float
         raise EnsembleError(f"{path}: not valid JSON ({e}); rebuild it with python -m finetune.ensemble") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT or not isinstance(info.get("members"), list):
         raise EnsembleError(f"{path}: format is not {FORMAT!r}; rebuild it with python -m finetune.ensemble")
+    for name, value in (("members", info["members"]), ("label_names", info.get("label_names"))):
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value) or (
+                name == "members" and not value):
+            raise EnsembleError(f"{path}: field {name!r} is not a list of names ({value!r:.80}); rebuild it with "
+                                f"python -m finetune.ensemble")
     dirs = [resolve_member(d, m) for m in info["members"]]
     members = [load_member(m, dtype) for m in dirs]
     check_labels(members, dirs, info.get("label_names"))

@@ -39,6 +39,7 @@ from finetune.scoring.thresholds import THRESHOLDS_FILE
 from pipeline.hf.convert import add_dtype_arg
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.files import OutputError, refuse_overlap
+from pipeline.job.numbers import non_negative_int, positive_int, probability
 
 OUTPUTS = {ENSEMBLE_FILE, THRESHOLDS_FILE, "eval.json", "dev_predictions.txt", "test_predictions.txt",
            "per_class_f1.png", MEMBERS_DIR}
@@ -59,14 +60,14 @@ def parse_args(argv=None):
     p.add_argument("--train", default=None, help="training file (default: the one the members record)")
     p.add_argument("--dev", default=None, help="dev file scored (default: the one the members record)")
     p.add_argument("--test", default=None, help="also predict (and score, if labelled) this file")
-    p.add_argument("--holdout", type=float, default=None,
+    p.add_argument("--holdout", type=probability(open_low=True, open_high=True), default=None,
                    help=f"held-out fraction of train (default: the members', else {DEFAULT_HOLDOUT})")
-    p.add_argument("--holdout-seed", type=int, default=None,
+    p.add_argument("--holdout-seed", type=non_negative_int, default=None,
                    help=f"seed of the held-out split (default: the members', else {DEFAULT_HOLDOUT_SEED})")
     p.add_argument("--threshold-objective", choices=["micro", "macro", "balanced", "mean"], default="mean")
-    p.add_argument("--threshold-bagging", type=int, default=100, metavar="N",
+    p.add_argument("--threshold-bagging", type=non_negative_int, default=100, metavar="N",
                    help="average the thresholds over N bootstrap resamples of the held-out tweets (0: no bagging)")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     add_dtype_arg(p, default="bfloat16", help="dtype the members compute their probabilities in")
     p.add_argument("--force", action="store_true", help="rebuild an ensemble this command wrote in --save")
     args = p.parse_args(argv)

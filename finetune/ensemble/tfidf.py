@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 import scipy.sparse as sp
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 from scipy.special import expit
 from sklearn.feature_extraction.text import CountVectorizer, TfidfVectorizer
@@ -144,13 +145,20 @@ class TfidfClassifier:
             raise TfidfDirError(f"{d} is not a TF-IDF classifier directory: no {Path(e.filename).name}") from None
         except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
             raise TfidfDirError(f"{d}: unreadable TF-IDF classifier ({type(e).__name__}: {e})") from None
+        except SafetensorError as e:  # a pickle or anything else in its place: never unpickled
+            raise TfidfDirError(f"{d / WEIGHTS_FILE}: not a safetensors file ({e}); retrain the TF-IDF member with "
+                                f"python -m finetune.ensemble") from None
         if not isinstance(info, dict) or info.get("format") != FORMAT:
             raise TfidfDirError(f"{d / TFIDF_FILE}: format is not {FORMAT!r}")
-        features = [_Features(f["params"], f["vocabulary"], tensors.get(f"idf_{i}"))
-                    for i, f in enumerate(info["features"])]
-        coef, names = tensors["coef"], info["label_names"]
-        if coef.shape != (len(names), sum(len(f.vocabulary) for f in features)):
+        try:
+            features = [_Features(dict(f["params"]), dict(f["vocabulary"]), tensors.get(f"idf_{i}"))
+                        for i, f in enumerate(info["features"])]
+            coef, intercept, names = tensors["coef"], tensors["intercept"], [str(n) for n in info["label_names"]]
+            normalizer = None if info["normalizer"] is None else TweetNormalizer.from_dict(info["normalizer"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise TfidfDirError(f"{d}: {TFIDF_FILE} or {WEIGHTS_FILE} is malformed ({type(e).__name__}: {e}); "
+                                f"retrain the TF-IDF member with python -m finetune.ensemble") from None
+        if coef.shape != (len(names), sum(len(f.vocabulary) for f in features)) or intercept.shape != (len(names),):
             raise TfidfDirError(f"{d / WEIGHTS_FILE}: weights {tuple(coef.shape)} do not match {len(names)} labels "
                                 f"and the vocabularies in {TFIDF_FILE}")
-        normalizer = None if info["normalizer"] is None else TweetNormalizer.from_dict(info["normalizer"])
-        return cls(features, coef, tensors["intercept"], names, normalizer, info.get("training", {}), directory=d)
+        return cls(features, coef, intercept, names, normalizer, info.get("training", {}), directory=d)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pipeline.job.errors import ArgumentParser, UserError
+from pipeline.job.numbers import non_negative_float, non_negative_int, positive_float, positive_int, probability
 from pipeline.job.options import add_engine_args, add_run_args
 
 
@@ -23,12 +24,12 @@ def parse_args(argv=None):
                                                 "new or empty unless --force")
     g.add_argument("--force", action="store_true", help="write into an existing --save that holds an earlier "
                                                         "classifier of this job, or start an interrupted run afresh")
-    g.add_argument("--save-interval", type=int, default=None, metavar="N",
+    g.add_argument("--save-interval", type=positive_int, default=None, metavar="N",
                    help="also save the training state every N steps into SAVE/checkpoint (a stop signal saves it "
                         "anyway); the same command continues an interrupted run from it")
     g.add_argument("--hf-export", choices=["auto", "no"], default="auto",
                    help="auto: write the Hugging Face classifier to SAVE/hf when the head allows it")
-    g.add_argument("--eval-interval", type=int, default=None, help="steps between dev evaluations "
+    g.add_argument("--eval-interval", type=positive_int, default=None, help="steps between dev evaluations "
                                                                    "(default: each epoch)")
     add_run_args(p, g, log_interval=10)
     args = p.parse_args(argv)
@@ -46,14 +47,15 @@ def _add_model_args(g) -> None:
                         "read at its own name (SpanEmo's idea for a decoder); the mLSTM summarises each text "
                         "itself (its final cell state): none")
     g.add_argument("--mlp-hidden", default="", help="comma-separated hidden widths of an MLP head (default: linear)")
-    g.add_argument("--dropout", type=float, default=0.1, help="head dropout")
-    g.add_argument("--encoder-dropout", type=float, default=None,
+    g.add_argument("--dropout", type=probability(open_high=True), default=0.1, help="head dropout")
+    g.add_argument("--encoder-dropout", type=probability(open_high=True), default=None,
                    help="hidden and attention dropout of the encoder (default: the base model's config)")
     g.add_argument("--head-bias", choices=["auto", "yes", "no"], default="auto",
                    help="output bias of the head; auto: yes for gpt2, no for llama (Hugging Face's "
                         "LlamaForSequenceClassification has none, so the classifier stays exportable)")
-    g.add_argument("--aux-lm-weight", type=float, default=0.0, help="weight of the auxiliary language-model loss")
-    g.add_argument("--label-correlation", type=float, default=0.0, metavar="ALPHA",
+    g.add_argument("--aux-lm-weight", type=non_negative_float, default=0.0,
+                   help="weight of the auxiliary language-model loss")
+    g.add_argument("--label-correlation", type=non_negative_float, default=0.0, metavar="ALPHA",
                    help="multilabel: (1 - ALPHA) BCE + ALPHA x SpanEmo's label-correlation loss (each present label "
                         "pushed above each absent one; SpanEmo uses 0.2); 0: BCE alone")
     g.add_argument("--freeze-encoder", action="store_true",
@@ -61,9 +63,9 @@ def _add_model_args(g) -> None:
                         "once, before training, unless the pooling is 'attention'")
     g.add_argument("--freeze-embeddings", action="store_true",
                    help="keep the encoder's input embeddings fixed (fewer parameters to update)")
-    g.add_argument("--encoder-layers", type=int, default=None,
+    g.add_argument("--encoder-layers", type=positive_int, default=None,
                    help="keep only the base model's first N transformer layers (a cheaper encoder)")
-    g.add_argument("--max-length", type=int, default=128, help="tokens per text (longer texts are cut)")
+    g.add_argument("--max-length", type=positive_int, default=128, help="tokens per text (longer texts are cut)")
 
 
 def _add_data_args(p, g) -> None:
@@ -82,40 +84,42 @@ def _add_data_args(p, g) -> None:
     g.add_argument("--label-separator", default=",")
     g.add_argument("--no-normalize", action="store_true", help="keep texts as written (no tweet normalisation)")
     g.add_argument("--lowercase", action="store_true")
-    g.add_argument("--holdout", type=float, default=0.0,
+    g.add_argument("--holdout", type=probability(open_high=True), default=0.0,
                    help="fraction of train held out to tune thresholds on (0: tune on dev, which makes the dev "
                         "scores at tuned thresholds optimistic)")
-    g.add_argument("--holdout-seed", type=int, default=1234,
+    g.add_argument("--holdout-seed", type=non_negative_int, default=1234,
                    help="seed of the held-out split, apart from --seed, so that classifiers trained with other seeds "
                         "hold out the same tweets (what averaging them needs)")
     g.add_argument("--threshold-objective", choices=["macro", "micro", "balanced", "mean"], default="micro",
                    help="macro: each class's threshold maximises that class's F1 (what maximises macro-F1); micro: "
                         "then coordinate ascent for micro-F1; balanced: for the mean of micro- and macro-F1; "
                         "mean: for the mean of micro-F1, macro-F1 and Jaccard accuracy")
-    g.add_argument("--threshold-bagging", type=int, default=0, metavar="N", help="average the thresholds tuned "
+    g.add_argument("--threshold-bagging", type=non_negative_int, default=0, metavar="N",
+                   help="average the thresholds tuned "
                    "on N bootstrap resamples of the tuning set (less variance from a small tuning set; 0: tune once)")
     add_engine_args(p, pipeline_parallel=False)  # without --micro-batch-size: chosen from the data (providers)
-    g.add_argument("--eval-batch-size", type=int, default=64)
-    g.add_argument("--group-by-length", type=int, default=0, metavar="N",
+    g.add_argument("--eval-batch-size", type=positive_int, default=64)
+    g.add_argument("--group-by-length", type=non_negative_int, default=0, metavar="N",
                    help="batch training texts of similar length together (pools of N global batches sorted by "
                         "length, the batches shuffled), so little of a batch is padding; 0: random batches")
 
 
 def _add_optimization_args(g) -> None:
-    g.add_argument("--epochs", type=float, default=3.0)
-    g.add_argument("--train-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
-    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--warmup", type=float, default=0.1, help="warmup steps, as a fraction of the training steps")
+    g.add_argument("--epochs", type=positive_float, default=3.0)
+    g.add_argument("--train-steps", type=positive_int, default=None, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--lr", type=positive_float, default=5e-5, help="peak learning rate")
+    g.add_argument("--min-lr", type=non_negative_float, default=0.0)
+    g.add_argument("--warmup", type=probability(), default=0.1,
+                   help="warmup steps, as a fraction of the training steps")
     g.add_argument("--lr-decay-style", choices=["linear", "cosine", "constant"], default="linear")
-    g.add_argument("--weight-decay", type=float, default=None, help="default: the DeepSpeed config's")
-    g.add_argument("--layer-lr-decay", type=float, default=1.0,
+    g.add_argument("--weight-decay", type=non_negative_float, default=None, help="default: the DeepSpeed config's")
+    g.add_argument("--layer-lr-decay", type=positive_float, default=1.0,
                    help="learning-rate factor per encoder layer from the top (e.g. 0.9); 1 = none")
-    g.add_argument("--head-lr-mult", type=float, default=1.0, help="learning-rate multiple of the head")
+    g.add_argument("--head-lr-mult", type=positive_float, default=1.0, help="learning-rate multiple of the head")
     g.add_argument("--pos-weight", default="none",
                    help="BCE positive weights: none, balanced (negatives/positives), sqrt (its square root), or "
                         "comma-separated numbers, one per label")
-    g.add_argument("--pos-weight-max", type=float, default=10.0, help="cap of balanced/sqrt positive weights")
+    g.add_argument("--pos-weight-max", type=positive_float, default=10.0, help="cap of balanced/sqrt positive weights")
 
 
 def check_args(p: argparse.ArgumentParser, args) -> None:

@@ -21,8 +21,10 @@ run directory itself, never a path outside it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -33,9 +35,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+from models.config import ConfigError
 from models.parallel import get_rng_tracker
+from pipeline.job.errors import UserError
 from pipeline.job.families import family_of_dict
-from pipeline.job.files import atomic_dir, atomic_write_text, crash_point, disk_full, disk_full_cause, tree_size
+from pipeline.job.files import (OutputError, atomic_dir, atomic_write_text, crash_point, disk_full, disk_full_cause,
+                                refuse_links_out, tree_size)
 from pipeline.checkpoints.model_dir import read_model_dir
 
 from pipeline.checkpoints import safe_load
@@ -80,6 +85,52 @@ def _barrier():
         dist.barrier()
 
 
+# what a pretraining run writes at the top of its --save (and the "." temporaries of its atomic writes)
+RUN_ENTRIES = ("config.json", "tokenizer", "latest", "metrics.jsonl", "samples.jsonl", ".run.lock", "universal",
+               safe_load.RECOVERY_SCRIPT, "zero_to_torch.py", "tensorboard", "csv_monitor", "wandb")
+
+
+def check_save_dir(save, *, load=None, inputs=()) -> None:
+    """``pretrain --save``: refused, before anything is written, when it would replace what the user owns: a
+    directory holding files a run does not write (a data folder, a model), a link to outside it, an earlier
+    run's checkpoints unless that run is the one resumed (``--load`` the same directory), or an input of this
+    run (``inputs``: (flag, path or None) pairs, e.g. the --model-config file) inside it."""
+    if save is None:
+        return
+    save = Path(save)
+    if save.exists() and not save.is_dir():
+        raise OutputError(f"--save {save} is a file, not a directory; choose a directory for the run")
+    if not save.is_dir():
+        return
+    resumed = load is not None and Path(load).resolve() == save.resolve()
+    foreign = sorted(n for n in os.listdir(save) if not (n in RUN_ENTRIES or n.startswith((".", "global_step"))))
+    if foreign or not _our_config(save / "config.json"):
+        names = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "") if foreign else "a config.json"
+        raise OutputError(f"--save {save} holds {names}, which a pretraining run does not write (not a run "
+                          f"directory); --save is the run's own directory: choose a new or empty one")
+    refuse_links_out(save)
+    tags = complete_tags(save)
+    if tags and not resumed:
+        raise OutputError(f"--save {save} holds the checkpoints of another run ({', '.join(tags[-3:])}); continue "
+                          f"it with --load {save} --save {save}, or choose a new --save")
+    for flag, path in inputs:
+        if path is not None and not resumed and os.path.lexists(path) and (
+                save.resolve() in Path(path).resolve().parents or save.resolve() == Path(path).resolve()):
+            raise OutputError(f"{flag} {path} is inside --save {save}, whose files the run replaces; move it out "
+                              f"of {save} or choose another --save")
+
+
+def _our_config(path: Path) -> bool:
+    """No config.json, or one of a model config of this project (not an HF model's or the user's own)."""
+    if not path.exists():
+        return True
+    try:
+        raw = json.loads(path.read_text())
+        return isinstance(raw, dict) and family_of_dict(raw, str(path)).config_class.from_dict(raw) is not None
+    except (ValueError, UserError, ConfigError, TypeError, OSError):
+        return False
+
+
 def save_run_files(save_dir: Path, model_config, tokenizer) -> None:
     """config.json and tokenizer/ beside the tags (rank 0, once per run)."""
     save_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +165,8 @@ def _save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict,
     if rank == 0 and tag_dir.exists():
         # a leftover of a save that never completed (or a rerun of this step): replace it
         shutil.rmtree(tag_dir)
+    if rank == 0:
+        _unlink_linked_scripts(save_dir)
     _barrier()
     writer = engine.checkpoint_engine  # a safe_load.SafeCheckpointEngine (build_engine installs it)
     writer.written.clear()
@@ -141,6 +194,15 @@ def _save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict,
     return tag_dir
 
 
+def _unlink_linked_scripts(save_dir: Path) -> None:
+    """DeepSpeed copies its recovery scripts over whatever is there: one made a link (or hard-linked) since the
+    run started is removed first, so the copy never writes through it."""
+    for name in (safe_load.RECOVERY_SCRIPT, "zero_to_torch.py"):
+        path = save_dir / name
+        if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):
+            path.unlink()
+
+
 def _gather_digests(digests: dict) -> dict:
     """Every rank's {absolute path: sha256} of the files it wrote, on every rank."""
     if not dist.is_initialized():
@@ -160,7 +222,9 @@ def write_complete(tag_dir: Path, step: int, digests: dict | None = None) -> Non
 LOAD_TAG = "with --load-tag"
 
 
-def resolve_tag(load_dir, tag: str | None = None, *, choose: str = LOAD_TAG) -> str:
+def resolve_tag(load_dir, tag: str | None = None, *, choose: str = LOAD_TAG, flag: str = "--load-tag") -> str:
+    """The tag to read: ``tag`` (given as ``flag``) or the one ``latest`` names, checked inside the run and
+    verified; ``choose`` says how the command picks another."""
     load_dir = Path(load_dir)
     if not load_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {load_dir} does not exist")
@@ -173,7 +237,7 @@ def resolve_tag(load_dir, tag: str | None = None, *, choose: str = LOAD_TAG) -> 
         tag = _read_latest(latest, load_dir)
         source = f"{latest} names"
     else:
-        source = "--load-tag"
+        source = flag
     _check_inside(load_dir, tag, source)
     verify(load_dir / tag, choose)
     return tag
@@ -418,4 +482,33 @@ def read_full_checkpoint(path, tag: str | None = None, *, lazy: bool = False):
         return read_full_model_state(path.parent, path.name)
     if is_deepspeed_run_dir(path):
         return read_full_model_state(path, tag)
+    refuse_other_model_kinds(path)
     return read_model_dir(path, lazy=lazy)
+
+
+# directories the project writes that hold no language model of its own format: (marker file, what, what to do)
+OTHER_KINDS = (
+    ("ensemble.json", "an ensemble of finetuned classifiers", "its predictions come from python -m finetune.predict "
+                                                             "--model {path}; it has no single model to read"),
+    ("classifier.json", "a finetuned classifier", "its predictions come from python -m finetune.predict --model "
+                                                  "{path}; python -m finetune.export_hf exports it"),
+    ("tfidf.json", "a TF-IDF classifier", "its predictions come from python -m finetune.predict --model {path}"),
+)
+
+
+def refuse_other_model_kinds(path: Path, allow: tuple[str, ...] = ()) -> None:
+    """A classifier, an ensemble or a Hugging Face model directory given where a language-model checkpoint of
+    the project belongs: one line saying what it is and which command reads it (``allow``: marker files of
+    kinds the caller reads itself)."""
+    for marker, what, todo in OTHER_KINDS:
+        if (path / marker).is_file() and marker not in allow:
+            raise CheckpointError(f"{path} is {what} ({marker}), not a language-model checkpoint; "
+                                  + todo.format(path=path))
+    config = path / "config.json"
+    with contextlib.suppress(OSError, ValueError):
+        raw = json.loads(config.read_text())
+        if isinstance(raw, dict) and "architectures" in raw:
+            raise CheckpointError(f"{path} is a Hugging Face model directory ({config} names "
+                                  f"{', '.join(map(str, raw['architectures']))}), not a checkpoint of this project; "
+                                  f"read it with --hf where a command takes one, or import it with python -m "
+                                  f"pipeline.import_hf --model {path} --out DIR")

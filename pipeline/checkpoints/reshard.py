@@ -16,7 +16,8 @@ from pipeline.job.files import atomic_dir, refuse_overlap
 def reshard(run_dir, out, tag: str | None = None, *, force: bool = False) -> Path:
     run_dir = Path(run_dir)
     refuse_overlap(out, [("--checkpoint", run_dir)])
-    tag = checkpoint.resolve_tag(run_dir, tag)  # sizes, sha256 and a scan of every file, before any is read
+    # sizes, sha256 and a scan of every file, before any is read
+    tag = checkpoint.resolve_tag(run_dir, tag, choose="with --tag", flag="--tag")
     saved = checkpoint.saved_layout(run_dir, tag)
     reason = universal.unsupported_reason(saved, {"zero_stage": 1})
     if reason is not None:

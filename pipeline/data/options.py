@@ -1,6 +1,8 @@
 """The data arguments of the pretraining job (its "data" group): corpora, mixture weights, tokenizer, split."""
 from __future__ import annotations
 
+from pipeline.job.numbers import int_in, probability
+
 
 def add_data_args(p) -> None:
     g = p.add_argument_group("data")
@@ -16,7 +18,7 @@ def add_data_args(p) -> None:
     g.add_argument("--tokenizer", default=None,
                    help="'bytes', 'train-bpe', a tokenizer.json, or a directory with vocab.json + merges.txt "
                         "(default: the checkpoint's when resuming, else train-bpe)")
-    g.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of --tokenizer train-bpe")
-    g.add_argument("--valid-fraction", type=float, default=0.01)
-    g.add_argument("--num-proc", type=int, default=1, help="processes for tokenization")
+    g.add_argument("--vocab-size", type=int_in(1, 2**24), default=4096, help="vocabulary of --tokenizer train-bpe")
+    g.add_argument("--valid-fraction", type=probability(open_high=True), default=0.01)
+    g.add_argument("--num-proc", type=int_in(1, 1024), default=1, help="processes for tokenization")
     g.add_argument("--cache-dir", default=None, help="datasets cache directory")

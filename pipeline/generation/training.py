@@ -12,18 +12,20 @@ from pipeline.generation.decode import generate
 from pipeline.generation.decoders import decoder_for
 from pipeline.generation.prompts import PromptError, encode_prompts, read_prompts
 from pipeline.generation.sampling import SampleSettings
+from pipeline.job.files import open_append
 from pipeline.job.loop import every, is_rank0
+from pipeline.job.numbers import positive_float, positive_int
 
 
 def add_sample_args(p) -> None:
     g = p.add_argument_group("samples during training")
-    g.add_argument("--sample-interval", type=int,
+    g.add_argument("--sample-interval", type=positive_int,
                    help="every N steps (and at the last), continue --sample-prompts greedily and sampled; written to "
                         "samples.jsonl in the run and to DeepSpeed's monitor (rank 0)")
     g.add_argument("--sample-prompts", type=Path, help="prompts file: one a line, or .jsonl {\"prompt\": ...}")
-    g.add_argument("--sample-new-tokens", type=int, default=32, help="tokens per sample (default 32)")
-    g.add_argument("--sample-temperature", type=float, default=1.0, help="temperature of the sampled one")
-    g.add_argument("--sample-top-k", type=int, help="top-k of the sampled one (default: the whole vocabulary)")
+    g.add_argument("--sample-new-tokens", type=positive_int, default=32, help="tokens per sample (default 32)")
+    g.add_argument("--sample-temperature", type=positive_float, default=1.0, help="temperature of the sampled one")
+    g.add_argument("--sample-top-k", type=positive_int, help="top-k of the sampled one (default: the whole vocabulary)")
 
 
 class _RunTokenizer:
@@ -79,7 +81,7 @@ def sample_hooks(args, engine, config, tokenizer, job, save_dir: Path | None) ->
 def write_samples(path: Path | None, records: list[dict], monitor, step: int) -> None:
     """Appended to ``samples.jsonl`` (a log, flushed like metrics.jsonl) and to the monitor's text writers."""
     if path is not None:
-        with open(path, "a") as f:
+        with open_append(path) as f:
             f.write("".join(json.dumps(rec) + "\n" for rec in records))
     if monitor is None or not getattr(monitor, "enabled", False):
         return

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -39,7 +40,8 @@ import torch
 from models.config import ConfigError, GPTConfig
 from pipeline.job.errors import UserError
 from pipeline.hf.experts import MIXTRAL_EXPERTS, QWEN3_MOE_EXPERTS, ExpertNames, is_fused, unfuse_experts
-from pipeline.hf.safetensors_io import PlannedTensor, SafetensorsFiles, dtype_of, hf_weight_files, materialize, shape_of
+from pipeline.hf.safetensors_io import (PlannedTensor, SafetensorsFiles, dtype_of, hf_weight_files, materialize,
+                                       read_header, shape_of)
 
 GPT2_ARCH = "GPT2LMHeadModel"
 LLAMA_ARCH = "LlamaForCausalLM"
@@ -277,6 +279,7 @@ def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype:
     export holds the source and one tensor, not a second model.
     """
     dtype = parse_dtype(dtype)
+    hf_family(config)  # a model no transformers class holds (GPT-2 with MoE layers): said so, not as missing keys
     rules = weight_map(config)
     _check_keys(full_state_dict, rules, "project state dict")
     source_dtypes = set()
@@ -529,7 +532,8 @@ def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: boo
 
 HF_FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
     HFFamily("gpt2", "gpt2", "GPT2Config", GPT2_ARCH, "GPT2ForSequenceClassification", "GPT2Model",
-             _gpt2_config_from_hf, _gpt2_config_to_hf, lambda c: None),
+             _gpt2_config_from_hf, _gpt2_config_to_hf,
+             lambda c: f"num_experts={c.num_experts} (GPT-2 has no MoE layers)" if c.num_experts else None),
     HFFamily("llama", "llama", "LlamaConfig", LLAMA_ARCH, "LlamaForSequenceClassification", "LlamaModel",
              _llama_config_from_hf, _llama_config_to_hf, _holds()),
     HFFamily("qwen2", "llama", "Qwen2Config", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2Model",
@@ -567,7 +571,9 @@ def hf_family(config: GPTConfig) -> HFFamily:
             return family
     raise ConversionError(f"no Hugging Face family holds this {config.variant} model "
                           f"(qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, bias={config.bias}, "
-                          f"sliding_window={config.sliding_window})")
+                          f"sliding_window={config.sliding_window}, num_experts={config.num_experts}); no "
+                          f"transformers class computes it (docs/huggingface.md lists the families and what they "
+                          f"hold)")
 
 
 def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | None = None,
@@ -645,8 +651,46 @@ class HFSource:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
+GGUF_MIN_TENSOR_INFO = 24  # name length u64, n_dims u32, type u32, offset u64 (an empty name, no dims)
+GGUF_MIN_KV = 13  # key length u64, value type u32, a value of one byte
+
+
+def check_gguf(path: Path) -> Path:
+    """The fixed header of a GGUF file (magic, version, tensor and key counts), refused in one line when cut or
+    when its counts cannot fit the file: the gguf reader would raise from deep inside, or loop over 2^40
+    entries."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        what = "not a GGUF file (no GGUF magic)" if head[:4] != b"GGUF" else f"cut inside its header ({size} bytes)"
+        raise ConversionError(f"{path}: {what}; give a complete .gguf file")
+    version, tensors, keys = struct.unpack("<IQQ", head[4:])
+    if version not in (2, 3):
+        raise ConversionError(f"{path}: GGUF version {version}, not 2 or 3; give a file of a current llama.cpp")
+    if tensors * GGUF_MIN_TENSOR_INFO + keys * GGUF_MIN_KV > size - 24:
+        raise ConversionError(f"{path}: its header declares {tensors} tensors and {keys} keys, more than its "
+                              f"{size} bytes can hold (damaged or cut); give a complete .gguf file")
+    return path
+
+
+def check_weight_headers(directory: Path) -> None:
+    """Every safetensors header of a model directory read and checked (offsets past the end of the file, shapes
+    whose bytes overflow): one line naming the file, before a loader that would panic or map garbage."""
+    for path in hf_weight_files(directory) or []:
+        read_header(path)
+
+
 def resolve_hf_source(path: str | Path, gguf_file: str | None = None) -> HFSource:
-    """A model directory, a ``.gguf`` file, or a directory holding one ``.gguf`` file and no config.json."""
+    """A model directory, a ``.gguf`` file, or a directory holding one ``.gguf`` file and no config.json (a GGUF
+    file's header checked: ``check_gguf``)."""
+    source = _resolve_hf_source(path, gguf_file)
+    if source.gguf_file and (source.directory / source.gguf_file).is_file():
+        check_gguf(source.directory / source.gguf_file)
+    return source
+
+
+def _resolve_hf_source(path: str | Path, gguf_file: str | None = None) -> HFSource:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Hugging Face model {path} does not exist")
@@ -679,6 +723,8 @@ def load_hf_model(source: HFSource, dtype: torch.dtype = torch.float32):
     # transformers only where a Hugging Face object is built (see hf_config)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
     config_from_hf(load_hf_config(source), str(source))  # refuse before reading gigabytes of weights
+    if not source.gguf_file:
+        check_weight_headers(source.directory)
     model, info = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, trust_remote_code=False,
                                                        output_loading_info=True, **source.kwargs())
     missing = [k for k in info.get("missing_keys", [])

@@ -5,6 +5,9 @@ one ``--save``. ``setup`` makes the run's ``Guard`` (``configure``); ``train_loo
   optimizer-step boundary every rank learns of it (one all-reduce a step, the same one that carries the
   non-finite flag), the step is treated as the last (the commands' save hooks write a complete checkpoint),
   and the loop ends; the command exits 0. ``--no-exit-signal-handler`` keeps the default signal behaviour.
+  A second signal, or no step boundary within ``PIPELINE_STOP_GRACE_S`` seconds (default 600) of the first,
+  ends the process at once by that signal, without saving (a step that never finishes, a timeout's SIGTERM
+  followed by another).
 - A non-finite loss or gradient (bf16/fp32; fp16 keeps DeepSpeed's loss scaling, which skips such steps
   itself; the gradients are checked by ``pipeline.engine.grad_watch``, read with the loss): the step's hooks
   do not run (no log record, no checkpoint of that state); after ``--max-bad-steps`` such steps
@@ -20,9 +23,11 @@ import fcntl
 import json
 import math
 import os
+import select
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +38,8 @@ import torch.distributed as dist
 from models.parallel import get_parallel_state
 from pipeline.engine.steps import nonfinite_grad
 from pipeline.job.errors import UserError
+from pipeline.job.files import refuse_links_out
+from pipeline.job.numbers import parse_number, positive_float
 
 __all__ = ["Guard", "configure", "current", "RunLockError", "NonFiniteLossError", "PeerFailure", "is_peer_failure",
            "acquire_run_lock", "LOCK_FILE", "STOP_SIGNALS"]
@@ -67,6 +74,69 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(w in str(error) for w in _PEER_WORDS)
 
 
+GRACE_ENV = "PIPELINE_STOP_GRACE_S"
+DEFAULT_STOP_GRACE_S = 600.0
+
+
+def stop_grace_s() -> float:
+    """How long a stop signal waits for the step in progress (``PIPELINE_STOP_GRACE_S``, default 600 s)."""
+    text = os.environ.get(GRACE_ENV)
+    return DEFAULT_STOP_GRACE_S if text is None else parse_number(text, GRACE_ENV, positive_float)
+
+
+class StopWatch:
+    """Ends the process when a stop signal is not heeded: at a second stop signal, or when no step boundary
+    comes within ``grace_s`` of the first. A thread reads the signals from the interpreter's wakeup fd, which
+    the C-level handler writes at once: it works while the main thread is stuck inside one long C call (a
+    collective, a kernel), where Python's own handler would not run until the call returns."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.boundary = threading.Event()
+        self._read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._write = write
+        self._previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._closed = False
+        threading.Thread(target=self._watch, name="stop-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        received, deadline = [], None
+        while not self._closed:
+            timeout = None if deadline is None or self.boundary.is_set() else max(deadline - time.monotonic(), 0)
+            ready, _, _ = select.select([self._read], [], [], timeout)
+            data = os.read(self._read, 64) if ready else b""
+            if self._closed:
+                break
+            received += [signal.Signals(n) for n in data if n in STOP_SIGNALS]
+            if len(received) >= 2:
+                _end_now(received[-1], f"a second stop signal ({received[-1].name}) received: ending the job now, "
+                                       f"without saving")
+            if received and deadline is None:
+                deadline = time.monotonic() + self.grace_s
+            if deadline is not None and not ready and not self.boundary.is_set():
+                _end_now(received[0], f"{received[0].name} received and no step completed within "
+                                      f"{self.grace_s:g} s ({GRACE_ENV}): ending the job now, without saving")
+        os.close(self._read)  # by the thread itself: closed only once nothing waits on it
+
+    def close(self) -> None:
+        """The wakeup fd back to what it was, then the thread woken (a byte that is no signal, or the pipe's end)
+        and the write end closed: the thread ends and closes the read end."""
+        self._closed = True
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(self._previous)
+        with contextlib.suppress(OSError):  # the thread may have closed its end already
+            os.write(self._write, b"\0")
+        os.close(self._write)
+
+
+def _end_now(signum: int, why: str) -> None:
+    """From the watch thread: the line, then the exit status of a process ended by ``signum`` (128 + it; the
+    atexit handlers do not run: the run lock's flock goes with the process)."""
+    print(f"error: rank {_rank()}: {why}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
 @dataclass
 class Guard:
     """The run's stop flag (set by a signal), its non-finite steps, and where its checkpoints go."""
@@ -76,21 +146,29 @@ class Guard:
     signal_name: str | None = None
     bad_steps: list = field(default_factory=list)
     installed: tuple = ()
+    grace_s: float = DEFAULT_STOP_GRACE_S
+    watch: "StopWatch | None" = None
 
     def install(self) -> None:
         with contextlib.suppress(ValueError):  # not the main thread: signals stay as they are
             self.installed = tuple((sig, signal.signal(sig, self._on_signal)) for sig in STOP_SIGNALS)
+            self.watch = StopWatch(self.grace_s)
 
     def uninstall(self) -> None:
         """The signals' earlier handlers back (the loop is over: a signal now acts as it did before)."""
         for sig, previous in self.installed:
             signal.signal(sig, previous)
         self.installed = ()
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
-            print(f"{self.signal_name} received: stopping after this step", file=sys.stderr, flush=True)
+            print(f"{self.signal_name} received: stopping after this step (if no step completes within "
+                  f"{self.grace_s:g} s, or a second signal comes, the job ends without saving)", file=sys.stderr,
+                  flush=True)
 
     def after_step(self, step: int, out) -> tuple[bool, bool]:
         """(stop now, this step was bad: a loss or a gradient not finite), the same on every rank (collective)."""
@@ -102,6 +180,8 @@ class Guard:
         stop, bad_loss, bad = (bool(f) for f in _agree([self.signal_name is not None, bad_loss, bad_loss or bad_grad]))
         if stop and self.signal_name is None:
             self.signal_name = "a stop signal to another rank"
+        if stop and self.watch is not None:
+            self.watch.boundary.set()  # the save and the stop now take the time they need
         if bad:
             self._bad(step, loss, bad_loss)
         return stop, bad
@@ -152,7 +232,10 @@ def current() -> Guard:
 def configure(save: str | None, *, exit_signal_handler: bool, max_bad_steps: int, fp16: bool) -> Guard:
     """The guard of the run ``setup`` starts (signals installed on every rank; the run lock taken by rank 0)."""
     global _current
-    _current = Guard(Path(save) if save else None, max_bad_steps, check_finite=not fp16 and max_bad_steps > 0)
+    grace_s = stop_grace_s()
+    _current.uninstall()  # a job of this process that ended before its loop (a notebook, tests): its handlers go
+    _current = Guard(Path(save) if save else None, max_bad_steps, check_finite=not fp16 and max_bad_steps > 0,
+                     grace_s=grace_s)
     if exit_signal_handler:
         _current.install()
     if save:
@@ -210,8 +293,9 @@ def acquire_run_lock(save: Path) -> None:
     problem = None
     if _rank() == 0:
         try:
+            refuse_links_out(save)  # before the lock file or anything else is written there
             _lock(save)
-        except RunLockError as e:
+        except UserError as e:
             problem = str(e)
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [problem]
@@ -227,7 +311,7 @@ def _lock(save: Path) -> None:
     path = save / LOCK_FILE
     if str(path) in _held:
         return  # this process holds it already (a second job in one Python process, e.g. a notebook)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a link put there since: ELOOP, not followed
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

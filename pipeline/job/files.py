@@ -27,10 +27,10 @@ from pathlib import Path
 
 from pipeline.job.errors import InputError, UserError
 
-__all__ = ["DiskFullError", "DISK_FULL", "disk_full", "disk_full_cause", "tree_size",
-           "read_utf8_text", "atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
+__all__ = ["DiskFullError", "DISK_FULL", "disk_full", "disk_full_cause", "tree_size", "read_utf8_text",
+           "read_json_object", "atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
            "atomic_dir", "check_output_dir", "check_output_file", "refuse_overlap", "OutputError", "fsync_tree",
-           "crash_point"]
+           "crash_point", "refuse_links_out", "IN_PLACE_FILES", "open_append"]
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -91,6 +91,22 @@ def read_utf8_text(path: str | os.PathLike, what: str = "text file") -> str:
         raise FileNotFoundError(f"{what} {path} does not exist") from None
     except UnicodeDecodeError as e:
         raise InputError(f"{what} {path} is not UTF-8 (byte {e.start}): {e.reason}") from None
+
+
+def read_json_object(path: str | os.PathLike, what: str = "JSON file") -> dict:
+    """A UTF-8 file holding one JSON object; anything else (not JSON, not UTF-8, a list) is refused naming
+    ``what``, the path and, for JSON, the line and column."""
+    path = Path(path)
+    text = read_utf8_text(path, what)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{what} {path}: not JSON (line {e.lineno}, column {e.colno}: {e.msg}); give a JSON "
+                         f"object") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{what} {path}: holds a JSON {type(value).__name__}, not an object {{...}}; give a JSON "
+                         f"object")
+    return value
 
 
 def _umask() -> int:
@@ -184,9 +200,11 @@ def check_output_file(path: str | os.PathLike, force: bool = False, flag: str = 
 
 
 def refuse_overlap(out: str | os.PathLike, inputs, flag: str = "--out") -> None:
-    """An output equal to an input, or a directory holding one, is refused outright (even with --force):
-    writing it would replace or delete the input. ``inputs``: (flag, path or None) pairs."""
+    """An output equal to an input, a directory holding one, or an existing file or directory inside an input
+    directory is refused outright (even with --force: it replaces an earlier output, never a file of an input).
+    A new name inside an input directory is allowed. ``inputs``: (flag, path or None) pairs."""
     target = Path(out).resolve()
+    named = Path(out).absolute().parent.resolve() / Path(out).name  # the name itself, a final link not followed
     for input_flag, path in inputs:
         if path is None:
             continue
@@ -195,6 +213,43 @@ def refuse_overlap(out: str | os.PathLike, inputs, flag: str = "--out") -> None:
             what = "is" if source == target else "holds"
             raise OutputError(f"{flag} {out} {what} the input {input_flag} {path}; writing there would replace "
                               f"it; choose another {flag}")
+        if source.is_dir() and os.path.lexists(named) and (source in named.parents or source in target.parents):
+            raise OutputError(f"{flag} {out} is a file of the input {input_flag} {path}; --force replaces an "
+                              f"earlier output, never a file of an input; choose a new name or a path outside {path}")
+
+
+# files a run directory writes in place (appended, truncated, copied over): through a link they would change
+# the link's target
+IN_PLACE_FILES = (".run.lock", "metrics.jsonl", "samples.jsonl", "zero_to_fp32.py", "zero_to_torch.py")
+
+
+def open_append(path: str | os.PathLike):
+    """A log opened for appending (text) that is not reached through a link: a symbolic link there raises
+    ELOOP rather than appending to its target."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666), "a")
+
+
+def refuse_links_out(root: str | os.PathLike, flag: str = "--save") -> None:
+    """A directory a job writes into never writes through a link to outside itself: a symbolic link under
+    ``root`` whose target is outside it, or a file it writes in place that has other hard links, is refused
+    (nothing is removed: the link may be the user's)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    inside = root.resolve()
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            if path.is_symlink() and inside not in path.resolve().parents:
+                raise OutputError(f"{flag} {root}: {path} is a link to {os.readlink(path)}, outside the run "
+                                  f"directory, which a run never writes through; remove the link (or put a copy "
+                                  f"of the file in its place), then run the same command again")
+    for name in IN_PLACE_FILES:
+        path = root / name
+        if path.is_file() and not path.is_symlink() and path.stat().st_nlink > 1:
+            raise OutputError(f"{flag} {root}: {path} has {path.stat().st_nlink} hard links; the run writes it in "
+                              f"place, which would change the other names too; replace it by a copy (cp {path} "
+                              f"{path}.copy && mv {path}.copy {path}), then run the same command again")
 
 
 def _foreign_entries(out: Path, new: Path) -> list[str]:

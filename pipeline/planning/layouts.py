@@ -13,6 +13,8 @@ Step time of one GPU of the fullest stage (docs/performance.md has the assumptio
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .comm import Collective, dp_collectives, pp_collectives, ring_time, tp_collectives
@@ -179,26 +181,36 @@ def fits(job: Job, p: Prediction) -> bool:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending, in sqrt(n) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def candidate_layouts(job: Job, pinned: dict) -> list[Layout]:
     """Every layout the model, the GPU count and the batch allow (``pinned``: fields fixed by the user)."""
-    m, out = job.model, []
+    return list(iter_layouts(job, pinned))
+
+
+def iter_layouts(job: Job, pinned: dict) -> Iterator[Layout]:
+    """``candidate_layouts`` one at a time (the pinned sizes narrow the loops, not only the result)."""
+    m = job.model
+
+    def allowed(name: str, values) -> list:
+        return [v for v in values if pinned.get(name, v) == v]
+
     tps = [1] if m.recurrent else [t for t in divisors(job.gpus) if t <= job.hardware.gpus_per_server
                                          and m.heads % t == 0 and m.kv_heads % t == 0 and m.ffn % t == 0]
-    for tp in tps:
-        for pp in ([1] if m.recurrent else divisors(job.gpus // tp)):
+    for tp in allowed("tp", tps):
+        for pp in allowed("pp", [1] if m.recurrent else divisors(job.gpus // tp)):
             if pp > m.layers:
                 continue
             dp = job.gpus // (tp * pp)
             if job.global_batch % dp:
                 continue
-            for mbs in divisors(job.global_batch // dp):
+            for mbs in allowed("micro_batch", divisors(job.global_batch // dp)):
                 for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                     for sp in ((False, True) if tp > 1 and m.seq % tp == 0 else (False,)):
                         for policy, modules in ((("none", ()),) if m.recurrent else RECOMPUTE_CHOICES):
                             lay = Layout(tp, pp, dp, zero, sp, policy, mbs, modules)
                             if all(getattr(lay, k) == v for k, v in pinned.items()):
-                                out.append(lay)
-    return out
+                                yield lay

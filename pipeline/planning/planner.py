@@ -3,17 +3,21 @@ and format the table (or the validation against the papers)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from pathlib import Path
 
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_of_dict
+from pipeline.job.files import read_json_object
 from pipeline.job.model_configs import read_model_config
 
 from .hardware import hardware
-from .layouts import Job, Prediction, candidate_layouts, divisors, fits, predict
+from .layouts import Job, Prediction, divisors, fits, iter_layouts, predict
 from .shapes import ModelShape, model_shape
 from .validation import Row
 
 GIB = 2**30
+MAX_LAYOUTS = 100_000  # about a minute of predictions; a real cluster and batch give a few thousand
 
 
 class PlanError(UserError, ValueError):
@@ -21,6 +25,8 @@ class PlanError(UserError, ValueError):
 
 
 def load_shape(spec: str, seq: int | None) -> ModelShape:
+    if Path(spec).is_file():
+        read_json_object(spec, "--model-config")  # one line for a file that is not a JSON object
     raw = read_model_config(spec)
     source = raw.pop("_source")
     family = family_of_dict(raw, source)
@@ -28,7 +34,12 @@ def load_shape(spec: str, seq: int | None) -> ModelShape:
         raw["seq_length"] = seq
         if "max_position_embeddings" in {f.name for f in dataclasses.fields(family.config_class)}:
             raw["max_position_embeddings"] = max(seq, raw.get("max_position_embeddings", seq))
-    return model_shape(family.config_class.from_dict(raw, source=source), spec, seq)
+    config = family.config_class.from_dict(raw, source=source)
+    if getattr(config, "num_experts", 0):
+        raise PlanError(f"{source}: num_experts {config.num_experts}: the planner models dense layers only (no "
+                        f"expert parallelism, router or all-to-all); plan the dense model of the same width, or "
+                        f"size the MoE run by hand (docs/moe.md)")
+    return model_shape(config, spec, seq)
 
 
 def check_pinned(job: Job, pinned: dict) -> None:
@@ -59,7 +70,10 @@ def check_pinned(job: Job, pinned: dict) -> None:
 def rank_layouts(job: Job, pinned: dict) -> tuple[list[Prediction], int]:
     """(the predictions of the layouts that fit, fastest first; how many were tried)."""
     check_pinned(job, pinned)
-    candidates = candidate_layouts(job, pinned)
+    candidates = list(itertools.islice(iter_layouts(job, pinned), MAX_LAYOUTS + 1))
+    if len(candidates) > MAX_LAYOUTS:
+        raise PlanError(f"--gpus {job.gpus}, --global-batch-size {job.global_batch}: more than {MAX_LAYOUTS} "
+                        f"layouts to try; pin some of --tp, --pp, --micro-batch, --zero to narrow the search")
     if not candidates:
         raise PlanError(f"--gpus {job.gpus}, --global-batch-size {job.global_batch}: no layout of {job.model.name} "
                         f"divides them (with the sizes pinned); choose a batch that is a multiple of the GPU count")

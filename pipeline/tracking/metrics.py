@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.job.files import open_append
+
 MONITOR_SECTIONS = ("tensorboard", "csv_monitor")
 
 
@@ -75,7 +77,7 @@ class MetricsWriter:
         self._f = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "a")
+            self._f = open_append(path)
 
     def write(self, record: dict):
         events = monitor_events(record, self.prefix) if self.monitor is not None else []

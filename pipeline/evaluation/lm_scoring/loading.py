@@ -13,6 +13,7 @@ from pipeline.checkpoints.checkpoint import read_full_checkpoint
 from pipeline.job.errors import InputError
 from pipeline.job.families import family_of
 from pipeline.checkpoints.state_dicts import load_full_state_dict
+from pipeline.hf.convert import check_gguf, check_weight_headers
 
 from pipeline.evaluation.lm_scoring.scoring import HFScorer
 from pipeline.evaluation.lm_scoring.tokenization import HFTokenizer
@@ -32,7 +33,7 @@ def _split_gguf(path: Path) -> tuple[Path, str | None]:
         if path.suffix != ".gguf":
             raise InputError(f"{path} is a file but not a .gguf file; pass a Hugging Face model directory "
                              f"or a GGUF file")
-        return path.parent, path.name
+        return check_gguf(path).parent, path.name
     if not path.is_dir():
         raise FileNotFoundError(f"no Hugging Face model directory or GGUF file at {path}")
     return path, None
@@ -54,6 +55,8 @@ def load_hf_model(path: str | Path, *, dtype: str = "fp32", device: str | None =
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     directory, gguf = _split_gguf(Path(path))
     safe_load.scan_weight_files(directory)
+    if gguf is None:
+        check_weight_headers(directory)
     dev = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=DTYPES[dtype],
                                                  trust_remote_code=trust_remote_code, local_files_only=True)

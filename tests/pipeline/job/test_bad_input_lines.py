@@ -108,7 +108,8 @@ CASES = [
      "{d}/hfold/pytorch_model.bin: contains a pickled object of type posix.system, not allowed"),
     ("finetune --base pickled pytorch_model.bin", lambda d: [*finetune(d, "dev.tsv"), "--base", str(d / "hfold"),
                                                              "--save", str(d / "clf_pickle")],
-     "{d}/hfold is not a base model directory: expected config.json with model.safetensors"),  # never unpickled
+     "{d}/hfold is a Hugging Face model directory ({d}/hfold/config.json names GPT2LMHeadModel), not a checkpoint "
+     "of this project; read it with --hf where a command takes one, or import it"),  # never unpickled
     ("evaluate --hf pickled pytorch_model.bin", lambda d: ["-m", "pipeline.evaluate", "--task", "bpc", "--data",
                                                            str(d / "corpus.txt"), "--hf", str(d / "hfpickle"),
                                                            "--out", str(d / "eval.json")],
