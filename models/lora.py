@@ -11,8 +11,10 @@ as the base.
 * ``RowParallelLinear`` (input split): A split by input columns, B replicated; ``x A^T`` is all-reduced before B.
 
 Both cuts are those of the base weight (``ShardSpec``), so a checkpoint's adapters gather and re-shard as every
-other parameter, and TP 1 and TP 2 train the same adapter. ``add_lora`` freezes everything else: an optimizer
-built from the trainable parameters holds the adapters only. Sequence parallelism is not supported yet.
+other parameter, and TP 1 and TP 2 train the same adapter. Under sequence parallelism the column adapter gathers
+the sequence as its base does, and the row adapter reduce-scatters ``x A^T`` (B, applied to this rank's chunk, is
+marked sequence-parallel: its gradient is summed over TP). ``add_lora`` freezes everything else: an optimizer built from
+the trainable parameters holds the adapters only.
 """
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .parallel import (ColumnParallelLinear, RowParallelLinear, ShardSpec, copy_to_tensor_parallel_region,
-                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-                       scatter_to_tensor_parallel_region, sharded_parameter, tensor_parallel_rng)
+                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
+                       mark_sequence_parallel, reduce_from_tensor_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region,
+                       sequence_parallel_parameter, sharded_parameter, tensor_parallel_rng, tp_world_size)
 
 LORA_MODULE = "lora"  # the adapter's attribute on the linear it adapts: parameters "<linear>.lora.A.<g>", ".B.<g>"
 
@@ -60,6 +64,7 @@ class ColumnLoRA(nn.Module):
         parts = base.output_sizes
         self.config, self.groups = config, [tuple(g) for g in groups]
         self.gather_output = base.gather_output
+        self.sequence_parallel, self.sequence_dim = base.sequence_parallel and tp_world_size() > 1, base.sequence_dim
         self.local_sizes = base.local_output_sizes
         device, dtype = base.weight.device, base.weight.dtype
         self.A = nn.ParameterList(nn.Parameter(_draw((config.rank, base.in_features), _kaiming_a, dtype, device))
@@ -71,6 +76,8 @@ class ColumnLoRA(nn.Module):
         self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # the whole sequence; its gradient, whole on every rank, keeps this rank's chunk
+            x = gather_from_sequence_parallel_region(x, self.sequence_dim, tensor_parallel_output_grad=False)
         x = self.dropout(x)  # x is the same on every TP rank, and so is the default RNG stream
         pieces: list[torch.Tensor | None] = [None] * len(self.local_sizes)
         for g, A, B in zip(self.groups, self.A, self.B):
@@ -89,12 +96,15 @@ class RowLoRA(nn.Module):
         super().__init__()
         self.config, self.groups = config, [()]
         self.input_is_parallel = base.input_is_parallel
+        self.sequence_parallel, self.sequence_dim = base.sequence_parallel, base.sequence_dim
         device, dtype = base.weight.device, base.weight.dtype
         self.A = nn.ParameterList([sharded_parameter((config.rank, base.in_features),
                                                      ShardSpec(dim=1, parts=(base.in_features,)), _kaiming_a,
                                                      dtype, device)])
         self.B = nn.ParameterList([nn.Parameter(_draw((base.out_features, config.rank), nn.init.zeros_, dtype,
                                                       device))])
+        if self.sequence_parallel:
+            mark_sequence_parallel(self.B[0])
         self.dropout = nn.Dropout(config.dropout)
         self.enabled = True
 
@@ -103,6 +113,9 @@ class RowLoRA(nn.Module):
             x = scatter_to_tensor_parallel_region(x)
         with tensor_parallel_rng() if self.config.dropout and self.training else contextlib.nullcontext():
             x = self.dropout(x)  # each rank drops from its own columns of x
+        if self.sequence_parallel:  # this rank's chunk of the sum; B's gradient, from that chunk, summed over TP
+            z = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.A[0]), self.sequence_dim)
+            return F.linear(z, sequence_parallel_parameter(self.B[0])) * self.config.scaling
         z = reduce_from_tensor_parallel_region(F.linear(x, self.A[0]))
         return F.linear(z, self.B[0]) * self.config.scaling
 
@@ -127,8 +140,6 @@ def add_lora(model: nn.Module, targets: Mapping[str, Sequence[Sequence[int]] | N
     unknown = [name for name in targets if not isinstance(modules.get(name), (ColumnParallelLinear, RowParallelLinear))]
     if unknown:
         raise ValueError(f"no column- or row-parallel linear named {', '.join(unknown)}")
-    if any(getattr(modules[name], "sequence_parallel", False) for name in targets):
-        raise ValueError("LoRA under sequence parallelism is not supported yet")
     for p in model.parameters():
         p.requires_grad_(False)
     for name, groups in targets.items():

@@ -8,8 +8,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 
 from dist import run_distributed
 from models import GPT
-from models.lora import is_lora_parameter
-from models.parallel import destroy_model_parallel, full_state_dict, initialize_model_parallel
+from models.lora import LoRAConfig, add_lora, is_lora_parameter
+from models.parallel import (ColumnParallelLinear, RowParallelLinear, destroy_model_parallel, full_state_dict,
+                             gather_from_sequence_parallel_region, initialize_model_parallel, tp_rank)
 from pipeline.checkpoints.state_dicts import load_full_state_dict
 from pipeline.hf.convert import from_hf
 from pipeline.hf.export import export_hf
@@ -59,10 +60,46 @@ def _peft_run(variant):
     return config, full_sd, lora, project, init, losses, final
 
 
-def _train(rank, tp, cases):
-    """The project at TP ``tp``: per case, the losses of 5 steps, the final adapter (full), the logits after."""
+class _Block(torch.nn.Module):
+    """A fused column-parallel linear ([q; k; v], 16 each) into a row-parallel one (of q + v: each rank holds the
+    same columns of both), sequence-parallel at TP > 1."""
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.col = ColumnParallelLinear(16, output_sizes=(16, 16, 16), bias=False, sequence_parallel=sequence_parallel)
+        self.row = RowParallelLinear(16, 16, bias=False, input_is_parallel=True, sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        q, _, v = self.col(x).split(self.col.local_output_sizes, dim=-1)
+        return self.row(q + v)
+
+
+SP_TARGETS = {"col": [(0,), (2,)], "row": None}
+
+
+def _sequence_parallel_block(tp: int, full: dict) -> dict:
+    """Output, input gradient and the adapters' gradients (full) of ``_Block`` with LoRA, sequence-parallel at TP > 1
+    (the output gathered to the whole sequence as the project's hidden states are, the loss replicated)."""
+    torch.manual_seed(0)
+    block = _Block(sequence_parallel=tp > 1)
+    add_lora(block, SP_TARGETS, LoRAConfig(4, 8.0))
+    load_full_state_dict(block, full)
+    g = torch.Generator().manual_seed(1)
+    x, weights = torch.randn(2, 6, 16, generator=g), torch.randn(2, 6, 16, generator=g)
+    x = x.chunk(tp, dim=1)[tp_rank()].clone().requires_grad_() if tp > 1 else x.requires_grad_()
+    out = block(x)
+    if tp > 1:
+        out = gather_from_sequence_parallel_region(out, 1, tensor_parallel_output_grad=False)
+    (out * weights).sum().backward()
+    grads = full_state_dict(block, grads=True)
+    return {"out": out.detach(), "x_grad": x.grad, "grads": {k: v for k, v in grads.items() if is_lora_parameter(k)}}
+
+
+def _train(rank, tp, cases, sp_full):
+    """The project at TP ``tp``: per case, the losses of 5 steps, the final adapter (full), the logits after; and
+    the sequence-parallel block."""
     initialize_model_parallel(tensor_parallel=tp)
-    out = {}
+    out = {"sequence_parallel": _sequence_parallel_block(tp, sp_full)}
     for variant, (config, full_sd, lora, init) in cases.items():
         model = GPT(config, init_seed=1)
         add_peft_lora(model, config, lora)
@@ -91,13 +128,30 @@ def _max_abs(a, b):
     return (a - b).abs().max().item()
 
 
+def _max_rel(a, b):
+    return _max_abs(a, b) / b.abs().max().item()
+
+
+def _sp_block_weights() -> dict:
+    """The block's base and adapters with B drawn away from 0 (so that every gradient path is exercised)."""
+    destroy_model_parallel()
+    initialize_model_parallel(tensor_parallel=1)
+    torch.manual_seed(0)
+    block = _Block(sequence_parallel=False)
+    add_lora(block, SP_TARGETS, LoRAConfig(4, 8.0))
+    g = torch.Generator().manual_seed(2)
+    full = {k: torch.randn(v.shape, generator=g) if ".B." in k else v for k, v in full_state_dict(block).items()}
+    destroy_model_parallel()
+    return full
+
+
 @pytest.fixture(scope="module")
 def runs():
     peft = {v: _peft_run(v) for v in CASES}
     cases = {v: (config, full_sd, lora, init) for v, (config, full_sd, lora, _, init, _, _) in peft.items()}
-    destroy_model_parallel()
-    tp1 = _train(0, 1, cases)
-    tp2 = run_distributed(_train, 2, 2, cases)
+    sp_full = _sp_block_weights()
+    tp1 = _train(0, 1, cases, sp_full)
+    tp2 = run_distributed(_train, 2, 2, cases, sp_full)
     return peft, tp1, tp2
 
 
@@ -127,6 +181,23 @@ def test_tp2_equals_tp1(runs, variant):
         assert res["adapter"].keys() == tp1[variant]["adapter"].keys()
         assert loss_diff < 1e-5 and adapter_diff < 2e-5  # measured: losses 0 (llama), 9.5e-07 (gpt2); adapters 2.0e-07, 2.0e-06
         assert res["base_unchanged"]
+
+
+def test_sequence_parallel_equals_tp1(runs):
+    """Column and row adapters under sequence parallelism at TP2: output, input gradient, adapter gradients."""
+    _, tp1, tp2 = runs
+    ref = tp1["sequence_parallel"]
+    x_grad = torch.cat([r["sequence_parallel"]["x_grad"] for r in tp2], dim=1)
+    diffs = {"x_grad": _max_rel(x_grad, ref["x_grad"])}
+    for rank, res in enumerate(tp2):
+        res = res["sequence_parallel"]
+        assert res["grads"].keys() == ref["grads"].keys() and len(ref["grads"]) == 6
+        diffs[f"out {rank}"] = _max_rel(res["out"], ref["out"])
+        diffs.update({f"{k} {rank}": _max_rel(v, ref["grads"][k]) for k, v in res["grads"].items()})
+    worst = max(diffs, key=diffs.get)
+    print(f"sequence-parallel LoRA at TP2: max relative difference from TP1 {diffs[worst]:.1e} ({worst})")
+    assert diffs[worst] < 3e-6  # measured: 2.8e-07 (fp32)
+    assert min(v.abs().max() for v in ref["grads"].values()) > 1e-2  # every adapter has a gradient
 
 
 @pytest.mark.parametrize("variant", list(CASES))
