@@ -1,6 +1,8 @@
 """SFT data: the assistant-only loss mask equals TRL 1.16's (SFTTrainer with assistant_only_loss) on SmolLM2's
 tokenizer, multi-turn and with a system message; packed conversations give the loss of the same conversations one
 per row; the refusals."""
+import json
+
 import datasets
 import pytest
 import torch
@@ -100,10 +102,16 @@ def test_packed_equals_unpacked(variant):
     assert abs(crossing.item() - single_loss.item()) > 1e-3
 
 
-def test_refusals():
+def test_refusals(tmp_path):
     tok = smollm2_tokenizer()
     with pytest.raises(ChatDataError, match="no 'messages' field .*fields: text"):
         load_conversations(datasets.Dataset.from_list([{"text": "hello"}]))
+    good, bad = tmp_path / "chats.jsonl", tmp_path / "texts.jsonl"
+    good.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+    bad.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    assert load_conversations(good)["messages"] == CONVERSATIONS
+    with pytest.raises(ChatDataError, match=f"{bad}: no 'messages' field .*fields: prompt"):
+        load_conversations(bad)
     tok.chat_template = None
     with pytest.raises(ChatDataError, match="the tokenizer has no chat template"):
         training_chat_template(tok)
