@@ -94,7 +94,7 @@ class ColumnLoRA(nn.Module):
 class RowLoRA(nn.Module):
     def __init__(self, base: RowParallelLinear, config: LoRAConfig):
         super().__init__()
-        self.config, self.groups = config, [()]
+        self.config = config
         self.input_is_parallel = base.input_is_parallel
         self.sequence_parallel, self.sequence_dim = base.sequence_parallel, base.sequence_dim
         device, dtype = base.weight.device, base.weight.dtype

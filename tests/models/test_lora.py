@@ -17,7 +17,7 @@ from pipeline.checkpoints.state_dicts import load_full_state_dict
 from pipeline.hf.convert import from_hf
 from pipeline.hf.export import export_hf
 from pipeline.hf.peft_adapter import (AdapterError, adapter_from_peft, add_peft_lora, export_peft_adapter, lora_targets,
-                                      merged_state_dict)
+                                      merged_state_dict, read_peft_adapter)
 
 VOCAB, STEPS, LR = 64, 5, 1e-2
 # partial targets of the fused linears (q and v of [q; k; v], gate of [gate; up]) and whole ones
@@ -257,6 +257,9 @@ def test_peft_adapter_and_merged_export(runs, variant, tmp_path):
     ours = tp1[variant]
     base = export_hf(config, full_sd, tmp_path / "base")
     adapter = export_peft_adapter(tmp_path / "adapter", lora, ours["adapter"], targets)
+    read_lora, read = read_peft_adapter(adapter)
+    assert read_lora.r == lora.r and set(read_lora.target_modules) == set(lora.target_modules)
+    assert all(torch.equal(v, ours["adapter"][k]) for k, v in adapter_from_peft(read, targets).items())
     merged = export_hf(config, merged_state_dict(full_sd, ours["adapter"], targets, lora.lora_alpha / lora.r),
                        tmp_path / "merged")
     ids = _batches()[0]
