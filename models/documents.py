@@ -1,0 +1,58 @@
+"""Packed sequences with their document boundaries kept: each token attends only to the earlier tokens of its own
+document, and positions restart at 0 with each document, so a packed row computes what its documents compute
+alone.
+
+``DocumentAttention`` speaks the protocol ``Attention.forward`` reads from a KV cache (``positions``,
+``attn_mask``, ``is_causal``, ``update``), with nothing cached: the block-diagonal causal mask goes to SDPA and
+the per-document positions to RoPE and to gpt2's position table. Tensor parallelism only: under sequence
+parallelism each rank would need its chunk of the positions, under context parallelism Ulysses' own core.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .parallel import cp_world_size
+
+
+class DocumentAttention:
+    def __init__(self, document_lengths: Sequence[Sequence[int]], device=None):
+        """``document_lengths``: for each row of the batch, the lengths of its documents in order (they add up to
+        the row's length, padding counted as a document of its own)."""
+        totals = {sum(row) for row in document_lengths}
+        if len(totals) != 1:
+            raise ValueError(f"every row's document lengths must add up to the same length, got {sorted(totals)}")
+        ids = [torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in document_lengths]
+        self.document_ids = torch.stack(ids).to(device)                                      # [b, s]
+        starts = [torch.repeat_interleave(torch.tensor(row).cumsum(0) - torch.tensor(row), torch.tensor(row))
+                  for row in document_lengths]
+        s = self.document_ids.shape[1]
+        self.positions = (torch.arange(s) - torch.stack(starts)).to(device)                    # [b, s]
+        same = self.document_ids[:, :, None] == self.document_ids[:, None, :]
+        causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+        self.attn_mask = (same & causal)[:, None]                                              # [b, 1, s, s]
+        self.is_causal = False
+
+    def layer(self, index: int) -> "DocumentAttention":
+        return self
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v  # nothing is cached: the keys and values are the row's own
+
+
+def document_parallel_logits(model, input_ids: torch.Tensor, documents: DocumentAttention) -> torch.Tensor:
+    """This rank's vocabulary slice of a GPT's logits [b, s, padded_vocab / tp] over packed rows, each document seen
+    alone. Runs the model's stages (embedding, layers, final norm, output layer) with ``documents`` as the
+    attention's cache; activation checkpointing and attention dropout do not apply on this path."""
+    config = model.config
+    if config.sequence_parallel or cp_world_size() > 1:
+        raise ValueError("packed documents are attended within their boundaries only without sequence or context "
+                         "parallelism")
+    if model.training and config.attention_dropout:
+        raise ValueError("packed documents: attention dropout is not applied on this path; set attention_dropout 0")
+    h = model.embedding(input_ids, documents.positions)
+    for i, layer in enumerate(model.layers):
+        h = layer(h, documents.layer(i))
+    h = model.final_norm(h)
+    return model.embedding.logits(h) if model.lm_head is None else model.lm_head(h)
