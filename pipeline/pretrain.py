@@ -33,6 +33,7 @@ from pipeline.job.model_configs import (add_model_args, check_recompute_args, ch
 from pipeline.job.options import (EngineOptions, add_checkpoint_args, add_engine_args, add_run_args,
                                   default_ds_config)
 from pipeline.tracking.metrics import MetricsWriter
+from pipeline.tracking.straggler import add_straggler_args, straggler_hook
 
 __all__ = ["main", "parse_args", "default_ds_config"]
 
@@ -45,6 +46,7 @@ def parse_args(argv=None):
     add_lr_args(p)
     add_run_args(p, add_checkpoint_args(p))
     add_sample_args(p)
+    add_straggler_args(p)
     return check_recompute_args(p.parse_args(argv))
 
 
@@ -97,6 +99,8 @@ def provide_engine(args, m: Model, job: Job, start: StartPoint, loader):
 def main(argv=None) -> dict:
     """The job (a user error raises; run as a command, ``pipeline.job.errors.command`` reports it in one line)."""
     args = parse_args(argv)
+    inputs = [("--model-config", args.model_config), ("--tokenizer", args.tokenizer), ("--data", args.data)]
+    checkpoint.check_save_dir(args.save, load=args.load, inputs=inputs)  # nothing the user owns is replaced
     raw_config, family = choose_model_config(args.model_config, args.model_type, Path(args.load) if args.load else None)
     job = setup(EngineOptions.from_args(args), config=preview_model_config(raw_config, args.seq_length),
                 family=family, extras={"sample_interval": args.sample_interval})
@@ -128,7 +132,8 @@ def main(argv=None) -> dict:
     def save(r: StepResult) -> None:
         checkpoint.save(engine, save_dir, r.step, data_state=train.state_dict(), layout=layout)
 
-    hooks = [every(args.log_interval, log), *sample_hooks(args, engine, m.config, m.tokenizer, job, save_dir),
+    hooks = [straggler_hook(args.straggler_interval, metrics, threshold=args.straggler_threshold),  # every rank
+             every(args.log_interval, log), *sample_hooks(args, engine, m.config, m.tokenizer, job, save_dir),
              every(args.eval_interval if make_valid is not None else None, evaluate),
              when(lambda r: save_dir is not None and (r.last or bool(args.save_interval)
                                                       and r.step % args.save_interval == 0), save)]

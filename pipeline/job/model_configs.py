@@ -3,13 +3,13 @@ config class, its vocabulary following the tokenizer."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from models import ConfigError
 from models.gpt import RECOMPUTE_MODULES
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_named, family_of_dict
+from pipeline.job.files import read_json_object
 
 PRESETS = Path(__file__).resolve().parents[2] / "models" / "configs"
 
@@ -24,7 +24,7 @@ def read_model_config(spec: str) -> dict:
         path = PRESETS / f"{spec}.json"
     if not path.is_file():
         raise ConfigError(f"model config {spec!r} is neither a file nor a preset ({', '.join(presets())})")
-    return {"_source": str(path), **json.loads(path.read_text())}
+    return {"_source": str(path), **read_json_object(path, "--model-config")}
 
 
 def choose_model_config(spec: str | None, model_type: str | None, load_dir: Path | None):
