@@ -8,6 +8,7 @@ on the same 3-D topology and trains with ``train_batch``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import deepspeed
 import torch
@@ -94,7 +95,10 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
                  schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None,
                  full_state_dict: dict | None = None, param_groups_fn=None, recompute: str | None = None,
                  recompute_modules=None):
-    """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only).
+    """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only) at
+    the layout of ``state`` (``state.layout``, validated by ``pipeline.job.layout`` before the process groups were
+    built), in three steps: ``construct`` the model at this rank's shard, ``parallelize`` it (recomputation, ZeRO-3's
+    and the experts' groups), ``optimize`` it (DeepSpeed's engine, optimizer and schedule).
 
     ``ds_config`` must have been through ``resolve_ds_config``. ``full_state_dict`` (full TP=1 weights,
     e.g. of a checkpoint saved at another layout) is loaded into this rank's shards before DeepSpeed
@@ -103,54 +107,84 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     learning rate (e.g. layer-wise decay when finetuning). Returns the engine; ``engine.is_pipe``
     tells which training step to use. ``recompute``: none, selective (each layer's ``recompute_modules``:
     core_attn, Megatron-Core's default, mlp_act, layernorm; ``models.gpt.select_recompute_modules``) or full
-    (every layer; ``activation_checkpointing`` is its old name). By default both are the layout's (``state.layout``,
-    validated by ``pipeline.job.layout`` before the process groups were built).
+    (every layer; ``activation_checkpointing`` is its old name); by default the layout's.
     """
     layout = state.layout
-    recompute = recompute or layout.recompute
-    recompute_modules = recompute_modules or layout.recompute_modules or ("core_attn",)
+    recompute = "full" if activation_checkpointing else recompute or layout.recompute
+    recompute = Recompute(recompute, recompute_modules or layout.recompute_modules or ("core_attn",))
     if get_accelerator().device_name() == "cpu":
         keep_freed_host_memory()  # DeepSpeed's per-step gradient buffers would be faulted in again every step
     if layout.sequence_parallel:
         ds_config = sequence_parallel_ds_config(ds_config, state)
-    if activation_checkpointing:
-        recompute = "full"
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, not {recompute!r}")
-    checkpoint_fn = None
-    if recompute != "none":  # DeepSpeed's checkpoint restores the model-parallel RNG tracker: same dropout masks
-        deepspeed.checkpointing.configure(state, deepspeed_config=ds_config)
-        checkpoint_fn = deepspeed.checkpointing.checkpoint
-    activation_checkpointing = recompute == "full"
+    checkpoint_fn = recompute.checkpoint_fn(state, ds_config)
+    model = construct(model_config, state, init_seed, model_builder=model_builder, full_state_dict=full_state_dict,
+                      checkpoint_fn=checkpoint_fn if recompute.policy == "full" else None)
+    ds_config = parallelize(model, model_config, ds_config, state, recompute, checkpoint_fn)
+    return optimize(model, model_config, ds_config, state, schedule, param_groups_fn)
 
+
+@dataclass(frozen=True)
+class Recompute:
+    policy: str                      # none, selective or full
+    modules: tuple[str, ...]         # what selective recomputes
+
+    def __post_init__(self):
+        if self.policy not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, not {self.policy!r}")
+
+    def checkpoint_fn(self, state: ParallelState, ds_config: dict):
+        """DeepSpeed's checkpoint (it restores the model-parallel RNG tracker: the same dropout masks), or None."""
+        if self.policy == "none":
+            return None
+        deepspeed.checkpointing.configure(state, deepspeed_config=ds_config)
+        return deepspeed.checkpointing.checkpoint
+
+
+def construct(model_config, state: ParallelState, init_seed: int, *, model_builder=None,
+              full_state_dict: dict | None = None, checkpoint_fn=None) -> torch.nn.Module:
+    """The model at this rank's shard of the layout: the GPT, a ``PipelineModule`` of its stages (PP > 1), or what
+    ``model_builder`` returns; ``full_state_dict`` loaded into the shards; ``checkpoint_fn`` around every layer
+    (full recomputation)."""
     if state.pipeline_parallel > 1:
         if model_builder is not None:
             raise EngineConfigError("pipeline parallelism is only available for the GPT models")
-        model = gpt_pipeline(model_config, state, init_seed, activation_checkpointing=activation_checkpointing,
+        model = gpt_pipeline(model_config, state, init_seed, activation_checkpointing=checkpoint_fn is not None,
                              checkpoint_fn=checkpoint_fn)
-        mpu = None  # the PipelineEngine builds its grid from the module's topology
-        if state.context_parallel > 1:  # the grid counts every CP rank as a data-parallel one (pipe_topology)
-            ds_config = {**ds_config, "train_batch_size": ds_config["train_batch_size"] * state.context_parallel}
         if full_state_dict is not None:
             load_full_state_dict(model, full_state_dict, partial=True, source="checkpoint weights",
                                  name_map=lambda n: pipe_to_gpt_name(n, model_config))
-    else:
-        if model_builder is None:
-            model_builder = GPT
-        model = model_builder(model_config, init_seed=init_seed)
-        if full_state_dict is not None:
-            load_full_state_dict(model, full_state_dict, source="checkpoint weights")
-        if activation_checkpointing:
-            model.checkpoint_fn = checkpoint_fn
-        mpu = state
-        if zero_stage(ds_config) == 3 and getattr(model, "lm_head", 1) is None:
-            # the tied output layer reads the embedding weight outside the embedding's forward
-            deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
+        return model
+    model = (model_builder or GPT)(model_config, init_seed=init_seed)
+    if full_state_dict is not None:
+        load_full_state_dict(model, full_state_dict, source="checkpoint weights")
+    if checkpoint_fn is not None:
+        model.checkpoint_fn = checkpoint_fn
+    return model
 
-    if recompute == "selective":
-        select_recompute_modules(model, checkpoint_fn, recompute_modules)
+
+def parallelize(model: torch.nn.Module, model_config, ds_config: dict, state: ParallelState, recompute: Recompute,
+                checkpoint_fn) -> dict:
+    """What the layout asks of the model beyond its shards: selective recomputation, ZeRO-3's view of the tied
+    output layer and its partition over data x context, the pipeline's batch under context parallelism, the
+    checkpoint's record. Returns the DeepSpeed config the engine takes."""
+    if state.pipeline_parallel > 1 and state.context_parallel > 1:
+        # the pipeline grid counts every CP rank as a data-parallel one (pipe_topology)
+        ds_config = {**ds_config, "train_batch_size": ds_config["train_batch_size"] * state.context_parallel}
+    if (state.pipeline_parallel == 1 and zero_stage(ds_config) == 3 and
+            getattr(model, "lm_head", 1) is None):
+        # the tied output layer reads the embedding weight outside the embedding's forward
+        deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
+    if recompute.policy == "selective":
+        select_recompute_modules(model, checkpoint_fn, recompute.modules)
     attach_info(model, model_config, pipeline=state.pipeline_parallel > 1)  # saved with every checkpoint
+    return ds_config
 
+
+def optimize(model: torch.nn.Module, model_config, ds_config: dict, state: ParallelState,
+             schedule: LRSchedule | None = None, param_groups_fn=None):
+    """DeepSpeed's engine over ``model``: its optimizer over ``param_groups_fn(model)`` (the experts' in groups of
+    their own, over the layout's expert groups), the learning-rate ``schedule``, safe loading, and the passes
+    DeepSpeed makes for nothing dropped (``skip_nonfinite_steps_by_the_norm``, ``skip_reducing_over_one_rank``)."""
     if schedule is not None and "scheduler" in ds_config:
         raise EngineConfigError("the DeepSpeed config has a \"scheduler\" section and a learning-rate schedule was "
                                 "given too; remove one of them")
@@ -160,10 +194,11 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         ds_config = zero3_over_data_and_context(model, ds_config, state)
     if any(is_moe_param(p) for g in groups for p in g["params"]):
         register_expert_groups(state)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu,
-                                           lr_scheduler=lr_scheduler)
+    pipe = state.pipeline_parallel > 1  # the PipelineEngine builds its grid from the module's topology: no mpu
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config,
+                                           mpu=None if pipe else state, lr_scheduler=lr_scheduler)
     safe_load.install(engine)  # loads weights only, hashes what it saves
-    engine.is_pipe = state.pipeline_parallel > 1
+    engine.is_pipe = pipe
     if engine.is_pipe:  # a non-finite gradient is named as the GPT's parameter (grad_watch)
         engine.param_display_name = lambda n: pipe_to_gpt_name(n, model_config)
     skip_nonfinite_steps_by_the_norm(engine)

@@ -28,7 +28,7 @@ def _assert_same(losses, reference, label):
     diffs = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
     print(f"{label}: max relative loss difference over {len(diffs)} steps {max(diffs):.2e}")
     assert len(losses) == len(reference) >= 5
-    assert max(diffs) < 1e-4, (label, losses, reference)
+    assert max(diffs) < 1e-6, (label, losses, reference)  # the composition matrix measures <= 1.4e-7 (fp32)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

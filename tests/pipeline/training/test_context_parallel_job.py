@@ -159,7 +159,7 @@ def test_main_job_context_parallel_equals_single_process(setup, cp_runs, single,
     _ok(cp_runs, layout)
     rel = _max_rel(losses(setup / layout.replace(" ", "_")), single)
     print(f"{layout}: max relative loss difference over {STEPS} steps {rel:.2e}")
-    assert rel < 1e-5, layout
+    assert rel < 1e-6, layout  # (the composition matrix measures <= 1.4e-7 at these layouts)
 
 
 @pytest.mark.parametrize("layout,reference,tolerance", [(PACKED, "single packed", 1e-5),

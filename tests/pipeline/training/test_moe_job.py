@@ -122,7 +122,7 @@ def test_expert_parallel_equals_single_process(moe, runs, layout):
     got, single = runs[layout], runs[reference]
     rel = _max_rel(got, single)
     print(f"{layout}: max relative loss difference over {STEPS} steps {rel:.2e}")
-    assert rel < 1e-5, (layout, got, single)
+    assert rel < 1e-6, (layout, got, single)  # (the composition matrix measures <= 1.4e-7 at these layouts)
     assert len(set(single.values())) == STEPS  # it trained
     ours, theirs = _moe_records(_save(moe, layout)), _moe_records(_save(moe, reference))
     for key in ("moe_tokens_per_expert_1", "moe_dropped_fraction_0", "moe_dropped_fraction_1"):

@@ -68,7 +68,7 @@ def test_main_job_sequence_parallel_equals_single_process(setup, single, layout,
                ds=ds)
     rel = _max_rel(got, single)
     print(f"{layout}: max relative loss difference over {STEPS} steps {rel:.2e}")
-    assert rel < 1e-5, (layout, got, single)
+    assert rel < 1e-6, (layout, got, single)  # (the composition matrix measures <= 1.4e-7 at these layouts)
 
 
 LLAMA_UNTIED = {"variant": "llama", "tie_embeddings": False, "num_kv_heads": 2}
