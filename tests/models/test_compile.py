@@ -1,7 +1,7 @@
 """torch.compile per transformer block (models/compile.py): one forward and one backward graph per block, no graph
-break, at TP 1 and 2, with and without sequence parallelism, with DeepSpeed's comms logger on (which broke the
-graph 13-30 times per block before the TP collectives became custom ops); and the compiled GPT (inductor) equals
-the eager one in fp32: loss and every gradient."""
+break, at TP 1 and 2, with and without sequence parallelism, with FP8 linears too, with DeepSpeed's comms logger on
+(which broke the graph 13-30 times per block before the TP collectives became custom ops); and the compiled GPT
+(inductor) equals the eager one in fp32: loss and every gradient, with and without FP8."""
 import deepspeed.comm as ds_comm
 import pytest
 import torch
@@ -16,20 +16,29 @@ from models.compile import compile_transformer_layers
 from models.gpt import TransformerLayer
 from models.parallel import (destroy_model_parallel, full_state_dict, initialize_model_parallel, model_parallel_seed,
                              tp_world_size)
+from models.parallel.fp8 import RECIPES, enable_fp8
 from test_tensor_parallel import CONFIGS, _batch
 
 # measured, inductor against eager in fp32 (|loss difference|, max |gradient difference| / max |gradient| over the
-# parameters): TP1 gpt2 4.8e-7 and 3.2e-7, llama 0 and 3.9e-7; TP2 + SP gpt2 0 and 4.7e-7, llama 0 and 4.9e-7
+# parameters): TP1 gpt2 4.8e-7 and 3.2e-7, llama 0 and 3.9e-7; TP2 + SP gpt2 0 and 4.7e-7, llama 0 and 4.9e-7;
+# with FP8 linears (compiled FP8 against eager FP8) at TP1: 0 and at most 5.3e-7, both recipes
 TOLERANCE = 1e-5
 
 
-def build_block(variant: str, sequence_parallel: bool = False) -> TransformerLayer:
-    """One block of the tests' tiny GPT (the one place that says how a block is configured)."""
-    return TransformerLayer(GPTConfig(**CONFIGS[variant], sequence_parallel=sequence_parallel), init_seed=0)
+def build_block(variant: str, sequence_parallel: bool = False, fp8: str | None = None) -> TransformerLayer:
+    """One block of the tests' tiny GPT (the one place that says how a block is configured), its linears in FP8
+    with torchao's recipe ``fp8``."""
+    block = TransformerLayer(GPTConfig(**CONFIGS[variant], sequence_parallel=sequence_parallel), init_seed=0)
+    if fp8:
+        enable_fp8(block, fp8)
+    return block
 
 
-def build_gpt(variant: str, sequence_parallel: bool = False) -> GPT:
-    return GPT(GPTConfig(**CONFIGS[variant], sequence_parallel=sequence_parallel), init_seed=7)
+def build_gpt(variant: str, sequence_parallel: bool = False, fp8: str | None = None) -> GPT:
+    model = GPT(GPTConfig(**CONFIGS[variant], sequence_parallel=sequence_parallel), init_seed=7)
+    if fp8:
+        enable_fp8(model, fp8)
+    return model
 
 
 def count_graphs(block: torch.nn.Module, x: torch.Tensor) -> dict:
@@ -56,10 +65,10 @@ def _block_input(sequence_parallel: bool) -> torch.Tensor:
                        requires_grad=True)
 
 
-def _compiled_against_eager(variant: str, sequence_parallel: bool) -> dict:
+def _compiled_against_eager(variant: str, sequence_parallel: bool, fp8: str | None = None) -> dict:
     """Loss and gradients of the GPT with inductor-compiled blocks against the same GPT eager."""
     torch._dynamo.reset()
-    eager, compiled = build_gpt(variant, sequence_parallel), build_gpt(variant, sequence_parallel)
+    eager, compiled = build_gpt(variant, sequence_parallel, fp8), build_gpt(variant, sequence_parallel, fp8)
     assert compile_transformer_layers(compiled, fullgraph=True) == CONFIGS[variant]["num_layers"]
     ids, labels = _batch()
     losses = []
@@ -74,16 +83,18 @@ def _compiled_against_eager(variant: str, sequence_parallel: bool) -> dict:
             "grad": max(((grads[1][n] - grads[0][n]).abs().max() / grads[0][n].abs().max()).item() for n in names)}
 
 
+@pytest.mark.parametrize("fp8", [None, *RECIPES])
 @pytest.mark.parametrize("variant", ["gpt2", "llama"])
-def test_one_graph_per_block_at_tp1(variant):
+def test_one_graph_per_block_at_tp1(variant, fp8):
     destroy_model_parallel()
-    assert count_graphs(build_block(variant), _block_input(False)) == {"forward": 1, "backward": 1, "breaks": 0}
+    graphs = count_graphs(build_block(variant, fp8=fp8), _block_input(False))
+    assert graphs == {"forward": 1, "backward": 1, "breaks": 0}
 
 
-@pytest.mark.parametrize("variant", ["gpt2", "llama"])
-def test_compiled_gpt_equals_eager_at_tp1(variant):
+@pytest.mark.parametrize("variant, fp8", [("gpt2", None), ("llama", None), ("llama", "tensorwise")])
+def test_compiled_gpt_equals_eager_at_tp1(variant, fp8):
     destroy_model_parallel()
-    diff = _compiled_against_eager(variant, False)
+    diff = _compiled_against_eager(variant, False, fp8)
     assert diff["loss"] <= TOLERANCE and diff["grad"] <= TOLERANCE, diff
 
 
@@ -93,6 +104,8 @@ def _tp2(rank):
     ds_comm.configure(enabled=True, prof_all=True)  # the comms logger times every call: no trace may see it
     out = {f"{variant} sp={sp}": count_graphs(build_block(variant, sp), _block_input(sp))
            for variant in ("gpt2", "llama") for sp in (False, True)}
+    out |= {f"{variant} sp=True {fp8}": count_graphs(build_block(variant, True, fp8), _block_input(True))
+            for variant in ("gpt2", "llama") for fp8 in RECIPES}
     out["numerics"] = {variant: _compiled_against_eager(variant, True) for variant in ("gpt2", "llama")}
     ds_comm.configure(enabled=False)
     return out
