@@ -95,23 +95,23 @@ def test_one_graph_per_block_at_tp1(variant, fp8):
     assert graphs == {"forward": 1, "backward": 1, "breaks": 0}
 
 
-@pytest.mark.parametrize("variant, fp8", [("gpt2", None), ("llama", None), ("llama", "tensorwise")])
-def test_compiled_gpt_equals_eager_at_tp1(variant, fp8):
+def test_compiled_fp8_gpt_equals_eager_at_tp1():
+    """(without FP8, gpt2 and llama are compared at TP2 + SP below: the same blocks with the collectives in)"""
     destroy_model_parallel()
-    diff = _compiled_against_eager(variant, False, fp8)
+    diff = _compiled_against_eager("llama", False, "tensorwise")
     assert diff["loss"] <= TOLERANCE and diff["grad"] <= TOLERANCE, diff
 
 
 def _engine_losses(state, compile: bool, zero_stage: int, steps: int = 3) -> list[float]:
     """Losses of a DeepSpeed engine (ZeRO ``zero_stage``, full recomputation: DeepSpeed's checkpoint around each
-    block) training the engine tests' tiny gpt2 with sequence parallelism, its blocks compiled (whole: fullgraph)
-    or eager."""
+    block) training the engine tests' tiny gpt2 with sequence parallelism, its blocks compiled (whole: fullgraph;
+    by AOTAutograd without inductor's code generation, whose numerics the other tests measure) or eager."""
     ds = resolve_ds_config({**BASE_DS, "zero_optimization": {"stage": zero_stage}}, data_parallel=state.data_parallel,
                            micro_batch_size=BASE_DS["train_batch_size"])
     engine = build_engine(GPTConfig(**TINY, sequence_parallel=True), ds, state, init_seed=1234, recompute="full")
     if compile:
         torch._dynamo.reset()
-        compile_transformer_layers(engine.module, fullgraph=True)
+        compile_transformer_layers(engine.module, backend="aot_eager", fullgraph=True)
     batch = BASE_DS["train_batch_size"]
     batches = lm_batches(GlobalBatchLoader(real_text_tokens(batch * steps), batch, batch, 0, 1))
     return [train_step(engine, batches) for _ in range(steps)]
