@@ -12,6 +12,11 @@ tensors, gradient clipping 1.0) in the same precision:
                 plain PyTorch loop (forward, backward, clip, step, zero_grad);
   plain         the project's GPT in the same plain loop: the difference to ``deepspeed`` is the engine's cost.
 
+``NAME+compile`` (or ``--compile`` for every system) compiles that system: the project's systems per transformer
+block (``models.compile.compile_transformer_layers``, torchtitan's way: the embedding, output layer, loss and
+DeepSpeed's engine and hooks stay eager), Hugging Face's whole model with ``torch.compile``. The first (warm-up)
+step pays the compilation.
+
 Precision. fp32: everything fp32. bf16: DeepSpeed keeps bf16 weights and activations and an fp32 master
 copy that its optimizer updates; the plain loops get the matching standard treatment, fp32 weights
 with ``torch.autocast(bfloat16)`` (bf16 matrix products and activations, fp32 weights = master weights,
@@ -47,6 +52,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as tprofile
 
 from models import GPT
+from models.compile import compile_transformer_layers
 from models.parallel import get_parallel_state, initialize_model_parallel
 from pipeline.engine.distributed import init_distributed
 from pipeline.engine.build import build_engine, param_groups
@@ -113,7 +119,7 @@ def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, dev
     """One contender for one (model, precision), owning its model, optimizer and step function.
 
     ``name``: deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain; a "+compile"
-    suffix compiles that one system's model (``engine.compile()`` / ``torch.compile``). ``recompute``: the
+    suffix compiles that one system's model (the project's per block, Hugging Face's whole). ``recompute``: the
     engine's activation recomputation policy (none, selective, full; DeepSpeed systems only)."""
     label = name
     if name.endswith("+compile"):
@@ -127,14 +133,15 @@ def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, dev
     if name.startswith("deepspeed"):
         engine = build_engine(config, ds, get_parallel_state(), init_seed=seed, recompute=recompute)
         if compile:
-            engine.compile()
+            compile_transformer_layers(engine.module)
         batches = _repeat((x, y))
         return System(f"{label} {precision}", lambda: train_step(engine, batches), owner=engine)
     if name == "plain":
         model = GPT(config, init_seed=seed).to(device).train()
-        fwd = torch.compile(model) if compile else model
+        if compile:
+            compile_transformer_layers(model)
         opt = plain_optimizer(model, ds)
-        return System(f"{label} {precision}", plain_step_fn(model, opt, lambda: fwd(x, y), precision, clip, device),
+        return System(f"{label} {precision}", plain_step_fn(model, opt, lambda: model(x, y), precision, clip, device),
                       owner=(model, opt))
     if name == "hf":
         model = common.hf_model(config, device)
@@ -266,7 +273,7 @@ def main(argv=None):
     p.add_argument("--clock", choices=["cpu", "wall"], default=None,
                    help="time with this process's CPU time (default with one thread: robust to other jobs on a "
                         "shared machine) or wall time (default with several threads)")
-    p.add_argument("--compile", action="store_true", help="torch.compile every model (engine.compile() for DeepSpeed)")
+    p.add_argument("--compile", action="store_true", help="compile every system (the project's per transformer block, Hugging Face's whole)")
     p.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables here instead of timing")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = p.parse_args(argv)

@@ -8,6 +8,9 @@ With ``sequence_parallel`` the layers take and give activations split along
 the sequence (dimension ``sequence_dim``, 1 in a [batch, seq, ...] layout)
 instead of replicated ones: column-parallel all-gathers its input, row-parallel
 and the embedding reduce-scatter their outputs.
+
+A linear's ``fp8`` (None: the run's precision; set by ``models.parallel.fp8.enable_fp8``) computes its local
+matmul in FP8; the collectives around it stay as they are, in the run's precision.
 """
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mappings import (copy_to_tensor_parallel_region, gather_along, gather_from_tensor_parallel_region,
-                       reduce_from_tensor_parallel_region, reduce_scatter_along,
+from .mappings import (copy_to_tensor_parallel_region, gather_along, gather_from_sequence_parallel_region,
+                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region, reduce_scatter_along,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region,
                        sequence_parallel_parameter)
 from .sharding import ShardSpec, divide, mark_sequence_parallel, set_shard_spec
@@ -81,6 +84,15 @@ def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return _SequenceGatherLinear.apply(x, weight, bias, dim)
 
 
+def local_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x A^T (+ bias) with this rank's shard A = ``module.weight``: in FP8 when ``module.fp8`` is set (the bias
+    then added in the output's precision, as torchao's Float8Linear does)."""
+    if module.fp8 is None:
+        return F.linear(x, module.weight, bias)
+    y = module.fp8(x, module.weight)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns (output features) across TP ranks.
 
@@ -118,11 +130,15 @@ class ColumnParallelLinear(nn.Module):
             self.bias = sharded_parameter((self.out_features,), spec, nn.init.zeros_, dtype, device)
         else:
             self.register_parameter("bias", None)
+        self.fp8 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and tp_world_size() > 1:
-            return sequence_gather_linear(x, self.weight, self.bias, self.sequence_dim)
-        y = F.linear(copy_to_tensor_parallel_region(x), self.weight, self.bias)
+            if self.fp8 is None:
+                return sequence_gather_linear(x, self.weight, self.bias, self.sequence_dim)
+            # FP8: the gather as its own op (its backward a reduce-scatter), the gathered input kept for the backward
+            return local_linear(self, gather_from_sequence_parallel_region(x, self.sequence_dim), self.bias)
+        y = local_linear(self, copy_to_tensor_parallel_region(x), self.bias)
         return gather_from_tensor_parallel_region(y) if self.gather_output else y
 
     def extra_repr(self):
@@ -160,14 +176,15 @@ class RowParallelLinear(nn.Module):
                 mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
+        self.fp8 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.sequence_dim)
+            y = reduce_scatter_to_sequence_parallel_region(local_linear(self, x, None), self.sequence_dim)
             return y + sequence_parallel_parameter(self.bias) if self.bias is not None else y
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight))
+        y = reduce_from_tensor_parallel_region(local_linear(self, x, None))
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):

@@ -8,10 +8,17 @@ last dimension across the tensor-parallel ranks.
 Sequence parallelism replaces *f* by an all-gather along the sequence (its
 backward a reduce-scatter) and *g* by a reduce-scatter (its backward an
 all-gather): same communication volume, activations split by TP in between.
+
+Every collective here is also a ``torch.library`` custom op (``mds::tp_*``), which is what a compiled region
+calls: one opaque node to Dynamo, so a ``torch.compile``d block traces whole (DeepSpeed's comms logger, which
+times each call with ``time.time`` and broke the graph 13-30 times per block, runs inside the op at run time
+and still counts the call). Eager code calls the same functions directly, in place where it was.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
 from . import collectives
 from .state import tp_group, tp_rank, tp_world_size
 
@@ -19,7 +26,30 @@ from .state import tp_group, tp_rank, tp_world_size
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     if tp_world_size() == 1:
         return x
+    if torch.compiler.is_compiling():
+        return tp_all_reduce(x)
     return collectives.all_reduce(x.contiguous(), tp_group())
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+@torch.library.custom_op("mds::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce (``op`` sum or max) over the TP group into a new tensor (a custom op may not alias its input)."""
+    return collectives.all_reduce(x.clone(memory_format=torch.contiguous_format), tp_group(), op=_REDUCE_OPS[op])
+
+
+@tp_all_reduce.register_fake
+def _(x, op="sum"):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise max over the TP group (a new tensor; no autograd: for scales)."""
+    if tp_world_size() == 1:
+        return x
+    return tp_all_reduce(x, "max")
 
 
 def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -32,9 +62,13 @@ def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    world = tp_world_size()
-    if world == 1:
+    if tp_world_size() == 1:
         return x
+    return gather_along(x, x.dim() - 1) if torch.compiler.is_compiling() else _gather_list(x)
+
+
+def _gather_list(x: torch.Tensor) -> torch.Tensor:
+    world = tp_world_size()
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
     collectives.all_gather_list(parts, x, tp_group())
@@ -116,9 +150,13 @@ def _sequence_chunk(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def gather_along(x: torch.Tensor, dim: int) -> torch.Tensor:
     """All-gather the TP ranks' chunks of dimension ``dim``, in rank order (no autograd)."""
-    world = tp_world_size()
-    if world == 1:
+    if tp_world_size() == 1:
         return x
+    return tp_gather_along(x, dim) if torch.compiler.is_compiling() else _gather_along(x, dim)
+
+
+def _gather_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    world = tp_world_size()
     local = x.movedim(dim, 0).contiguous()  # the collective joins along the leading dimension
     out = local.new_empty((world * local.shape[0], *local.shape[1:]))
     collectives.all_gather_into(out, local, tp_group())
@@ -133,16 +171,48 @@ def reduce_scatter_along(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.shape[dim] % world:
         raise ValueError(f"sequence length {x.shape[dim]} (dimension {dim}) is not divisible by tensor-parallel "
                          f"size {world}")
+    return tp_reduce_scatter_along(x, dim) if torch.compiler.is_compiling() else _reduce_scatter_along(x, dim)
+
+
+def _reduce_scatter_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    world = tp_world_size()
     full = x.movedim(dim, 0).contiguous()
     out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
     collectives.reduce_scatter_into(out, full, tp_group())
     return out.movedim(0, dim).contiguous()
 
 
+@torch.library.custom_op("mds::tp_gather_along", mutates_args=())
+def tp_gather_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _gather_along(x, dim)
+
+
+def _with_size(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """An empty tensor shaped as ``x`` but for dimension ``dim`` (what a fake collective returns)."""
+    return x.new_empty((*x.shape[:dim], size, *x.shape[dim:][1:]))
+
+
+@tp_gather_along.register_fake
+def _(x, dim):
+    return _with_size(x, dim, x.shape[dim] * tp_world_size())
+
+
+@torch.library.custom_op("mds::tp_reduce_scatter_along", mutates_args=())
+def tp_reduce_scatter_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _reduce_scatter_along(x, dim)
+
+
+@tp_reduce_scatter_along.register_fake
+def _(x, dim):
+    return _with_size(x, dim, x.shape[dim] // tp_world_size())
+
+
 def all_reduce_fp32(x: torch.Tensor) -> torch.Tensor:
     """Sum over the TP group, accumulated in fp32 whatever the dtype (a new tensor)."""
     if tp_world_size() == 1:
         return x
+    if torch.compiler.is_compiling():
+        return tp_all_reduce(x.float()).to(x.dtype)
     acc = x.float().contiguous() if x.dtype != torch.float32 else x.clone(memory_format=torch.contiguous_format)
     collectives.all_reduce(acc, tp_group())
     return acc.to(x.dtype)

@@ -1,0 +1,21 @@
+"""``torch.compile`` per transformer block, torchtitan's way: each ``TransformerLayer`` is compiled on its own
+(``nn.Module.compile``, in place, so parameter names and state dicts do not change), the embedding, the output
+layer and the loss stay eager, and so does whatever wraps a block from outside (DeepSpeed's activation
+checkpointing, its ZeRO and pipeline hooks). The blocks trace whole at any TP size, with or without sequence
+parallelism: the TP collectives are custom ops (models/parallel/mappings.py). Dropout does not: DeepSpeed's RNG
+tracker swaps the generator's state around every draw in a tensor-parallel region, which Dynamo cannot trace.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .gpt import TransformerLayer
+
+
+def compile_transformer_layers(model: nn.Module, *, backend="inductor", fullgraph: bool = False, **options) -> int:
+    """Compile every ``TransformerLayer`` of ``model`` in place; the number compiled. ``fullgraph``: refuse a
+    graph break (an error at the first call) instead of running its pieces."""
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.compile(backend=backend, fullgraph=fullgraph, **options)
+    return len(layers)
