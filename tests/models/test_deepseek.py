@@ -5,15 +5,20 @@ expert products against the per-expert loop; the balancing bias's update and the
 computations; TP2 and EP2 against one process (one 2-rank launch)."""
 import pytest
 import torch
-from transformers import DeepseekV3Config, Qwen2MoeConfig
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2MoeConfig
+from transformers.modeling_layers import MtpModel
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention, DeepseekV3MoE,
+                                                                   DeepseekV3RotaryEmbedding)
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
 from dist import run_distributed
 from models.config import ConfigError, GPTConfig
+from models.gpt import GPT, RotaryEmbedding
 from models.grouped_experts import grouped_linear, grouped_mm_fits, padded_grouped_linear
+from models.mla import MultiLatentAttention, deinterleave_rope_rows
 from models.moe import MoEMLP, forget_expert_groups, update_expert_biases
 from models.parallel import destroy_model_parallel, full_state_dict, initialize_model_parallel
+from pipeline.checkpoints.state_dicts import load_full_state_dict
 from models.router import RouterPolicy, balance_loss, select_experts
 
 H, F_EXPERT, E, K = 32, 16, 16, 4
@@ -23,6 +28,8 @@ DEEPSEEK = dict(variant="llama", vocab_size=64, hidden_size=H, num_layers=2, num
                 moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True,
                 moe_shared_expert_intermediate_size=2 * F_EXPERT, moe_router_load_balancing_type="seq_aux_loss",
                 moe_aux_loss_coeff=1e-4)
+MLA = dict(DEEPSEEK, num_experts=0, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16,
+           qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
 QWEN2 = dict(DEEPSEEK, moe_router_score_function="softmax", moe_router_num_groups=None, moe_router_group_topk=None,
              moe_router_topk_scaling_factor=1.0, moe_router_enable_expert_bias=False, moe_norm_topk_prob=False,
              moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True,
@@ -178,6 +185,184 @@ def test_config_refusals():
         GPTConfig(**{**QWEN2, "moe_shared_expert_intermediate_size": None})
 
 
+def _mla(config: dict) -> MultiLatentAttention:
+    c = GPTConfig(**config)
+    return MultiLatentAttention(c, RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta))
+
+
+def _hf_attention(q_lora_rank, interleave: bool):
+    torch.manual_seed(0)
+    c = DeepseekV3Config(hidden_size=H, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank,
+                         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                         rope_interleave=interleave, max_position_embeddings=32)
+    c._attn_implementation = "eager"
+    attention = DeepseekV3Attention(c, layer_idx=0).eval()
+    for p in attention.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
+    return attention, DeepseekV3RotaryEmbedding(c)
+
+
+def _copy_attention(ours: MultiLatentAttention, hf, interleave: bool) -> MultiLatentAttention:
+    q_rows, kv_rows = (hf.q_proj if hf.q_lora_rank is None else hf.q_b_proj).weight, hf.kv_a_proj_with_mqa.weight
+    if interleave:  # the RoPE rows of the query (each head's last 8) and of kv_a (its last 8) reordered
+        q_rows, kv_rows = deinterleave_rope_rows(q_rows, 8, 16), deinterleave_rope_rows(kv_rows, 8, 24)
+    with torch.no_grad():
+        if hf.q_lora_rank is None:
+            ours.q_proj.weight.copy_(q_rows)
+        else:
+            ours.q_a_proj.weight.copy_(hf.q_a_proj.weight)
+            ours.q_a_norm.weight.copy_(hf.q_a_layernorm.weight)
+            ours.q_b_proj.weight.copy_(q_rows)
+        ours.kv_a_proj.weight.copy_(kv_rows)
+        ours.kv_a_norm.weight.copy_(hf.kv_a_layernorm.weight)
+        ours.kv_b_proj.weight.copy_(hf.kv_b_proj.weight)
+        ours.dense.weight.copy_(hf.o_proj.weight)
+    return ours
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_mla_equals_transformers(q_lora_rank, interleave):
+    hf, rotary = _hf_attention(q_lora_rank, interleave)
+    ours = _copy_attention(_mla({**MLA, "q_lora_rank": q_lora_rank}).eval(), hf, interleave)
+    x = _input(shape=(2, 12, H))
+    causal = torch.full((12, 12), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        ref = hf(x, rotary(x, torch.arange(12)[None]), causal)[0]
+        out = ours(x)
+    diff = (ref - out).abs().max().item()
+    print(f"MLA q_lora_rank={q_lora_rank} interleave={interleave}: max abs difference {diff:.1e} "
+          f"(outputs up to {ref.abs().max():.1f})")
+    assert ref.abs().max() > 1.0 and diff < 1e-6  # measured 2026-12-05: 0.0, bit for bit (outputs up to 3.2)
+    if interleave:  # the same weights without the reordering: another RoPE, another output
+        with torch.no_grad():
+            assert (ref - _copy_attention(ours, hf, False)(x)).abs().max() > 1e-2
+
+
+# -- the whole model: a dense first layer, MLA, sigmoid group-limited routing with biases, shared experts, MTP --------
+
+def _hf_deepseek(mtp_layers=1):
+    torch.manual_seed(0)
+    c = DeepseekV3Config(vocab_size=96, hidden_size=H, intermediate_size=48, moe_intermediate_size=F_EXPERT,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=E,
+                         num_experts_per_tok=K, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                         n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+                         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=32,
+                         num_mtp_layers=mtp_layers)
+    model = DeepseekV3ForCausalLM(c).eval()
+    mtp = MtpModel(model, mtp_layers).eval()
+    for name, p in mtp.named_parameters(remove_duplicate=False):  # MtpModel leaves its own tensors unset
+        if not name.startswith(("embed_tokens", "shared_head")):
+            torch.nn.init.normal_(p, std=0.02)
+    for module in (model, mtp):
+        for name, p in module.named_parameters():
+            if "norm" in name:  # the norms away from 1, the biases away from 0: a wrong copy shows
+                torch.nn.init.normal_(p, mean=1.0, std=0.2)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.normal_(std=0.02)
+    return model, mtp
+
+
+def _moe_names(ours: str, theirs: str) -> dict:
+    return {f"{theirs}.gate.weight": f"{ours}.moe.deepspeed_moe.gate.wg.weight",
+            f"{theirs}.shared_experts.down_proj.weight": f"{ours}.shared_expert.fc_out.weight"}
+
+
+def _our_state_dict(model, mtp, layers=3) -> dict:
+    """transformers' DeepSeek-V3 (and MtpModel) tensors under the project's names (a test's converter)."""
+    hf = {**model.state_dict(), **{f"mtp.{k}": v for k, v in mtp.state_dict().items()}}
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"], "lm_head.weight": hf["lm_head.weight"],
+           "final_norm.norm.weight": hf["model.norm.weight"]}
+    blocks = {f"layers.{i}": f"model.layers.{i}" for i in range(layers)}
+    blocks.update({f"mtp.layers.{d}.block": f"mtp.layers.{d}.mtp_block" for d in range(len(mtp.layers))})
+    for d in range(len(mtp.layers)):
+        for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("final_norm", "post_norm")):
+            out[f"mtp.layers.{d}.{ours}.weight"] = hf[f"mtp.layers.{d}.{theirs}.weight"]
+    for ours, theirs in blocks.items():
+        a, t = f"{ours}.attention", f"{theirs}.self_attn"
+        out.update({f"{ours}.input_norm.weight": hf[f"{theirs}.input_layernorm.weight"],
+                    f"{ours}.post_attention_norm.weight": hf[f"{theirs}.post_attention_layernorm.weight"],
+                    f"{a}.q_a_proj.weight": hf[f"{t}.q_a_proj.weight"], f"{a}.q_a_norm.weight": hf[f"{t}.q_a_layernorm.weight"],
+                    f"{a}.q_b_proj.weight": deinterleave_rope_rows(hf[f"{t}.q_b_proj.weight"], 8, 16),
+                    f"{a}.kv_a_proj.weight": deinterleave_rope_rows(hf[f"{t}.kv_a_proj_with_mqa.weight"], 8, 24),
+                    f"{a}.kv_a_norm.weight": hf[f"{t}.kv_a_layernorm.weight"],
+                    f"{a}.kv_b_proj.weight": hf[f"{t}.kv_b_proj.weight"], f"{a}.dense.weight": hf[f"{t}.o_proj.weight"]})
+        m, t = f"{ours}.mlp", f"{theirs}.mlp"
+        if f"{t}.gate_proj.weight" in hf:  # a dense layer
+            out[f"{m}.fc_in.weight"] = torch.cat([hf[f"{t}.gate_proj.weight"], hf[f"{t}.up_proj.weight"]])
+            out[f"{m}.fc_out.weight"] = hf[f"{t}.down_proj.weight"]
+            continue
+        experts = f"{m}.moe.deepspeed_moe.experts.deepspeed_experts"
+        for e in range(E):
+            out[f"{experts}.{e}.fc_in.weight"] = hf[f"{t}.experts.gate_up_proj"][e]
+            out[f"{experts}.{e}.fc_out.weight"] = hf[f"{t}.experts.down_proj"][e]
+        out.update({f"{m}.moe.deepspeed_moe.gate.wg.weight": hf[f"{t}.gate.weight"],
+                    f"{m}.shared_expert.fc_in.weight": torch.cat([hf[f"{t}.shared_experts.gate_proj.weight"],
+                                                                  hf[f"{t}.shared_experts.up_proj.weight"]]),
+                    f"{m}.shared_expert.fc_out.weight": hf[f"{t}.shared_experts.down_proj.weight"],
+                    f"{m}.moe.deepspeed_moe.gate.expert_bias": hf[f"{t}.gate.e_score_correction_bias"]})
+    return out
+
+
+DEEPSEEK_MODEL = dict(DEEPSEEK, vocab_size=96, num_layers=3, moe_dense_layers=[0], tie_embeddings=False, norm_eps=1e-6,
+                      **{k: v for k, v in MLA.items() if k not in DEEPSEEK or k == "num_experts"}, mtp_num_layers=1)
+DEEPSEEK_MODEL["num_experts"] = E
+
+
+def _deepseek_gpt(model, mtp, **overrides) -> GPT:
+    ours = GPT(GPTConfig(**{**DEEPSEEK_MODEL, **overrides}), init_seed=0).eval()
+    full = _our_state_dict(model, mtp)
+    biases = {k: full.pop(k) for k in list(full) if k.endswith("expert_bias")}
+    load_full_state_dict(ours, full)  # parameters only: the biases are buffers
+    for name, value in biases.items():
+        ours.get_buffer(name).copy_(value)
+    return ours
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_deepseek_v3_logits_and_mtp_equal_transformers(grouped):
+    model, mtp = _hf_deepseek()
+    ours = _deepseek_gpt(model, mtp, moe_grouped_gemm=grouped)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+        logits = ours(ids)
+        # MTP depth 1 as transformers drafts: the main model's last hidden states of tokens 0..10, tokens 1..11 at
+        # positions 1..11; ours at positions 0..10 (RoPE is relative)
+        hf_mtp = mtp.shared_head(mtp.forward_layer(0, ref.hidden_states[-1][:, :-1], torch.arange(1, 12)[None], None,
+                                                   input_ids=ids[:, 1:]))
+        ours.train()  # the MTP hidden states are kept by training forwards (dropout 0, no capacity: the same)
+        hidden = ours._local_hidden_states(ids)
+        (depth1,) = ours.mtp.hidden_states(hidden, ids, ours.embedding.word_embeddings)
+        our_mtp = ours.lm_head(depth1)[:, :-1, :96]
+    diffs = {"logits": (ref.logits - logits).abs().max().item(), "mtp": (hf_mtp - our_mtp).abs().max().item()}
+    print(f"DeepSeek-V3 grouped={grouped}: max abs differences", {k: f"{v:.1e}" for k, v in diffs.items()},
+          f"(logits up to {ref.logits.abs().max():.2f})")
+    # measured 2026-12-05: 6.0e-8 (logits), 7.5e-8 (MTP, whose RoPE positions are shifted by one in transformers)
+    assert ref.logits.abs().max() > 0.1 and max(diffs.values()) < 6e-7
+
+
+def test_mtp_loss_is_lambda_times_the_depths_mean():
+    model, mtp = _hf_deepseek(mtp_layers=2)
+    ours = _deepseek_gpt(model, mtp, mtp_num_layers=2, mtp_loss_scaling_factor=0.3).train()
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(4))
+    x, labels = ids[:, :-1], ids[:, 1:]
+    total = ours(x, labels)
+    main = torch.nn.functional.cross_entropy(ours.eval()(x).reshape(-1, 96), labels.reshape(-1))
+    ours.train()
+    hidden = ours._local_hidden_states(x)
+    depths = ours.mtp.hidden_states(hidden, x, ours.embedding.word_embeddings)
+    by_hand = [torch.nn.functional.cross_entropy(ours.lm_head(h)[:, :-k, :96].reshape(-1, 96),
+                                                 ids[:, k + 1:].reshape(-1)) for k, h in enumerate(depths, start=1)]
+    aux = ours.moe_aux_loss() + ours.mtp.moe_aux_loss()
+    expected = main + 0.3 * sum(by_hand) / 2 + aux
+    print(f"MTP loss: total {total:.6f}, by hand {expected:.6f}")
+    assert torch.allclose(total, expected, rtol=1e-6) and float(sum(by_hand)) > 1.0
+    total.backward()
+    assert ours.mtp.layers[1].eh_proj.weight.grad.abs().sum() > 0
+
+
 # -- two ranks: TP2 and EP2 against one process, the bias identical on both ----------------------------------------
 
 def _moe_run(config: dict, x: torch.Tensor) -> dict:
@@ -191,11 +376,33 @@ def _moe_run(config: dict, x: torch.Tensor) -> dict:
     return {"out": out.detach(), "x_grad": x.grad, "grads": full_state_dict(mlp, grads=True), "mlp": mlp}
 
 
+def _mla_run(config: dict) -> dict:
+    torch.manual_seed(0)
+    mla = _mla(config).train()
+    x = _input(shape=(2, 12, H)).requires_grad_()
+    out = mla(x)
+    (out * _input(7, out.shape)).sum().backward()
+    return {"out": out.detach(), "x_grad": x.grad, "grads": full_state_dict(mla, grads=True)}
+
+
+def _gpt_run() -> dict:
+    """The DeepSeek-like GPT (MLA, MoE, shared experts, MTP): its logits, its training loss (MTP's included) and
+    every gradient."""
+    model = GPT(GPTConfig(**{**DEEPSEEK_MODEL, "moe_grouped_gemm": True}), init_seed=0)
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(5))
+    logits = model.eval()(ids[:, :-1])
+    loss = model.train()(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    return {"logits": logits.detach(), "loss": loss.detach(), "grads": full_state_dict(model, grads=True)}
+
+
 def _cases(rank):
     results = {}
     initialize_model_parallel(tensor_parallel=2)
+    results["gpt_tp2"] = _gpt_run()
     tp = _moe_run({**DEEPSEEK, "moe_grouped_gemm": True}, _input())
     results["tp2"] = {k: tp[k] for k in ("out", "x_grad", "grads")}
+    results["mla_tp2"] = {q: _mla_run({**MLA, "q_lora_rank": q}) for q in (24, None)}
     destroy_model_parallel()
     initialize_model_parallel(tensor_parallel=1)   # two data-parallel ranks, each its own tokens
     x = _input(10 + rank)
@@ -217,6 +424,24 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_tp2_and_ep2_equal_one_process_and_biases_agree():
     ranks = run_distributed(_cases, 2)
     destroy_model_parallel()
+    one = _gpt_run()
+    for rank in ranks:  # the whole DeepSeek-like model at TP2
+        got = rank["gpt_tp2"]
+        diffs = {"logits": (got["logits"] - one["logits"]).abs().max().item(),
+                 "loss": (got["loss"] - one["loss"]).abs().item(), "grads": _max_diff(got["grads"], one["grads"])}
+        print("DeepSeek-like GPT TP2 vs TP1:", {k: f"{v:.1e}" for k, v in diffs.items()})
+        # measured 2026-12-05: 8.9e-8 (logits up to 0.4), 3.7e-8 (a gradient), the loss bit for bit
+        assert got["grads"].keys() == one["grads"].keys() and max(diffs.values()) < 5e-7
+    for q_lora_rank in (24, None):  # MLA at TP2: two heads a rank, the latents replicated
+        one = _mla_run({**MLA, "q_lora_rank": q_lora_rank})
+        for rank in ranks:
+            got = rank["mla_tp2"][q_lora_rank]
+            diffs = {"out": (got["out"] - one["out"]).abs().max().item(),
+                     "x_grad": (got["x_grad"] - one["x_grad"]).abs().max().item(),
+                     "grads": _max_diff(got["grads"], one["grads"])}
+            print(f"MLA q_lora_rank={q_lora_rank} TP2 vs TP1:", {k: f"{v:.1e}" for k, v in diffs.items()})
+            assert got["grads"].keys() == one["grads"].keys()
+            assert max(diffs.values()) < 1e-6  # measured 2026-12-05: 1.2e-7 (a gradient), 3.7e-9 (the outputs)
     one = _moe_run({**DEEPSEEK, "moe_grouped_gemm": True}, _input())
     for rank in ranks:  # TP2: the same tokens on both ranks, each expert's columns split
         got = rank["tp2"]
