@@ -15,6 +15,9 @@ replicated on every TP rank; the shared RoPE key is read by every rank's heads, 
 RoPE is the rotate-half form of the project's ``RotaryEmbedding`` (given by the caller). transformers' DeepSeek-V3
 rotates interleaved pairs by default (``rope_interleave``); that equals the rotate-half form on the RoPE rows of
 the projections reordered [even rows; odd rows] (``deinterleave_rope_rows``), which an import does once.
+
+Decoding caches the compressed latent (after its norm) and the RoPE key part, not the heads' keys and values:
+kv_lora_rank + qk_rope_head_dim numbers a token and layer instead of heads x (nope + rope + v).
 """
 from __future__ import annotations
 
@@ -74,22 +77,29 @@ class MultiLatentAttention(nn.Module):
         return self.q_proj(x)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        if cache is not None:
-            raise NotImplementedError("decoding with a cache of the compressed latent is not implemented yet")
+        """``cache``: a ``models.kv_cache.LayerCache`` (decoding): it keeps the compressed latent and the RoPE key
+        part of every token read ([b, 1, t, kv_lora_rank] and [b, 1, t, rope]), expanded per head at each step."""
         b, s, _ = x.shape
         q = self._query(x).view(b, s, self.local_heads, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a_proj(x).split([self.kv_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_norm(latent)).view(b, s, self.local_heads, self.nope + self.v).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v], dim=-1)
+        latent = self.kv_a_norm(latent).view(b, 1, s, self.kv_rank)
         # every rank's heads read the one RoPE key: its gradient is their sum over TP
-        k_rope = copy_to_tensor_parallel_region(k_rope).view(b, 1, s, self.rope)
-        q_rope, k_rope = self.rotary(q_rope, k_rope)
+        k_rope = copy_to_tensor_parallel_region(k_rope).reshape(b, 1, s, self.rope)
+        q_rope, k_rope = self.rotary(q_rope, k_rope, None if cache is None else cache.positions)
+        if cache is not None:
+            latent, k_rope = cache.update(latent, k_rope)
+        t = latent.shape[2]
+        kv = self.kv_b_proj(latent.view(b, t, self.kv_rank)).view(b, t, self.local_heads, self.nope + self.v)
+        k_nope, v = kv.transpose(1, 2).split([self.nope, self.v], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, self.local_heads, -1, -1)], dim=-1)
-        dropout = self.dropout if self.training else 0.0
-        with tensor_parallel_rng() if dropout else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        if cache is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask, is_causal=cache.is_causal)
+        else:
+            dropout = self.dropout if self.training else 0.0
+            with tensor_parallel_rng() if dropout else contextlib.nullcontext():
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.v))
 
 

@@ -14,6 +14,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from dist import run_distributed
 from models.config import ConfigError, GPTConfig
 from models.gpt import GPT, RotaryEmbedding
+from models.kv_cache import KVCache
 from models.grouped_experts import grouped_linear, grouped_mm_fits, padded_grouped_linear
 from models.mla import MultiLatentAttention, deinterleave_rope_rows
 from models.moe import MoEMLP, forget_expert_groups, update_expert_biases
@@ -341,6 +342,30 @@ def test_deepseek_v3_logits_and_mtp_equal_transformers(grouped):
           f"(logits up to {ref.logits.abs().max():.2f})")
     # measured 2026-12-05: 6.0e-8 (logits), 7.5e-8 (MTP, whose RoPE positions are shifted by one in transformers)
     assert ref.logits.abs().max() > 0.1 and max(diffs.values()) < 6e-7
+
+
+def test_decoding_with_the_latent_cache_equals_the_whole_sequence_and_transformers_generate():
+    """Greedy decoding's path: 6 tokens read at once, then one at a time through a KVCache holding each layer's
+    compressed latent and RoPE key: every step's logits against those of the whole sequence without a cache, and
+    the greedy tokens against transformers' ``generate`` with its own cache."""
+    model, mtp = _hf_deepseek()
+    ours = _deepseek_gpt(model, mtp)
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(6))
+    cache, tokens = KVCache(ours.config.num_layers), ids
+    with torch.no_grad():
+        cache.read(torch.ones(2, 6, dtype=torch.bool))
+        steps = [ours.parallel_logits(ids, cache)[..., :96]]
+        for _ in range(8):
+            tokens = torch.cat([tokens, steps[-1][:, -1].argmax(-1, keepdim=True)], dim=1)
+            cache.read(torch.ones(2, 1, dtype=torch.bool))
+            steps.append(ours.parallel_logits(tokens[:, -1:], cache)[..., :96])
+        whole = ours.parallel_logits(tokens)[:, 5:, :96]
+        reference = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    diff = (torch.cat(steps, dim=1)[:, :-1] - whole[:, :-1]).abs().max().item()
+    print(f"latent cache: max abs difference {diff:.1e} (logits up to {whole.abs().max():.2f})")
+    assert cache.keys[0].shape == (2, 1, 14, 16) and cache.values[0].shape == (2, 1, 14, 8)  # latent, RoPE key
+    assert diff < 5e-7  # measured 2026-12-05: 8.9e-8
+    assert torch.equal(tokens, reference)
 
 
 def test_mtp_loss_is_lambda_times_the_depths_mean():
