@@ -1,6 +1,14 @@
 """A mixture of experts against the dense GPT of the same active FLOPs, trained by the main job on the same tokens.
 
     python bench/moe.py [--steps 200] [--work DIR] [--out bench/results/moe.json]
+    python bench/moe.py --dispatch [--rounds 20] [--out bench/results/moe_dispatch.json]
+
+``--dispatch``: one DeepSeek-style MoE layer (``DEEPSEEK_STYLE``: h 256, 64 fine-grained experts of FFN 128, top-8
+within the best 4 of 8 groups, sigmoid scores with the balancing bias, 2 shared experts' width), a training step
+(forward and backward) on 4 x 128 tokens and on 1 x 32, its local experts as grouped products (``moe_grouped_gemm``,
+models/grouped_experts.py) against the per-expert loop, in fp32 and bf16, on one torch thread, the systems
+interleaved (bench/common.py) and timed by the process's CPU time. Goal (issue 43): the grouped dispatch >= 3x
+the loop's tokens/s.
 
 Every system is ``pipeline.pretrain`` (DeepSpeed, ``ds_configs/cpu.json``: bf16, ZeRO-1; ``--precision fp32``
 drops its bf16 section) on the same corpus (the shared English Wikipedia sample, byte tokenizer), the same seed,
@@ -32,10 +40,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import machine_note  # noqa: E402
+from common import System, format_table, interleaved, machine_note, median, paired_ratio  # noqa: E402
+from models.config import GPTConfig  # noqa: E402
+from models.moe import MoEMLP  # noqa: E402
 from pipeline.job.files import atomic_write_figure, atomic_write_json  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpora" / "wikipedia.txt"
@@ -52,6 +64,12 @@ SYSTEMS = {  # name -> (model, ranks, extra flags)
     "dense micro 4": (DENSE, 1, ["--micro-batch-size", "4"]),
     "moe micro 4": (MOE, 1, ["--micro-batch-size", "4"]),
 }
+DEEPSEEK_STYLE = {"variant": "llama", "hidden_size": 256, "num_layers": 1, "num_heads": 4, "ffn_hidden_size": 512,
+                  "max_position_embeddings": 128, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                  "num_experts": 64, "moe_top_k": 8, "moe_ffn_hidden_size": 128, "moe_router_score_function": "sigmoid",
+                  "moe_router_num_groups": 8, "moe_router_group_topk": 4, "moe_router_topk_scaling_factor": 2.5,
+                  "moe_router_enable_expert_bias": True, "moe_router_load_balancing_type": "seq_aux_loss",
+                  "moe_aux_loss_coeff": 1e-4, "moe_shared_expert_intermediate_size": 256}
 BASELINES = {"dense DP2": "dense DP2", "moe EP2": "dense DP2", "dense micro 4": "dense micro 4",
              "moe micro 4": "dense micro 4"}  # the dense system each one's tokens/s is compared with (else dense)
 # peak RSS of the job's processes (the launcher's children included), read after it ends
@@ -136,6 +154,41 @@ def plot(results: dict, tokens_per_step: int, out: Path) -> Path:
     return atomic_write_figure(out, fig, dpi=110)
 
 
+def dispatch_systems(dtype: torch.dtype, batch: int = 4, seq: int = 128) -> list[System]:
+    """A training step of the DeepSeek-style MoE layer, grouped and looped, the same weights and tokens."""
+    systems = []
+    for grouped in (True, False):
+        torch.manual_seed(0)
+        layer = MoEMLP(GPTConfig(**DEEPSEEK_STYLE, moe_grouped_gemm=grouped), 0.02, 0.01).to(dtype).train()
+        x = torch.randn(batch, seq, DEEPSEEK_STYLE["hidden_size"], generator=torch.Generator().manual_seed(1)).to(dtype)
+
+        def step(layer=layer, x=x):
+            layer.zero_grad(set_to_none=True)
+            (layer(x).float().square().mean() + layer.aux_loss).backward()
+        systems.append(System("grouped" if grouped else "loop", step, owner=layer))
+    return systems
+
+
+def dispatch_benchmark(rounds: int, out: Path) -> None:
+    torch.set_num_threads(1)
+    results, rows = {}, []
+    for batch, seq in ((4, 128), (1, 32)):
+        for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            before, tokens = os.getloadavg(), batch * seq
+            times = interleaved(dispatch_systems(dtype, batch, seq), rounds, warmup=2, clock="cpu")
+            speedup = paired_ratio(times["loop"], times["grouped"])
+            results[f"{tokens} tokens {precision}"] = {
+                **{name: {"tokens_per_s": tokens / median(t), "seconds": t} for name, t in times.items()},
+                "speedup": speedup, "load_average": {"before": before, "after": os.getloadavg()}}
+            rows.append([tokens, precision, tokens / median(times["grouped"]), tokens / median(times["loop"]),
+                         speedup, f"{before[0]:.1f} -> {os.getloadavg()[0]:.1f}"])
+    print(format_table(["tokens", "precision", "grouped tok/s", "loop tok/s", "grouped / loop", "load average"],
+                       rows))
+    atomic_write_json(out, {"benchmark": "moe_dispatch", "machine": machine_note(), "model": DEEPSEEK_STYLE,
+                            "rounds": rounds, "results": results}, indent=1)
+    print("wrote", out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
@@ -145,8 +198,13 @@ def main(argv=None):
                    help="bf16 (ds_configs/cpu.json) or fp32 (the same without its bf16 section)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated names of SYSTEMS")
     p.add_argument("--work", default=None, help="directory for the runs (reused: a complete run is not redone)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe.json"))
+    p.add_argument("--out", default=None, help="default: bench/results/moe.json (--dispatch: moe_dispatch.json)")
+    p.add_argument("--dispatch", action="store_true", help="the grouped expert products against the loop")
+    p.add_argument("--rounds", type=int, default=20, help="--dispatch: timed steps of each system")
     args = p.parse_args(argv)
+    if args.dispatch:
+        return dispatch_benchmark(args.rounds, Path(args.out or ROOT / "bench" / "results" / "moe_dispatch.json"))
+    args.out = args.out or str(ROOT / "bench" / "results" / "moe.json")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_moe_"))
     results = {name: run_system(work, name, args) for name in args.systems.split(",")}
     dense = results.get("dense")

@@ -9,7 +9,11 @@ from pathlib import Path
 VARIANTS = ("gpt2", "llama")
 MOE_FIELDS = ("num_experts", "moe_top_k", "moe_layer_freq", "moe_dense_layers", "moe_ffn_hidden_size",
               "moe_aux_loss_coeff",
-              "moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity", "moe_norm_topk_prob")
+              "moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity", "moe_norm_topk_prob",
+              "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
+              "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "moe_router_enable_expert_bias",
+              "moe_router_bias_update_rate", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+              "moe_grouped_gemm")
 # how a run lays the model out, not the model: the run's Layout (models/parallel/layout.py) holds them
 LAYOUT_FIELDS = {"sequence_parallel": "--sequence-parallel", "tiled_mlp": "--tiled-mlp", "tiled_loss": "--tiled-loss",
                  "moe_expert_parallel": "--expert-parallel"}
@@ -74,6 +78,26 @@ class GPTConfig:
     moe_capacity_factor: float | None = None  # None: dropless; else slots per expert = ceil(k S / E x factor)
     moe_min_capacity: int = 4              # with a capacity factor: at least this many slots per expert
     moe_norm_topk_prob: bool = True        # renormalise the top-k weights (Mixtral; Qwen3-MoE's norm_topk_prob)
+    # the router (models/router.py) and the experts' compute; Megatron-Core's names, DeepSeek-V3's in brackets
+    moe_router_score_function: str = "softmax"  # softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3)
+    moe_router_num_groups: int | None = None    # experts in this many groups (n_group); None: no group limit
+    moe_router_group_topk: int | None = None    # a token's experts come from its best groups only (topk_group)
+    moe_router_topk_scaling_factor: float = 1.0  # the routed experts' weights times this (routed_scaling_factor)
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss (batch), seq_aux_loss (per sequence) or none
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias on the selection
+    moe_router_bias_update_rate: float = 1e-3   # the bias's step per update (DeepSeek-V3's gamma)
+    moe_shared_expert_intermediate_size: int | None = None  # an always-on MLP beside the experts (n_shared x f)
+    moe_shared_expert_gate: bool = False        # Qwen2-MoE: the shared expert's output times sigmoid(x w)
+    moe_grouped_gemm: bool = False              # the local experts as one grouped matrix product, not a loop
+    # multi-head latent attention (models/mla.py) and multi-token prediction (models/mtp.py): DeepSeek-V3's names
+    multi_latent_attention: bool = False   # llama: MLA replaces the attention of every layer
+    q_lora_rank: int | None = None         # MLA: the query's low-rank width; None: a full-rank query projection
+    kv_lora_rank: int = 512                # MLA: the compressed key-value latent's width
+    qk_nope_head_dim: int = 128            # MLA: each head's query/key part without RoPE
+    qk_rope_head_dim: int = 64             # MLA: each head's query part with RoPE; the key's is one, shared
+    v_head_dim: int = 128                  # MLA: each head's value width
+    mtp_num_layers: int = 0                # multi-token prediction depths (num_nextn_predict_layers); 0: none
+    mtp_loss_scaling_factor: float = 0.1   # the MTP losses' weight in training (DeepSeek-V3's lambda)
     extra: dict = field(default_factory=dict)  # free-form metadata (e.g. where an import came from)
 
     def __post_init__(self):
@@ -125,7 +149,7 @@ class GPTConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 return f"{name} must be in [0, 1), got {getattr(self, name)}"
-        return self._moe_problem()
+        return self._moe_problem() or self._latent_problem()
 
     def _llama_option_problem(self) -> str | None:
         for name in ("qkv_bias", "qk_norm"):
@@ -169,6 +193,57 @@ class GPTConfig:
             return f"moe_capacity_factor must be positive (or null: dropless), got {c.moe_capacity_factor!r}"
         if c.moe_aux_loss_coeff < 0 or c.moe_z_loss_coeff < 0:
             return "moe_aux_loss_coeff and moe_z_loss_coeff must not be negative"
+        return self._router_problem()
+
+    def _router_problem(self) -> str | None:
+        """What is wrong with the router and shared-expert fields of an MoE config."""
+        c = self
+        choices = {"moe_router_score_function": ("softmax", "sigmoid"),
+                   "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none")}
+        for name, allowed in choices.items():
+            if getattr(c, name) not in allowed:
+                return f"{name} must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"
+        groups, group_topk = c.moe_router_num_groups, c.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            return "moe_router_num_groups and moe_router_group_topk go together; set both or neither"
+        if groups is not None:
+            if not all(isinstance(v, int) and v >= 1 for v in (groups, group_topk)) or group_topk > groups:
+                return (f"moe_router_group_topk {group_topk} must be a positive integer at most "
+                        f"moe_router_num_groups {groups}")
+            if c.num_experts % groups or c.num_experts // groups * group_topk < c.moe_top_k:
+                return (f"moe_router_num_groups {groups} must divide num_experts {c.num_experts}, and its best "
+                        f"{group_topk} groups hold at least moe_top_k {c.moe_top_k} experts")
+        if not c.moe_router_topk_scaling_factor > 0 or not c.moe_router_bias_update_rate >= 0:
+            return "moe_router_topk_scaling_factor must be positive and moe_router_bias_update_rate not negative"
+        for name in ("moe_router_enable_expert_bias", "moe_shared_expert_gate", "moe_grouped_gemm"):
+            if not isinstance(getattr(c, name), bool):
+                return f"{name} must be true or false, got {getattr(c, name)!r}"
+        shared = c.moe_shared_expert_intermediate_size
+        if shared is not None and (not isinstance(shared, int) or shared < 1):
+            return f"moe_shared_expert_intermediate_size must be a positive integer (or null: none), got {shared!r}"
+        if c.moe_shared_expert_gate and shared is None:
+            return "moe_shared_expert_gate needs a shared expert; set moe_shared_expert_intermediate_size"
+        return None
+
+    def _latent_problem(self) -> str | None:
+        """What is wrong with the multi-head latent attention and multi-token prediction fields."""
+        c = self
+        if not isinstance(c.mtp_num_layers, int) or c.mtp_num_layers < 0 or c.mtp_loss_scaling_factor < 0:
+            return "mtp_num_layers must be 0 or a positive integer and mtp_loss_scaling_factor not negative"
+        if c.mtp_num_layers and c.variant != "llama":
+            return "multi-token prediction (mtp_num_layers) is an option of the llama variant"
+        if not c.multi_latent_attention:
+            return None
+        if c.variant != "llama" or c.qk_norm or c.qkv_bias or c.num_kv_heads != c.num_heads:
+            return ("multi_latent_attention is an option of the llama variant, without qk_norm, qkv_bias or "
+                    "grouped-query attention (num_kv_heads = num_heads)")
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
+                return f"{name} must be a positive integer, got {getattr(c, name)!r}"
+        if c.qk_rope_head_dim % 2:
+            return f"RoPE needs an even qk_rope_head_dim, got {c.qk_rope_head_dim}"
+        if c.q_lora_rank is not None and (not isinstance(c.q_lora_rank, int) or c.q_lora_rank < 1):
+            return f"q_lora_rank must be a positive integer (or null: a full-rank query), got {c.q_lora_rank!r}"
         return None
 
     def is_moe_layer(self, index: int) -> bool:

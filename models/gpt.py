@@ -29,7 +29,9 @@ from torch import nn
 
 from .config import GPTConfig
 from .feed_forward import FeedForward
+from .mla import MultiLatentAttention
 from .moe import ExpertMLP, MoEMLP, is_moe_layer
+from .mtp import MultiTokenPrediction
 from .recompute import DiscardedOutput
 from .tiling import tiled_cross_entropy, tiled_mlp
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, Layout, RowParallelLinear, SequenceParallelLayerNorm,
@@ -279,7 +281,8 @@ class TransformerLayer(nn.Module):
         sp = layout.sequence_parallel
         with seeded_init(init_seed):
             self.input_norm = _norm(config, sp)
-            self.attention = Attention(config, layout)
+            self.attention = (MultiLatentAttention(config, RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta))
+                              if config.multi_latent_attention else Attention(config, layout))
             self.post_attention_norm = _norm(config, sp)
             self.mlp = (MoEMLP(config, layout, config.init_std, config.init_std / math.sqrt(2.0 * config.num_layers))
                         if moe else MLP(config, layout))
@@ -447,6 +450,11 @@ class GPT(nn.Module):
                                                      is_moe_layer(config, i)) for i in range(L))
         self.final_norm = FinalNorm(config, layout)
         self.lm_head = None if config.tie_embeddings else LMHead(config, layout, stage_seed(init_seed, L + 2))
+        # multi-token prediction (models/mtp.py): depth d's layer and projection drawn from seeds L + 3 + 2d, + 1
+        self.mtp = None if not config.mtp_num_layers else MultiTokenPrediction(config, [
+            TransformerLayer(config, layout, stage_seed(init_seed, L + 3 + 2 * d), config.num_experts > 0)
+            for d in range(config.mtp_num_layers)], stage_seed(init_seed, L + 4))
+        self._mtp_hidden = None  # the final hidden states of a training forward, for the MTP loss
         self.checkpoint_fn = None  # set by the training wiring, e.g. deepspeed.checkpointing.checkpoint
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -468,7 +476,10 @@ class GPT(nn.Module):
                 h = self.checkpoint_fn(layer, h)
             else:
                 h = layer(h)
-        return self.final_norm(h)
+        h = self.final_norm(h)
+        if self.mtp is not None and self.training and cache is None:
+            self._mtp_hidden = h
+        return h
 
     def parallel_logits(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
         """This rank's vocabulary slice of the logits [b, s, padded_vocab / tp]. With a ``models.kv_cache.KVCache``
@@ -488,7 +499,17 @@ class GPT(nn.Module):
         out = self._forward(input_ids, labels, label_smoothing, reduction)
         if labels is not None and self.training and reduction == "mean" and self.config.num_experts:
             out = out + self.moe_aux_loss()
+        if labels is not None and self.training and reduction == "mean" and self.mtp is not None:
+            out = out + self.mtp_loss(input_ids, labels)
         return out
+
+    def mtp_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """lambda x the MTP depths' mean cross-entropy (+ their MoE layers' auxiliary losses), from the hidden
+        states of the training forward just run."""
+        hidden, self._mtp_hidden = self._mtp_hidden, None
+        head = self.embedding.logits if self.lm_head is None else self.lm_head
+        loss = self.mtp.loss(hidden, input_ids, labels, self.embedding.word_embeddings, head)
+        return self.config.mtp_loss_scaling_factor * loss + self.mtp.moe_aux_loss()
 
     def moe_aux_loss(self) -> torch.Tensor | float:
         """The sum over MoE layers of coeff x load-balancing loss (+ z-loss) of the last forward (0.0: none)."""

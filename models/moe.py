@@ -32,12 +32,14 @@ from torch import nn
 
 from .config import GPTConfig
 from .feed_forward import FeedForward
+from .grouped_experts import grouped_experts
 from .parallel import (ColumnParallelLinear, Layout, RowParallelLinear, collectives, cp_world_size,
-                       gather_from_sequence_parallel_region, get_parallel_state, get_shard_spec,
+                       gather_from_sequence_parallel_region, get_parallel_state, get_shard_spec, normal_init,
                        reduce_from_context_parallel_region, scatter_to_sequence_parallel_region, tp_rank,
                        tp_world_size)
 from .tiling import tiled_mlp
 from .parallel.sharding import set_shard_spec
+from .router import RouterPolicy, balance_loss, expert_scores, select_experts, updated_expert_bias
 
 
 def is_moe_layer(config: GPTConfig, index: int) -> bool:
@@ -77,22 +79,23 @@ def _topk_gate_class():
     return TopKGate
 
 
-def route(logits: torch.Tensor, k: int, normalize: bool, capacity_factor: float | None, min_capacity: int):
-    """The routing of [tokens, E] router logits: (top-k weights [S, k], expert indices [S, k], slot of each route
-    in its expert's buffer [S, k], kept [S, k], capacity, load-balancing loss, z-loss, tokens per expert [E])."""
-    probs = F.softmax(logits.float(), dim=-1)
+def route(logits: torch.Tensor, k: int, normalize: bool, capacity_factor: float | None, min_capacity: int,
+          policy: RouterPolicy = RouterPolicy(), bias: torch.Tensor | None = None,
+          sequence_length: int | None = None):
+    """The routing of [tokens, E] router logits: (top-k weights [S, k] before ``policy.scaling``, expert indices
+    [S, k], slot of each route in its expert's buffer [S, k], kept [S, k], capacity, load-balancing loss, z-loss,
+    tokens per expert [E]). ``policy``, ``bias``: models/router.py (the bias moves the selection only);
+    ``sequence_length``: the tokens of one sequence (the sequence-wise loss)."""
+    probs = expert_scores(logits, policy.score_function)
     S, E = probs.shape
-    weights, experts = torch.topk(probs, k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, experts = select_experts(probs, k, policy, normalize, bias)
     mask = F.one_hot(experts, E)                                     # [S, k, E]
     counts = mask.sum(dim=(0, 1))
     # the losses' means over the whole sequence: under context parallelism each rank holds an equal chunk of it,
     # sums go over the context group (the gradient of each rank's own tokens stays its own, as the loss's)
-    tokens = S * cp_world_size()
-    routed = reduce_from_context_parallel_region(counts.float()) / tokens
-    l_aux = E * torch.sum(routed * reduce_from_context_parallel_region(probs.sum(dim=0)) / tokens)
-    z_loss = reduce_from_context_parallel_region(torch.logsumexp(logits.float(), dim=-1).square().sum()) / tokens
+    l_aux = balance_loss(probs, mask, policy, sequence_length)
+    z_loss = (reduce_from_context_parallel_region(torch.logsumexp(logits.float(), dim=-1).square().sum())
+              / (S * cp_world_size()))
     # slots in token order, choice order within a token (the first choice of token t before its second)
     locations = (torch.cumsum(mask.reshape(S * k, E), dim=0) - 1).reshape(S, k, E)
     locations = (locations * mask).sum(-1)                           # [S, k]
@@ -106,29 +109,53 @@ def route(logits: torch.Tensor, k: int, normalize: bool, capacity_factor: float 
 
 class ReferenceGate(nn.Module):
     """Built by ``make_gate`` as a subclass of DeepSpeed's ``TopKGate`` (its router ``wg``), with the reference
-    models' routing. Returns what ``dispatch`` reads: (load-balancing loss, expert of each route [S, k], -1 where
-    the capacity dropped it, the route's gate [S, k], tokens per expert [E] before drops)."""
+    models' routing (models/router.py). Returns what ``dispatch`` reads: (load-balancing loss, expert of each route
+    [S, k], -1 where the capacity dropped it, the route's gate [S, k], tokens per expert [E] before drops).
+    With ``moe_router_enable_expert_bias`` it holds ``expert_bias`` (a buffer, fp32 whatever the model's dtype:
+    saved in state dicts) and counts in ``load_since_update`` the routes each expert got in training since
+    ``update_expert_biases`` last read them."""
 
     def setup(self, config: GPTConfig):
         self.k = config.moe_top_k
         self.normalize = config.moe_norm_topk_prob
         self.capacity = config.moe_capacity_factor
         self.min_capacity = config.moe_min_capacity
+        self.policy = RouterPolicy.from_config(config)
+        self.bias_update_rate = config.moe_router_bias_update_rate
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+            self.load_since_update = torch.zeros(config.num_experts, dtype=torch.float32)
+        else:
+            self.expert_bias = self.load_since_update = None
         self.z_loss = None
         self.dropped_fraction = None
 
-    def forward(self, input, used_token=None, sparse_routes=True, use_tutel=False):
+    def _apply(self, fn, recurse=True):
+        """Moves keep ``expert_bias`` in fp32 (a cast of the model to bf16 would round its small steps away)."""
+        bias = self._buffers.pop("expert_bias", None)
+        super()._apply(fn, recurse)
+        if bias is not None:
+            device = fn(torch.zeros((), dtype=torch.float32, device=bias.device)).device
+            self.register_buffer("expert_bias", bias.to(device))
+            self.load_since_update = self.load_since_update.to(device)
+        return self
+
+    def forward(self, input, used_token=None, sparse_routes=True, use_tutel=False, sequence_length=None):
         if not sparse_routes or use_tutel or used_token is not None:
             raise ValueError("ReferenceGate gives sparse routes only (no Tutel, no used_token)")
         logits = F.linear(input.float(), self.wg.weight.float())
         factor = self.capacity if self.training else None  # evaluation is dropless
-        weights, experts, _, kept, _, l_aux, z_loss, counts = route(logits, self.k, self.normalize, factor,
-                                                                  self.min_capacity)
+        weights, experts, _, kept, _, l_aux, z_loss, counts = route(
+            logits, self.k, self.normalize, factor, self.min_capacity, self.policy, self.expert_bias, sequence_length)
         self.z_loss = z_loss
         self.dropped_fraction = (1.0 - kept.float().mean()).detach()
+        if self.load_since_update is not None and self.training:
+            self.load_since_update += counts.detach().float()
         gates = weights * kept
         if self.normalize and factor is not None:  # renormalised over the routes kept, as DeepSpeed's
             gates = gates / gates.sum(-1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+        if self.policy.scaling != 1.0:
+            gates = gates * self.policy.scaling
         return l_aux, torch.where(kept, experts, torch.full_like(experts, -1)), gates, counts.detach()
 
 
@@ -166,7 +193,8 @@ def dispatch(self, x: torch.Tensor, used_token=None) -> torch.Tensor:
     read all of them (the row-parallel all-reduce is the expert's own)."""
     d = x.shape[-1]
     flat = x.reshape(-1, d)
-    self.l_aux, experts, gates, self.exp_counts = self.gate(flat, used_token, True, False)
+    self.l_aux, experts, gates, self.exp_counts = self.gate(flat, used_token, True, False,
+                                                            sequence_length=x.shape[-2] if x.dim() > 2 else None)
     k, local = experts.shape[1], self.num_local_experts
     routes = experts.reshape(-1)                                   # route t * k + c: token t's c-th choice
     kept = (routes >= 0).nonzero().squeeze(1)
@@ -187,7 +215,11 @@ def dispatch(self, x: torch.Tensor, used_token=None) -> torch.Tensor:
         rows = rows.index_select(0, expert_major)
     else:
         sizes = counts.tolist()
-    out = torch.cat([expert(part) for expert, part in zip(self.experts.deepspeed_experts, rows.split(sizes))])
+    local_experts = self.experts.deepspeed_experts
+    if self.grouped_gemm:
+        out = grouped_experts(local_experts, rows, sizes)
+    else:
+        out = torch.cat([expert(part) for expert, part in zip(local_experts, rows.split(sizes))])
     if self.ep_size > 1:
         out = out.index_select(0, torch.argsort(expert_major))
         out = _AllToAllRows.apply(out, [sum(r) for r in by_source], send, self.ep_group)
@@ -204,10 +236,26 @@ def make_gate(config: GPTConfig) -> nn.Module:
     return gate
 
 
+class SharedExpertMLP(FeedForward):
+    """The always-on expert beside the routed ones (DeepSeek's ``shared_experts``, an MLP of n_shared x the
+    experts' width; Qwen2-MoE's ``shared_expert``): a dense MLP of ``moe_shared_expert_intermediate_size``, split
+    over TP as the dense MLP, replicated over the expert-parallel ranks."""
+
+    def __init__(self, config: GPTConfig, init_std: float, out_std: float):
+        super().__init__(gated=config.variant == "llama")
+        h, f = config.hidden_size, config.moe_shared_expert_intermediate_size
+        self.fc_in = ColumnParallelLinear(h, output_sizes=(f, f) if self.gated else (f,), bias=config.bias,
+                                          init_method=normal_init(init_std))
+        self.fc_out = RowParallelLinear(f, h, bias=config.bias, input_is_parallel=True,
+                                        init_method=normal_init(out_std))
+
+
 class MoEMLP(nn.Module):
     """The MLP of an MoE layer: ``moe`` is DeepSpeed's ``MoE`` (its experts ``ExpertMLP``s, its gate a
-    ``ReferenceGate``). After each forward, ``aux_loss`` holds coeff x load-balancing loss (+ z-loss coeff x
-    z-loss), with its graph, for ``GPT.forward`` to add to the loss; ``exp_counts`` the tokens per expert."""
+    ``ReferenceGate``), plus ``shared_expert`` if the config has one (times sigmoid(``shared_expert_gate``(x)) with
+    ``moe_shared_expert_gate``). After each forward, ``aux_loss`` holds coeff x load-balancing loss (+ z-loss
+    coeff x z-loss), with its graph, for ``GPT.forward`` to add to the loss; ``exp_counts`` the tokens per
+    expert. ``moe_grouped_gemm``: the local experts run as grouped products (models/grouped_experts.py)."""
 
     def __init__(self, config: GPTConfig, layout: Layout, init_std: float, out_std: float):
         super().__init__()
@@ -229,8 +277,16 @@ class MoEMLP(nn.Module):
         self.aux_loss = None
         self.exp_counts = None
         self.stat_sums = None  # [tokens per expert..., dropped routes, routes, aux loss, forwards] (training)
+        self.moe.deepspeed_moe.grouped_gemm = config.moe_grouped_gemm
+        self.balancing = config.moe_router_load_balancing_type != "none"
         self._init_experts(config, layout, expert, init_std, out_std)
         nn.init.normal_(self.moe.deepspeed_moe.gate.wg.weight, std=init_std)
+        shared = config.moe_shared_expert_intermediate_size is not None
+        self.shared_expert = SharedExpertMLP(config, init_std, out_std) if shared else None
+        self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
+                                   if config.moe_shared_expert_gate else None)
+        if self.shared_expert_gate is not None:
+            nn.init.normal_(self.shared_expert_gate.weight, std=init_std)
 
     def _init_experts(self, config: GPTConfig, layout: Layout, template: ExpertMLP, init_std: float,
                       out_std: float) -> None:
@@ -266,7 +322,13 @@ class MoEMLP(nn.Module):
     def _route(self, x: torch.Tensor) -> torch.Tensor:
         out, l_aux, self.exp_counts = self.moe(x)
         gate = self.moe.deepspeed_moe.gate
-        self.aux_loss = self.coeff * l_aux + (self.z_coeff * gate.z_loss if self.z_coeff else 0.0)
+        self.aux_loss = ((self.coeff * l_aux if self.balancing else torch.zeros_like(l_aux))
+                         + (self.z_coeff * gate.z_loss if self.z_coeff else 0.0))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         if self.training:  # summed over the training forwards until moe_step_stats reads them
             routes, dropped = self.exp_counts.sum(), gate.dropped_fraction * self.exp_counts.sum()
             sums = torch.cat([self.exp_counts.float(), torch.stack([dropped, routes, self.aux_loss.detach(),
@@ -383,3 +445,29 @@ def moe_step_stats(model: nn.Module, group=None, pipe_group=None) -> dict:
     if record:
         record["moe_aux_loss"] = aux
     return record
+
+
+def expert_bias_gates(model: nn.Module) -> list[nn.Module]:
+    """The gates of ``model``'s MoE layers that hold a balancing bias, in layer order."""
+    gates = (m.moe.deepspeed_moe.gate for m in model.modules() if isinstance(m, MoEMLP))
+    return [g for g in gates if g.expert_bias is not None]
+
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module, group=None) -> list[torch.Tensor]:
+    """Auxiliary-loss-free balancing, after an optimizer step: every gate's ``expert_bias`` moves by
+    ``rate * sign(mean load - load)``, the load being the routes each expert got in the training forwards since
+    the last call, summed over ``group`` (one all-reduce for all layers). ``group`` must hold every rank that routed
+    other tokens (the data-parallel ranks, the context-parallel ones too); ranks holding the same tokens (TP) may
+    be in it or not: a sum over copies scales every count alike, and the sign is the same. Every rank then holds
+    the same biases. Returns the loads used, per layer (empty without biases)."""
+    gates = expert_bias_gates(model)
+    if not gates:
+        return []
+    loads = torch.stack([g.load_since_update for g in gates])
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(loads, group=group)
+    for gate, load in zip(gates, loads):
+        gate.expert_bias.copy_(updated_expert_bias(gate.expert_bias, load, gate.bias_update_rate))
+        gate.load_since_update.zero_()
+    return list(loads)

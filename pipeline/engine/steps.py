@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from models.moe import moe_step_stats
+from models.moe import moe_step_stats, update_expert_biases
 from models.parallel import collectives
 from pipeline.engine.grad_watch import watch
 
@@ -88,11 +88,24 @@ def nonfinite_grad() -> tuple[int, str] | None:
 
 
 def train_step(engine, batches) -> float:
-    """One optimizer step (all micro-batches of the global batch); the mean loss over them and over DP."""
+    """One optimizer step (all micro-batches of the global batch); the mean loss over them and over DP. Then the
+    MoE layers' expert biases (auxiliary-loss-free balancing) move by the step's loads over data x context."""
     if engine.is_pipe:
         loss = engine.train_batch(data_iter=batches)
-        return float(_read(watch(engine), torch.as_tensor(loss).reshape(1))[0])
-    return optimizer_step(engine, batches)["loss"]
+        loss = float(_read(watch(engine), torch.as_tensor(loss).reshape(1))[0])
+    else:
+        loss = optimizer_step(engine, batches)["loss"]
+    update_expert_biases(engine.module, sequence_data_parallel_group(engine))
+    return loss
+
+
+def sequence_data_parallel_group(engine):
+    """The ranks that hold other tokens of the step: data x context (the pipeline engine's grid counts the context
+    ranks among its data-parallel ones); None in one process."""
+    mpu = engine.mpu
+    if mpu is None:
+        return None
+    return getattr(mpu, "get_sequence_data_parallel_group", mpu.get_data_parallel_group)()
 
 
 def eval_loss(engine, batches, num_batches: int) -> float:
@@ -129,11 +142,7 @@ def lm_step_record(engine, r, *, tokens_per_step: int, flops_per_step: float, wo
                    peak_tflops: float | None) -> dict:
     """What a language model's training step logs: loss, lr, loss scale, gradient norm, speed and MFU."""
     tflops = flops_per_step / r.seconds / world_size / 1e12
-    # the MoE routing of every token: summed over data x context (the chunks of context parallelism route theirs; the
-    # pipeline engine's grid counts them among its data-parallel ranks)
-    mpu = engine.mpu
-    dp_group = (getattr(mpu, "get_sequence_data_parallel_group", mpu.get_data_parallel_group)()
-                if mpu is not None else None)
+    dp_group = sequence_data_parallel_group(engine)  # the MoE routing of every token: over data x context
     pipe_group = engine.mpu.get_pipe_parallel_group() if getattr(engine, "is_pipe", False) else None
     return {"step": r.step, "loss": r.out, "lr": engine.get_lr()[0], "loss_scale": loss_scale(engine),
             "grad_norm": grad_norm(engine), "skipped_steps": int(engine.skipped_steps),

@@ -15,7 +15,7 @@ from engine_utils import BASE_DS, TINY, GlobalBatchLoader, real_text_tokens
 from models import GPT, GPTConfig
 from models.compile import compile_transformer_layers
 from models.gpt import TransformerLayer
-from models.parallel import (destroy_model_parallel, full_state_dict, initialize_model_parallel, model_parallel_seed,
+from models.parallel import (Layout, destroy_model_parallel, get_parallel_state, full_state_dict, initialize_model_parallel, model_parallel_seed,
                              tp_world_size)
 from models.parallel.fp8 import RECIPES, enable_fp8
 from pipeline.engine.build import build_engine
@@ -29,17 +29,21 @@ from test_tensor_parallel import CONFIGS, _batch
 TOLERANCE = 1e-5
 
 
+def _layout(sequence_parallel: bool) -> Layout:
+    return get_parallel_state().layout.replace(sequence_parallel=sequence_parallel)
+
+
 def build_block(variant: str, sequence_parallel: bool = False, fp8: str | None = None) -> TransformerLayer:
     """One block of the tests' tiny GPT (the one place that says how a block is configured), its linears in FP8
     with torchao's recipe ``fp8``."""
-    block = TransformerLayer(GPTConfig(**CONFIGS[variant], sequence_parallel=sequence_parallel), init_seed=0)
+    block = TransformerLayer(GPTConfig(**CONFIGS[variant]), _layout(sequence_parallel), init_seed=0)
     if fp8:
         enable_fp8(block, fp8)
     return block
 
 
 def build_gpt(variant: str, sequence_parallel: bool = False, fp8: str | None = None) -> GPT:
-    model = GPT(GPTConfig(**CONFIGS[variant], sequence_parallel=sequence_parallel), init_seed=7)
+    model = GPT(GPTConfig(**CONFIGS[variant]), init_seed=7, layout=_layout(sequence_parallel))
     if fp8:
         enable_fp8(model, fp8)
     return model
@@ -108,7 +112,7 @@ def _engine_losses(state, compile: bool, zero_stage: int, steps: int = 3) -> lis
     by AOTAutograd without inductor's code generation, whose numerics the other tests measure) or eager."""
     ds = resolve_ds_config({**BASE_DS, "zero_optimization": {"stage": zero_stage}}, data_parallel=state.data_parallel,
                            micro_batch_size=BASE_DS["train_batch_size"])
-    engine = build_engine(GPTConfig(**TINY, sequence_parallel=True), ds, state, init_seed=1234, recompute="full")
+    engine = build_engine(GPTConfig(**TINY), ds, state, init_seed=1234, recompute="full")  # the state's layout: SP
     if compile:
         torch._dynamo.reset()
         compile_transformer_layers(engine.module, backend="aot_eager", fullgraph=True)
@@ -127,7 +131,7 @@ def _tp2(rank):
             for variant in ("gpt2", "llama") for fp8 in RECIPES}
     out["numerics"] = {variant: _compiled_against_eager(variant, True) for variant in ("gpt2", "llama")}
     ds_comm.configure(enabled=False)
-    state = initialize_model_parallel(tensor_parallel=2)
+    state = initialize_model_parallel(layout=Layout(tensor=2, sequence_parallel=True))
     out["engine"] = {zero: (_engine_losses(state, False, zero), _engine_losses(state, True, zero)) for zero in (1, 2)}
     return out
 

@@ -11,7 +11,7 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from dist import run_distributed
 from engine_utils import BASE_DS, TINY, GlobalBatchLoader, real_text_tokens
 from models import GPT, GPTConfig
-from models.parallel import (ColumnParallelLinear, RowParallelLinear, destroy_model_parallel, full_state_dict,
+from models.parallel import (ColumnParallelLinear, Layout, RowParallelLinear, destroy_model_parallel, full_state_dict,
                              initialize_model_parallel, tp_rank, tp_world_size)
 from models.parallel.fp8 import RECIPES, enable_fp8
 from pipeline.engine.build import build_engine
@@ -117,7 +117,7 @@ def _bf16_engine_losses(state, recipe: str | None, steps: int = 10) -> list[floa
     batch = BASE_DS["train_batch_size"]
     ds = resolve_ds_config({**BASE_DS, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
                            data_parallel=state.data_parallel, micro_batch_size=batch)
-    engine = build_engine(GPTConfig(**{**TINY, "hidden_size": 64}, sequence_parallel=True), ds, state, init_seed=1234)
+    engine = build_engine(GPTConfig(**{**TINY, "hidden_size": 64}), ds, state, init_seed=1234)  # the state's: SP
     if recipe:
         enable_fp8(engine.module, recipe)
     assert next(engine.module.parameters()).dtype == torch.bfloat16
@@ -126,7 +126,7 @@ def _bf16_engine_losses(state, recipe: str | None, steps: int = 10) -> list[floa
 
 
 def _tp2(rank):
-    state = initialize_model_parallel(tensor_parallel=2)
+    state = initialize_model_parallel(layout=Layout(tensor=2, sequence_parallel=True))
     return {"linears": _all_cases((False, True)),
             "engine": {recipe: _bf16_engine_losses(state, recipe) for recipe in (None, *RECIPES)}}
 
