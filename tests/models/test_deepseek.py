@@ -16,7 +16,7 @@ from models.config import ConfigError, GPTConfig
 from models.gpt import GPT, RotaryEmbedding
 from models.kv_cache import KVCache
 from models.grouped_experts import grouped_linear, grouped_mm_fits, padded_grouped_linear
-from models.mla import MultiLatentAttention, deinterleave_rope_rows
+from models.deepseek import MultiLatentAttention, deinterleave_rope_rows
 from models.moe import MoEMLP, forget_expert_groups, update_expert_biases
 from models.parallel import destroy_model_parallel, full_state_dict, initialize_model_parallel
 from pipeline.checkpoints.state_dicts import load_full_state_dict
