@@ -89,7 +89,7 @@ class GPTConfig:
     moe_shared_expert_intermediate_size: int | None = None  # an always-on MLP beside the experts (n_shared x f)
     moe_shared_expert_gate: bool = False        # Qwen2-MoE: the shared expert's output times sigmoid(x w)
     moe_grouped_gemm: bool = False              # the local experts as one grouped matrix product, not a loop
-    # multi-head latent attention (models/mla.py) and multi-token prediction (models/mtp.py): DeepSeek-V3's names
+    # multi-head latent attention and multi-token prediction (models/deepseek.py): DeepSeek-V3's names
     multi_latent_attention: bool = False   # llama: MLA replaces the attention of every layer
     q_lora_rank: int | None = None         # MLA: the query's low-rank width; None: a full-rank query projection
     kv_lora_rank: int = 512                # MLA: the compressed key-value latent's width

@@ -29,9 +29,8 @@ from torch import nn
 
 from .config import GPTConfig
 from .feed_forward import FeedForward
-from .mla import MultiLatentAttention
+from .deepseek import MultiLatentAttention, MultiTokenPrediction
 from .moe import ExpertMLP, MoEMLP, is_moe_layer
-from .mtp import MultiTokenPrediction
 from .recompute import DiscardedOutput
 from .tiling import tiled_cross_entropy, tiled_mlp
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, Layout, RowParallelLinear, SequenceParallelLayerNorm,
@@ -450,7 +449,7 @@ class GPT(nn.Module):
                                                      is_moe_layer(config, i)) for i in range(L))
         self.final_norm = FinalNorm(config, layout)
         self.lm_head = None if config.tie_embeddings else LMHead(config, layout, stage_seed(init_seed, L + 2))
-        # multi-token prediction (models/mtp.py): depth d's layer and projection drawn from seeds L + 3 + 2d, + 1
+        # multi-token prediction (models/deepseek.py): depth d's layer and projection drawn from seeds L + 3 + 2d, + 1
         self.mtp = None if not config.mtp_num_layers else MultiTokenPrediction(config, [
             TransformerLayer(config, layout, stage_seed(init_seed, L + 3 + 2 * d), config.num_experts > 0)
             for d in range(config.mtp_num_layers)], stage_seed(init_seed, L + 4))
