@@ -1,9 +1,11 @@
 """``torch.compile`` per transformer block, torchtitan's way: each ``TransformerLayer`` is compiled on its own
 (``nn.Module.compile``, in place, so parameter names and state dicts do not change), the embedding, the output
 layer and the loss stay eager, and so does whatever wraps a block from outside (DeepSpeed's activation
-checkpointing, its ZeRO and pipeline hooks). The blocks trace whole at any TP size, with or without sequence
-parallelism: the TP collectives are custom ops (models/parallel/mappings.py). Dropout does not: DeepSpeed's RNG
-tracker swaps the generator's state around every draw in a tensor-parallel region, which Dynamo cannot trace.
+checkpointing, its ZeRO and pipeline hooks). The blocks trace whole at TP 1 and 2, with or without sequence
+parallelism, FP8 or not: the TP collectives are custom ops (models/parallel/mappings.py). Two things still break
+a block's graph: dropout (DeepSpeed's RNG tracker swaps the generator's state around a draw, which Dynamo cannot
+trace: 10 breaks per block) and selective recomputation of ``core_attn`` or ``mlp`` (DeepSpeed's checkpoint
+function inside the block, which Dynamo refuses); full recomputation wraps the compiled block from outside.
 """
 from __future__ import annotations
 
