@@ -6,7 +6,7 @@
 ``--dispatch``: one DeepSeek-style MoE layer (``DEEPSEEK_STYLE``: h 256, 64 fine-grained experts of FFN 128, top-8
 within the best 4 of 8 groups, sigmoid scores with the balancing bias, 2 shared experts' width), a training step
 (forward and backward) on 4 x 128 tokens and on 1 x 32, its local experts as grouped products (``moe_grouped_gemm``,
-models/grouped_experts.py) against the per-expert loop, in fp32 and bf16, on one torch thread, the systems
+models/moe/grouped.py) against the per-expert loop, in fp32 and bf16, on one torch thread, the systems
 interleaved (bench/common.py) and timed by the process's CPU time. Goal (issue 43): the grouped dispatch >= 3x
 the loop's tokens/s.
 

@@ -67,7 +67,7 @@ class GPTConfig:
     qk_norm: bool = False                  # llama: RMSNorm over head_dim on each Q and K head before RoPE (Qwen3)
     sliding_window: int | None = None      # llama: Mistral's window; only as long as seq_length or longer (see below)
     hf_model_type: str | None = None       # the Hugging Face family exports write (None: by variant and options)
-    # mixture of experts (models/moe.py, docs/moe.md); num_experts 0: dense
+    # mixture of experts (models/moe/, docs/moe.md); num_experts 0: dense
     num_experts: int = 0                   # experts per MoE layer
     moe_top_k: int = 2                     # experts per token
     moe_layer_freq: int = 1                # every n-th layer is MoE (layers n-1, 2n-1, ...; 1: every layer)
@@ -78,7 +78,7 @@ class GPTConfig:
     moe_capacity_factor: float | None = None  # None: dropless; else slots per expert = ceil(k S / E x factor)
     moe_min_capacity: int = 4              # with a capacity factor: at least this many slots per expert
     moe_norm_topk_prob: bool = True        # renormalise the top-k weights (Mixtral; Qwen3-MoE's norm_topk_prob)
-    # the router (models/router.py) and the experts' compute; Megatron-Core's names, DeepSeek-V3's in brackets
+    # the router (models/moe/router.py) and the experts' compute; Megatron-Core's names, DeepSeek-V3's in brackets
     moe_router_score_function: str = "softmax"  # softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3)
     moe_router_num_groups: int | None = None    # experts in this many groups (n_group); None: no group limit
     moe_router_group_topk: int | None = None    # a token's experts come from its best groups only (topk_group)

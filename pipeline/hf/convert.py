@@ -508,11 +508,24 @@ class HFFamily:
         return {self.architecture, self.base}
 
 
+# DeepSeek-V3-generation settings (models/moe/router.py, models/deepseek.py) that change what the model computes and
+# that none of the families below can express: their value in a config those families would otherwise export
+LATER_GENERATION = {"moe_router_score_function": "softmax", "moe_router_num_groups": None,
+                    "moe_router_group_topk": None, "moe_router_topk_scaling_factor": 1.0,
+                    "moe_router_enable_expert_bias": False, "moe_shared_expert_intermediate_size": None,
+                    "moe_shared_expert_gate": False, "multi_latent_attention": False}
+
+
+def _later_generation(c: GPTConfig) -> list[str]:
+    return [f"{name}={getattr(c, name)!r}" for name, default in LATER_GENERATION.items()
+            if getattr(c, name) != default]
+
+
 def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: bool = False, bias: bool = True,
            moe: bool = False, sparse_layers: bool = False):
     """A family's ``holds``: the settings of the config it cannot express, named as ``field=value``."""
     def problem(c: GPTConfig) -> str | None:
-        lacks = []
+        lacks = _later_generation(c)
         if (c.qkv_bias and not c.bias) != qkv_bias:  # Qwen2 always has Q, K, V biases, the others never alone
             lacks.append(f"qkv_bias={c.qkv_bias}")
         if c.qk_norm != qk_norm:
@@ -533,7 +546,8 @@ def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: boo
 HF_FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
     HFFamily("gpt2", "gpt2", "GPT2Config", GPT2_ARCH, "GPT2ForSequenceClassification", "GPT2Model",
              _gpt2_config_from_hf, _gpt2_config_to_hf,
-             lambda c: f"num_experts={c.num_experts} (GPT-2 has no MoE layers)" if c.num_experts else None),
+             lambda c: (f"num_experts={c.num_experts} (GPT-2 has no MoE layers)" if c.num_experts
+                        else ", ".join(_later_generation(c)) or None)),
     HFFamily("llama", "llama", "LlamaConfig", LLAMA_ARCH, "LlamaForSequenceClassification", "LlamaModel",
              _llama_config_from_hf, _llama_config_to_hf, _holds()),
     HFFamily("qwen2", "llama", "Qwen2Config", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2Model",
@@ -569,9 +583,11 @@ def hf_family(config: GPTConfig) -> HFFamily:
     for family in HF_FAMILIES.values():
         if family.variant == config.variant and family.holds(config) is None:
             return family
+    later = ", ".join(_later_generation(config))
     raise ConversionError(f"no Hugging Face family holds this {config.variant} model "
                           f"(qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, bias={config.bias}, "
-                          f"sliding_window={config.sliding_window}, num_experts={config.num_experts}); no "
+                          f"sliding_window={config.sliding_window}, num_experts={config.num_experts}"
+                          f"{', ' + later if later else ''}); no "
                           f"transformers class computes it (docs/huggingface.md lists the families and what they "
                           f"hold)")
 

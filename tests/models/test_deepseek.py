@@ -1,4 +1,4 @@
-"""DeepSeek-V3's and Qwen2-MoE's MoE layers (models/router.py, models/moe.py, models/grouped_experts.py) against
+"""DeepSeek-V3's and Qwen2-MoE's MoE layers (models/moe/: router.py, layer.py, grouped.py) against
 transformers' own ``DeepseekV3MoE`` and ``Qwen2MoeSparseMoeBlock`` (tiny random ones, fp32, weights copied): sigmoid
 group-limited routing with a balancing bias, the routed scaling, shared experts (plain and gated); the grouped
 expert products against the per-expert loop; the balancing bias's update and the sequence-wise loss against hand
@@ -15,12 +15,13 @@ from dist import run_distributed
 from models.config import ConfigError, GPTConfig
 from models.gpt import GPT, RotaryEmbedding
 from models.kv_cache import KVCache
-from models.grouped_experts import grouped_linear, grouped_mm_fits, padded_grouped_linear
+from models.moe.grouped import grouped_linear, grouped_mm_fits, padded_grouped_linear
 from models.deepseek import MultiLatentAttention, deinterleave_rope_rows
 from models.moe import MoEMLP, forget_expert_groups, update_expert_biases
 from models.parallel import Layout, destroy_model_parallel, full_state_dict, get_parallel_state, initialize_model_parallel
 from pipeline.checkpoints.state_dicts import load_full_state_dict
-from models.router import RouterPolicy, balance_loss, select_experts
+from pipeline.hf.convert import ConversionError, hf_family
+from models.moe.router import RouterPolicy, balance_loss, select_experts
 
 H, F_EXPERT, E, K = 32, 16, 16, 4
 DEEPSEEK = dict(variant="llama", vocab_size=64, hidden_size=H, num_layers=2, num_heads=4, ffn_hidden_size=48,
@@ -504,3 +505,15 @@ def test_tp2_and_ep2_equal_one_process_and_biases_agree():
     for rank in ranks:
         assert torch.equal(rank["bias"]["load"], counts) and torch.equal(rank["bias"]["bias"], expected)
     assert not torch.equal(ranks[0]["bias"]["counts"], ranks[1]["bias"]["counts"])  # the ranks routed differently
+
+
+@pytest.mark.parametrize("field, value", [("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True),
+                                          ("moe_shared_expert_intermediate_size", 32), ("moe_router_topk_scaling_factor", 2.5)])
+def test_no_hugging_face_family_exports_what_it_cannot_compute(field, value):
+    """A Mixtral-shaped MoE with a DeepSeek-V3-generation router or shared expert is not exported as Mixtral (whose
+    routing would give other logits): the export's family choice refuses it, naming the field."""
+    base = dict(variant="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16,
+                num_experts=4, moe_top_k=2)
+    assert hf_family(GPTConfig(**base)).architecture == "MixtralForCausalLM"
+    with pytest.raises(ConversionError, match=field):
+        hf_family(GPTConfig(**base, **{field: value}))

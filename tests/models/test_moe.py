@@ -1,4 +1,4 @@
-"""MoE GPT (models/moe.py): a tiny random transformers Mixtral imported through pipeline/hf/convert.py gives
+"""MoE GPT (models/moe/): a tiny random transformers Mixtral imported through pipeline/hf/convert.py gives
 transformers' logits (fp32, dropless, one process); the routing and aux loss against hand computations."""
 import pytest
 import torch

@@ -16,7 +16,7 @@ from dist import run_distributed
 from engine_utils import GlobalBatchLoader, real_text_tokens
 
 import models.gpt
-import models.moe
+import models.moe.layer
 from models.parallel import Layout, destroy_model_parallel, initialize_model_parallel, model_parallel_seed
 from models.recompute import DiscardedOutput
 from pipeline.engine.build import build_engine
@@ -40,7 +40,7 @@ def _count(module, name: str, key: str) -> None:
 
 def _counting() -> None:
     _count(models.gpt, "tiled_mlp", "tiled_mlp")
-    _count(models.moe, "tiled_mlp", "tiled_mlp")
+    _count(models.moe.layer, "tiled_mlp", "tiled_mlp")
     _count(models.gpt, "tiled_cross_entropy", "tiled_loss")
     recompute = DiscardedOutput._recompute
     DiscardedOutput._recompute = lambda self, grad: COUNTED.update(["recomputed"]) or recompute(self, grad)

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from .parallel import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
-from .recompute import DiscardedOutput
+from ..parallel import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from ..recompute import DiscardedOutput
 
 GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 

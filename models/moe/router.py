@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .parallel import cp_world_size, reduce_from_context_parallel_region
+from ..parallel import cp_world_size, reduce_from_context_parallel_region
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")

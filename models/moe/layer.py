@@ -30,15 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import GPTConfig
-from .feed_forward import FeedForward
-from .grouped_experts import grouped_experts
-from .parallel import (ColumnParallelLinear, Layout, RowParallelLinear, collectives, cp_world_size,
+from ..config import GPTConfig
+from ..feed_forward import FeedForward
+from .grouped import grouped_experts
+from ..parallel import (ColumnParallelLinear, Layout, RowParallelLinear, collectives, cp_world_size,
                        gather_from_sequence_parallel_region, get_parallel_state, get_shard_spec, normal_init,
                        reduce_from_context_parallel_region, scatter_to_sequence_parallel_region, tp_rank,
                        tp_world_size)
-from .tiling import tiled_mlp
-from .parallel.sharding import set_shard_spec
+from ..tiling import tiled_mlp
+from ..parallel.sharding import set_shard_spec
 from .router import RouterPolicy, balance_loss, expert_scores, select_experts, updated_expert_bias
 
 
@@ -84,7 +84,7 @@ def route(logits: torch.Tensor, k: int, normalize: bool, capacity_factor: float 
           sequence_length: int | None = None):
     """The routing of [tokens, E] router logits: (top-k weights [S, k] before ``policy.scaling``, expert indices
     [S, k], slot of each route in its expert's buffer [S, k], kept [S, k], capacity, load-balancing loss, z-loss,
-    tokens per expert [E]). ``policy``, ``bias``: models/router.py (the bias moves the selection only);
+    tokens per expert [E]). ``policy``, ``bias``: models/moe/router.py (the bias moves the selection only);
     ``sequence_length``: the tokens of one sequence (the sequence-wise loss)."""
     probs = expert_scores(logits, policy.score_function)
     S, E = probs.shape
@@ -109,7 +109,7 @@ def route(logits: torch.Tensor, k: int, normalize: bool, capacity_factor: float 
 
 class ReferenceGate(nn.Module):
     """Built by ``make_gate`` as a subclass of DeepSpeed's ``TopKGate`` (its router ``wg``), with the reference
-    models' routing (models/router.py). Returns what ``dispatch`` reads: (load-balancing loss, expert of each route
+    models' routing (models/moe/router.py). Returns what ``dispatch`` reads: (load-balancing loss, expert of each route
     [S, k], -1 where the capacity dropped it, the route's gate [S, k], tokens per expert [E] before drops).
     With ``moe_router_enable_expert_bias`` it holds ``expert_bias`` (a buffer, fp32 whatever the model's dtype:
     saved in state dicts) and counts in ``load_since_update`` the routes each expert got in training since
@@ -255,7 +255,7 @@ class MoEMLP(nn.Module):
     ``ReferenceGate``), plus ``shared_expert`` if the config has one (times sigmoid(``shared_expert_gate``(x)) with
     ``moe_shared_expert_gate``). After each forward, ``aux_loss`` holds coeff x load-balancing loss (+ z-loss
     coeff x z-loss), with its graph, for ``GPT.forward`` to add to the loss; ``exp_counts`` the tokens per
-    expert. ``moe_grouped_gemm``: the local experts run as grouped products (models/grouped_experts.py)."""
+    expert. ``moe_grouped_gemm``: the local experts run as grouped products (models/moe/grouped.py)."""
 
     def __init__(self, config: GPTConfig, layout: Layout, init_std: float, out_std: float):
         super().__init__()
