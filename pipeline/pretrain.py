@@ -16,6 +16,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torchrun: the project root, not pipeline/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from models.compile import compile_transformer_layers
 from pipeline.checkpoints import checkpoint
 from pipeline.checkpoints.resume import StartPoint, plan_start, restore
 from pipeline.data import DistributedBatchLoader, StreamBatchLoader, build_pretraining_data, main_process_first
@@ -91,8 +92,8 @@ def provide_engine(args, m: Model, job: Job, start: StartPoint, loader):
     engine = build_engine(m.config, start.ds, job.state, init_seed=args.seed, schedule=schedule_from_args(args, job.ds),
                           full_state_dict=start.full_state, model_builder=builder)
     step = restore(engine, start, m.config, loader)
-    if job.layout.compile:
-        engine.compile()
+    if job.layout.compile:  # each transformer block on its own; DeepSpeed's hooks stay eager (models/compile.py)
+        compile_transformer_layers(engine.module)
     return engine, step
 
 

@@ -116,5 +116,6 @@ def add_model_args(p) -> None:
     g.add_argument("--activation-checkpointing", dest="recompute", action="store_const", const="full",
                    help="the same as --recompute full")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (DeepSpeed's engine.compile(); pipeline-parallel 1 only); "
+                   help="torch.compile each transformer block (models/compile.py: no graph break at TP 1-2, with "
+                        "or without SP, without dropout); pipeline-parallel 1, ZeRO 0-2, dense models; "
                         "bench/train_step.py --systems deepspeed,deepspeed+compile measures what it gains")

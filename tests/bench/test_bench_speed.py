@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from models import GPT, GPTConfig
 from models.gpt import RotaryEmbedding, _rotate_half
 from models.parallel import vocab_parallel_cross_entropy
-from pipeline.engine.ds_config import EngineConfigError
+from pipeline.job.layout import LayoutError
 from pipeline.pretrain import main
 from conftest import ROOT
 
@@ -112,5 +112,5 @@ def test_gpu_script_profiles_each_recompute_policy_and_model_family(tmp_path):
 
 
 def test_pretrain_compile_refuses_pipeline_parallel():
-    with pytest.raises(EngineConfigError, match="--compile is for pipeline-parallel 1 only"):
+    with pytest.raises(LayoutError, match="--compile with --pipeline-parallel"):
         main(["--compile", "--pipeline-parallel", "2"])
