@@ -46,7 +46,7 @@ def document_parallel_logits(model, input_ids: torch.Tensor, documents: Document
     alone. Runs the model's stages (embedding, layers, final norm, output layer) with ``documents`` as the
     attention's cache; activation checkpointing and attention dropout do not apply on this path."""
     config = model.config
-    if config.sequence_parallel or cp_world_size() > 1:
+    if model.layout.sequence_parallel or cp_world_size() > 1:
         raise ValueError("packed documents are attended within their boundaries only without sequence or context "
                          "parallelism")
     if model.training and config.attention_dropout:

@@ -278,6 +278,8 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: GPTConfig, layout: Layout, init_seed: int | None = None, moe: bool = False):
         super().__init__()
         sp = layout.sequence_parallel
+        if sp and config.multi_latent_attention:  # (the layout rules refuse it first: pipeline.job.layout)
+            raise ValueError("multi-head latent attention runs without sequence parallelism for now")
         with seeded_init(init_seed):
             self.input_norm = _norm(config, sp)
             self.attention = (MultiLatentAttention(config, RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta))

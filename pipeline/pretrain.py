@@ -4,8 +4,7 @@
         --tensor-parallel 2 --pipeline-parallel 1 --data "corpus/*.txt" --tokenizer path/to/gpt2 \
         --train-steps 1000 --save runs/gpt2 [--load runs/gpt2]
 
-Also runs under ``torchrun``, as ``python -m pipeline.pretrain`` (one process) and as ``mds-pretrain``; the
-data-parallel size is what is left of the world size after TP x PP.
+Also runs under ``torchrun``, as ``python -m pipeline.pretrain`` and ``mds-pretrain``; DP is what TP x CP x PP leave.
 """
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ from pipeline.job.families import ModelFamily
 from pipeline.job.loop import Job, StepResult, every, is_rank0, setup, train_loop, when
 from pipeline.job.model_configs import (add_model_args, check_recompute_args, choose_model_config, make_model_config,
                                         preview_model_config)
-from pipeline.job.options import (EngineOptions, add_checkpoint_args, add_engine_args, add_run_args,
-                                  default_ds_config)
+from pipeline.job.options import EngineOptions, add_checkpoint_args, add_engine_args, add_run_args, default_ds_config
 from pipeline.tracking.metrics import MetricsWriter
 from pipeline.tracking.straggler import add_straggler_args, straggler_hook
 
@@ -100,7 +98,8 @@ def provide_engine(args, m: Model, job: Job, start: StartPoint, loader):
 def main(argv=None) -> dict:
     """The job (a user error raises; run as a command, ``pipeline.job.errors.command`` reports it in one line)."""
     args = parse_args(argv)
-    inputs = [("--model-config", args.model_config), ("--tokenizer", args.tokenizer), ("--data", args.data)]
+    inputs = [("--model-config", args.model_config), ("--tokenizer", args.tokenizer),
+              *(("--data", d) for d in ([args.data] if isinstance(args.data, str) else args.data or []))]
     checkpoint.check_save_dir(args.save, load=args.load, inputs=inputs)  # nothing the user owns is replaced
     raw_config, family = choose_model_config(args.model_config, args.model_type, Path(args.load) if args.load else None)
     job = setup(EngineOptions.from_args(args), config=preview_model_config(raw_config, args.seq_length),

@@ -151,7 +151,7 @@ class TfidfClassifier:
         if not isinstance(info, dict) or info.get("format") != FORMAT:
             raise TfidfDirError(f"{d / TFIDF_FILE}: format is not {FORMAT!r}")
         try:
-            features = [_Features(dict(f["params"]), dict(f["vocabulary"]), tensors.get(f"idf_{i}"))
+            features = [_Features(f["params"], f["vocabulary"], tensors.get(f"idf_{i}"))
                         for i, f in enumerate(info["features"])]
             coef, intercept, names = tensors["coef"], tensors["intercept"], [str(n) for n in info["label_names"]]
             normalizer = None if info["normalizer"] is None else TweetNormalizer.from_dict(info["normalizer"])

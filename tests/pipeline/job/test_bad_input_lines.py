@@ -141,7 +141,8 @@ def test_layout_refusal_under_torchrun(work):
     argv[argv.index("--model-config") + 1] = str(work / "m3.json")
     proc = run_cli([sys.executable, "-m", "pipeline.launch", "--nproc_per_node", "2", "--master-port", "29731",
                     ROOT / "pipeline" / "pretrain.py", *argv], work, check=False)
-    line = "invalid model config for tensor_parallel=2: num_heads 3 is not divisible by the tensor-parallel size 2"
+    line = ("invalid model config for tensor_parallel=2: num_heads 3 is not divisible by the tensor-parallel size 2; "
+            "choose a --tensor-parallel that divides 3")
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert errors[0] == f"error: {line}", proc.stderr[-3000:]

@@ -102,7 +102,7 @@ CASES = [
     ("export_hf missing flag", lambda d: ["-m", "pipeline.export_hf", "--checkpoint", str(d / "run")],
      "python -m pipeline.export_hf: the following arguments are required: --out; see", None),
     ("pretrain malformed flag", lambda d: pretrain_args(d, d / "new4", "--tensor-parallel", "two"),
-     "argument --tensor-parallel: invalid int value: 'two'", None),
+     "argument --tensor-parallel: 'two' is not a whole number", None),
     ("finetune.export_hf --out is --model", lambda d: ["-m", "finetune.export_hf", "--model", str(d / "run"),
                                                        "--out", str(d / "run"), "--force"],
      "--out {d}/run is the input --model {d}/run", "run"),

@@ -109,7 +109,7 @@ def test_bad_layout_is_refused_before_work(tmp_path, corpus):
     proc = subprocess.run([sys.executable, "-m", "pipeline.pretrain", *job_args(tmp_path, corpus, "--tensor-parallel", "2")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "world size 1 is not tensor_parallel x pipeline_parallel x data_parallel" in proc.stderr
+    assert "world size 1: not divisible by --tensor-parallel 2 x --pipeline-parallel 1" in proc.stderr
 
 
 def _pretrain(rank, argv):
