@@ -244,7 +244,7 @@ FILES = [
     ("ensemble.json no members", _predict("ens_empty"), "{d}/ens_empty/ensemble.json: field 'members' is not"),
     ("TF-IDF weights a pickle", _predict("tfidf_pickle"),
      "{d}/tfidf_pickle/tfidf.safetensors: not a safetensors file"),
-    ("TF-IDF tfidf.json malformed", _predict("tfidf_bad"), "{d}/tfidf_bad: tfidf.json or tfidf.safetensors is malformed (TypeError"),
+    ("TF-IDF tfidf.json malformed", _predict("tfidf_bad"), "{d}/tfidf_bad: tfidf.json or tfidf.safetensors is malformed ("),
     ("generate --checkpoint a classifier",
      lambda d: ("pipeline.generate", ["--checkpoint", d / "clf", "--prompt", "x", "--out", d / "g.txt"]),
      "{d}/clf is a finetuned classifier (classifier.json), not a language-model checkpoint; its predictions come "
