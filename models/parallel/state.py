@@ -173,11 +173,10 @@ class ParallelState:
 
     def expert_groups(self):
         """(expert-parallel group, its ranks, expert-data-parallel group, its ranks) of the layout's EP size, built
-        on first use (collective). Both are cut from data x context, not from data alone: the sequence chunks of
-        context parallelism route their tokens to the experts as the replicas do, and the experts' gradients
-        must be summed over the chunks as every other parameter's (DeepSpeed cuts them from its data group, which
-        under context parallelism leaves each chunk's expert gradients apart). Consecutive E ranks of data x
-        context share their experts (DeepSpeed's order: the expert rank is the data x context rank mod E)."""
+        on first use (collective). Both are cut from data x context: the sequence chunks of context parallelism
+        route their tokens to the experts as the replicas do, and the experts' gradients are summed over the chunks
+        as every other parameter's. Consecutive E ranks of data x context share their experts (DeepSpeed's order:
+        the expert rank is the data x context rank mod E)."""
         if "expert" not in self._group:
             ep = self.layout.expert
             for ranks in self._all_data_context_groups():
