@@ -7,15 +7,18 @@ operands to float8 with a dynamic scale from their amax, as torchao's ``matmul_w
 with the same torchao casts and config. What differs is the scales of the TP-split operands: an amax that spans
 the split axis (every amax of a tensorwise cast, the per-token amax over a split feature axis in rowwise) is
 MAX-reduced over the TP group, so each shard is scaled as the whole tensor is and the TP result equals torchao's
-on the unsplit ``nn.Linear`` up to the fp32 summation order (tests/models/test_fp8.py measures it). The cost is
+on the unsplit ``nn.Linear`` up to the fp32 summation order (tests/models/test_fp8.py measures it). Under context
+parallelism each rank holds a chunk of the sequence, so an amax that spans the tokens is MAX-reduced over the CP
+group too, and CP 2 computes what one process does (the composition matrix, tests/composition.py). The cost is
 one small all-reduce per such cast (a scalar in tensorwise, a [tokens] or [features] vector in rowwise), as
-Transformer Engine reduces its amaxes over TP.
+Transformer Engine reduces its amaxes over its TP x CP group.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchao.float8 import Float8LinearConfig
 from torchao.float8.config import CastConfig, ScalingType
@@ -24,10 +27,13 @@ from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
 from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, hp_tensor_and_scale_to_float8
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
+from . import collectives
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .layout import FP8_RECIPES
 from .mappings import all_reduce_max
+from .state import cp_group, cp_world_size
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = FP8_RECIPES
 # the axes of the 2-D operands of the three matmuls: x [tokens, in], weight^T [in, out], grad_output [tokens, out]
 _INPUT, _WEIGHT_T, _GRAD_OUTPUT = ("tokens", "in"), ("in", "out"), ("tokens", "out")
 
@@ -45,13 +51,16 @@ class Float8Matmul:
 
     def cast(self, hp: torch.Tensor, cast: CastConfig, role: GemmInputRole, axiswise_dim: int, axes: tuple):
         """``hp`` (2-D, its axes named by ``axes``) in float8 as torchao casts it, its amax MAX-reduced over TP
-        where the amax spans the split axis."""
+        where the amax spans the split axis, and over CP where it spans the tokens."""
         if cast.scaling_type is ScalingType.DISABLED:
             return hp
         dim = get_maybe_axiswise_dim(axiswise_dim, cast.scaling_granularity)
         amax = tensor_to_amax(hp, scaling_granularity=cast.scaling_granularity, axiswise_dim=dim)
-        if self.split_axis in (axes if dim is None else (axes[dim],)):
+        spanned = axes if dim is None else (axes[dim],)
+        if self.split_axis in spanned:
             amax = all_reduce_max(amax)
+        if "tokens" in spanned and cp_world_size() > 1:  # (compile is refused with CP: an eager collective)
+            amax = collectives.all_reduce(amax.contiguous(), cp_group(), op=dist.ReduceOp.MAX, name="cp")
         scale = amax_to_scale(amax, cast.target_dtype, self.config.round_scales_to_power_of_2)
         return hp_tensor_and_scale_to_float8(hp, scale, cast.target_dtype, self.mm_config, role, dim)
 

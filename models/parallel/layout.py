@@ -2,7 +2,7 @@
 
 Every parallel dimension is one field (as torchtitan's ``ParallelDims``), and so is every memory or compute feature
 that changes how the same model is computed (sequence parallelism, ZeRO, tiling, recomputation, compile,
-precision). The model config describes the model only; a ``Layout`` describes the run. It is built once from the
+precision, FP8). The model config describes the model only; a ``Layout`` describes the run. It is built once from the
 command line (``pipeline.job.layout.layout_from_options``), validated once by one function holding every
 combination rule (``pipeline.job.layout.validate``), then handed to what builds the process groups
 (``models.parallel.state``), the model, the engine and the checkpoints (which record it: ``record``).
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE_POLICIES = ("none", "selective", "full")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes (models/parallel/fp8.py)
 
 # the record's names, as checkpoints have written them since the first round (``layout.json``)
 _RECORD_NAMES = {"tensor": "tensor_parallel", "pipeline": "pipeline_parallel", "data": "data_parallel",
@@ -38,6 +39,8 @@ class Layout:
     recompute: str = "none"          # none, selective (``recompute_modules``) or full
     recompute_modules: tuple[str, ...] = ()
     compile: bool = False
+    fp8: str | None = None           # torchao's float8 recipe (tensorwise, rowwise) for the parallel linears' products
+    loss_chunk_tokens: int = 0       # the cross-entropy this many tokens at a time (0: all at once); same loss
 
     @property
     def world(self) -> int:
@@ -85,5 +88,6 @@ class Layout:
                   f"recompute {self.recompute}" + (f" ({','.join(self.recompute_modules)})"
                                                    if self.recompute == "selective" else "")
                   if self.recompute != "none" else "",
-                  "compiled" if self.compile else ""]
+                  "compiled" if self.compile else "", f"FP8 {self.fp8}" if self.fp8 else "",
+                  f"loss in chunks of {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""]
         return ", ".join(parts + [e for e in extras if e])

@@ -20,6 +20,7 @@ from models import GPT
 from models.gpt import select_recompute_modules
 from models.moe import register_expert_groups
 from models.parallel import ParallelState
+from models.parallel.fp8 import enable_fp8
 
 from pipeline.checkpoints import safe_load
 from pipeline.engine.host_memory import keep_freed_host_memory
@@ -165,8 +166,8 @@ def construct(model_config, state: ParallelState, init_seed: int, *, model_build
 def parallelize(model: torch.nn.Module, model_config, ds_config: dict, state: ParallelState, recompute: Recompute,
                 checkpoint_fn) -> dict:
     """What the layout asks of the model beyond its shards: selective recomputation, ZeRO-3's view of the tied
-    output layer and its partition over data x context, the pipeline's batch under context parallelism, the
-    checkpoint's record. Returns the DeepSpeed config the engine takes."""
+    output layer and its partition over data x context, the pipeline's batch under context parallelism, FP8
+    products, the checkpoint's record. Returns the DeepSpeed config the engine takes."""
     if state.pipeline_parallel > 1 and state.context_parallel > 1:
         # the pipeline grid counts every CP rank as a data-parallel one (pipe_topology)
         ds_config = {**ds_config, "train_batch_size": ds_config["train_batch_size"] * state.context_parallel}
@@ -176,6 +177,8 @@ def parallelize(model: torch.nn.Module, model_config, ds_config: dict, state: Pa
         deepspeed.zero.register_external_parameter(model, model.embedding.word_embeddings.weight)
     if recompute.policy == "selective":
         select_recompute_modules(model, checkpoint_fn, recompute.modules)
+    if state.layout.fp8:  # the parallel linears' products only: the weights DeepSpeed takes stay as they are
+        enable_fp8(model, state.layout.fp8)
     attach_info(model, model_config, pipeline=state.pipeline_parallel > 1)  # saved with every checkpoint
     return ds_config
 

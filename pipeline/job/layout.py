@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from models.gpt import RECOMPUTE_MODULES
 from models.parallel import Layout
-from models.parallel.layout import PRECISIONS, RECOMPUTE_POLICIES
+from models.parallel.layout import FP8_RECIPES, PRECISIONS, RECOMPUTE_POLICIES
 
 from pipeline.engine.distributed import launched_world_size
 from pipeline.engine.ds_config import enabled, precision, zero_stage
@@ -79,7 +79,8 @@ def layout_from_options(options, ds: dict, world: int | None = None) -> Layout:
         world, tensor=options.tensor_parallel, pipeline=options.pipeline_parallel, context=options.context_parallel,
         expert=options.expert_parallel, sequence_parallel=options.sequence_parallel, zero_stage=zero_stage(ds),
         precision=precision(ds), tiled_mlp=options.tiled_mlp, tiled_loss=options.tiled_loss, recompute=recompute,
-        recompute_modules=modules if recompute == "selective" else (), compile=getattr(options, "compile", False))
+        recompute_modules=modules if recompute == "selective" else (), compile=getattr(options, "compile", False),
+        fp8=getattr(options, "fp8", None), loss_chunk_tokens=getattr(options, "loss_chunk_tokens", None) or 0)
 
 
 def world_of(check: LayoutCheck) -> int:
@@ -96,8 +97,12 @@ def sizes_are_positive(c: LayoutCheck) -> str | None:
                         ("--tiled-mlp", L.tiled_mlp), ("--tiled-loss", L.tiled_loss)):
         if not isinstance(value, int) or value < 1:
             return f"{flag} {value}: must be a whole number, 1 or more; give 1 to switch it off"
+    if not isinstance(L.loss_chunk_tokens, int) or L.loss_chunk_tokens < 0:
+        return f"--loss-chunk-tokens {L.loss_chunk_tokens}: must be a whole number, 1 or more; leave it out for none"
     if L.precision not in PRECISIONS or L.recompute not in RECOMPUTE_POLICIES:
         return f"layout: precision {L.precision!r} / recompute {L.recompute!r} unknown"
+    if L.fp8 is not None and L.fp8 not in FP8_RECIPES:
+        return f"--fp8 {L.fp8}: unknown recipe; choose from {', '.join(FP8_RECIPES)}"
     return None
 
 
@@ -121,7 +126,8 @@ def family_takes_the_layout(c: LayoutCheck) -> str | None:
     L = c.layout
     for flag, value, off in (("--tensor-parallel", L.tensor, 1), ("--pipeline-parallel", L.pipeline, 1),
                              ("--context-parallel", L.context, 1), ("--tiled-mlp", L.tiled_mlp, 1),
-                             ("--tiled-loss", L.tiled_loss, 1), ("--sequence-parallel", L.sequence_parallel, False)):
+                             ("--tiled-loss", L.tiled_loss, 1), ("--sequence-parallel", L.sequence_parallel, False),
+                             ("--fp8", L.fp8, None), ("--loss-chunk-tokens", L.loss_chunk_tokens, 0)):
         if value != off:
             shown = flag if isinstance(value, bool) else f"{flag} {value}"
             return (f"{shown} with the {c.family.name} model: it trains with {c.family.layouts} only; "
@@ -285,6 +291,20 @@ def compile_where_built(c: LayoutCheck) -> str | None:
     if what:
         return (f"--compile with {what}: the compiled blocks are built and tested at TP 1-2 (+SP), ZeRO 0-2 and "
                 f"full recomputation only; drop --compile or {what}")
+    return None
+
+
+@rule
+def fp8_where_built(c: LayoutCheck) -> str | None:
+    """``--fp8`` casts the column- and row-parallel linears' operands (models/parallel/fp8.py); the composition
+    matrix trains it at every layout it allows."""
+    if c.layout.fp8 and c.experts:
+        return ("--fp8 with MoE layers: the experts' products run in DeepSpeed-MoE's containers, not in the "
+                "parallel linears, and are not FP8 yet; drop --fp8 or train a dense model")
+    if c.layout.fp8 and c.layout.tiled_mlp > 1:
+        # measured by the composition matrix: 1e-4 from one FP8 process, each tile scaled by its own amax
+        return ("--fp8 with --tiled-mlp: each tile of the sequence would be cast with its own scale, not the "
+                "sequence's; drop --tiled-mlp or --fp8")
     return None
 
 

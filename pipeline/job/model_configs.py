@@ -7,9 +7,11 @@ from pathlib import Path
 
 from models import ConfigError
 from models.gpt import RECOMPUTE_MODULES
+from models.parallel.layout import FP8_RECIPES
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_named, family_of_dict
 from pipeline.job.files import read_json_object
+from pipeline.job.numbers import positive_int
 
 PRESETS = Path(__file__).resolve().parents[2] / "models" / "configs"
 
@@ -119,3 +121,11 @@ def add_model_args(p) -> None:
                    help="torch.compile each transformer block (models/compile.py: no graph break at TP 1-2, with "
                         "or without SP, without dropout); pipeline-parallel 1, ZeRO 0-2, dense models; "
                         "bench/train_step.py --systems deepspeed,deepspeed+compile measures what it gains")
+    g.add_argument("--fp8", choices=FP8_RECIPES, default=None,
+                   help="the column- and row-parallel linears' products in FP8 with torchao's float8 recipe "
+                        "(models/parallel/fp8.py): the weights, checkpoints and exports stay in the run's precision, "
+                        "so an FP8 run resumes without it and back; dense GPT models (docs/performance.md)")
+    g.add_argument("--loss-chunk-tokens", type=positive_int, default=None, metavar="N",
+                   help="the cross-entropy N tokens at a time: its fp32 work tensors are [N, V/TP], never [tokens, "
+                        "V/TP], and a bf16 run keeps its bf16 logits for the backward instead of an fp32 softmax "
+                        "(half the loss's memory); the same loss bit for bit, slower on a CPU (bench/chunked_loss.py)")

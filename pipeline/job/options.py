@@ -101,6 +101,8 @@ class EngineOptions:
     recompute: str = "none"  # the model group's (job.model_configs.add_model_args)
     recompute_modules: tuple[str, ...] = ()
     compile: bool = False
+    fp8: str | None = None
+    loss_chunk_tokens: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> EngineOptions:

@@ -225,3 +225,34 @@ def test_mlstm_changes_dp_size_and_zero_stage_with_its_optimizer_state(setup, tm
         assert int(step) == 3, name
         if key == "exp_avg_sq":
             assert bool((after[name, key] >= 0.999 * before[name, key] * (1 - 1e-5)).all()), name
+
+
+def test_an_fp8_run_resumes_in_bf16_at_another_layout_and_back(setup, tmp_path):
+    """FP8 is a compute format only: a bf16 run at TP 2 with --fp8 tensorwise resumes at TP 1 in bf16 without
+    FP8, and that run at TP 2 with --fp8 rowwise, each with its optimizer state (Adam's step count, and v_next >=
+    beta2 * v everywhere, which a restarted optimizer, v = (1 - beta2) g^2, breaks)."""
+    (setup / "ds_bf16.json").write_text(json.dumps({**ds_config(1), "bf16": {"enabled": True}}))
+    common = ["--model-config", str(setup / "model.json"), "--deepspeed_config", str(setup / "ds_bf16.json"),
+              "--data", str(setup / "corpus.txt"), "--tokenizer", "bytes", "--seq-length", "32",
+              "--lr-warmup-steps", "1", "--cache-dir", str(setup / "cache"), "--micro-batch-size", "2"]
+    runs = [(tmp_path / "fp8_tp2", 2, ["--fp8", "tensorwise"]), (tmp_path / "bf16_tp1", 1, []),
+            (tmp_path / "fp8_rowwise_tp2", 2, ["--fp8", "rowwise"])]
+    previous = None
+    for step, (save, world, fp8) in enumerate(runs, start=2):
+        load = ["--load", str(previous)] if previous else []
+        run_distributed(_pretrain, world, [*common, "--tensor-parallel", str(world), "--train-steps", str(step),
+                                           "--save", str(save), *load, *fp8], False)
+        record = json.loads((save / f"global_step{step}" / "layout.json").read_text())
+        assert record["fp8"] == (fp8[1] if fp8 else None) and record["precision"] == "bf16"
+        if previous:
+            assert sorted(losses(save)) == [step]
+            before = optimizer_state(previous, f"global_step{step - 1}")
+            after = optimizer_state(save, f"global_step{step}")
+            assert sorted(before) == sorted(after)
+            for name, key in before:
+                count = torch.load(universal.cache_path(save, f"global_step{step}") / "zero" / name / "step.pt",
+                                   weights_only=True)
+                assert int(count) == step, name
+                if key == "exp_avg_sq":
+                    assert bool((after[name, key] >= 0.999 * before[name, key] * (1 - 1e-5)).all()), name
+        previous = save

@@ -19,7 +19,8 @@ MLSTM = MLSTMConfig(vocab_size=64, embed_dim=8, hidden_size=16, seq_length=8)
 
 def test_a_checkpoints_record_is_the_layout():
     layout = Layout(tensor=2, pipeline=2, context=2, data=2, expert=2, sequence_parallel=True, zero_stage=1,
-                    precision="bf16", tiled_loss=4, recompute="selective", recompute_modules=("core_attn",))
+                    precision="bf16", tiled_loss=4, recompute="selective", recompute_modules=("core_attn",),
+                    fp8="rowwise", loss_chunk_tokens=1024)
     record = layout.record()
     assert record["tensor_parallel"] == 2 and record["expert_parallel"] == 2 and record["zero_stage"] == 1
     assert Layout.from_record(record) == layout
@@ -30,10 +31,12 @@ def test_a_checkpoints_record_is_the_layout():
 
 def test_the_layout_of_the_command_line():
     options = EngineOptions(tensor_parallel=2, context_parallel=2, expert_parallel=2, sequence_parallel=True,
-                            tiled_loss=2, recompute="selective", recompute_modules=("mlp",))
+                            tiled_loss=2, recompute="selective", recompute_modules=("mlp",), fp8="tensorwise",
+                            loss_chunk_tokens=512)
     layout = layout_from_options(options, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, world=8)
     assert layout == Layout(tensor=2, context=2, data=2, expert=2, sequence_parallel=True, zero_stage=2,
-                            precision="bf16", tiled_loss=2, recompute="selective", recompute_modules=("mlp",))
+                            precision="bf16", tiled_loss=2, recompute="selective", recompute_modules=("mlp",),
+                            fp8="tensorwise", loss_chunk_tokens=512)
 
 
 @pytest.mark.parametrize("check, both", [
@@ -51,6 +54,11 @@ def test_the_layout_of_the_command_line():
     (LayoutCheck(Layout(tensor=2), MLSTM, family_of(MLSTM)), ("--tensor-parallel 2", "mlstm model")),
     (LayoutCheck(Layout(tensor=2), extras={"world": 3}), ("world size 3", "--tensor-parallel 2")),
     (LayoutCheck(Layout(context=0)), ("--context-parallel 0", "1 or more")),
+    (LayoutCheck(Layout(fp8="tensorwise"), MOE), ("--fp8", "MoE layers")),
+    (LayoutCheck(Layout(fp8="rowwise", tiled_mlp=2), GPT), ("--fp8", "--tiled-mlp")),
+    (LayoutCheck(Layout(fp8="tensorwise"), MLSTM, family_of(MLSTM)), ("--fp8 tensorwise", "mlstm model")),
+    (LayoutCheck(Layout(fp8="e5m2")), ("--fp8 e5m2", "tensorwise, rowwise")),
+    (LayoutCheck(Layout(loss_chunk_tokens=64), MLSTM, family_of(MLSTM)), ("--loss-chunk-tokens 64", "mlstm model")),
 ])
 def test_each_refusal_is_one_line_naming_both_features(check, both):
     reason = refusal(check)
