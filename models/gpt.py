@@ -404,13 +404,14 @@ def gather_vocab_logits(local_logits: torch.Tensor, vocab_size: int) -> torch.Te
 
 
 def context_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                                   label_smoothing: float = 0.0, reduction: str = "mean") -> torch.Tensor:
+                                   label_smoothing: float = 0.0, reduction: str = "mean",
+                                   chunk_tokens: int | None = None) -> torch.Tensor:
     """The loss of this rank's chunk ([b, s/C, V/tp] logits, the whole [b, s] labels) as one process computes it
     over the whole sequence: the chunks' sums added over the context group, divided by the whole sequence's count
     of scored tokens; each rank's gradient is its own tokens' (``models/parallel/context.py``)."""
     labels = context_chunk(labels)
     loss = vocab_parallel_cross_entropy(logits, labels, vocab_size=vocab_size, label_smoothing=label_smoothing,
-                                        reduction="none")
+                                        reduction="none", chunk_tokens=chunk_tokens)
     if reduction == "none":
         return gather_from_context_parallel_region(loss)
     total = reduce_from_context_parallel_region(loss.sum())
@@ -523,10 +524,12 @@ class GPT(nn.Module):
         logits = self.parallel_logits(input_ids)
         if labels is None:
             return gather_from_context_parallel_region(gather_vocab_logits(logits, self.config.vocab_size))
+        chunk = self.layout.loss_chunk_tokens or None  # (--loss-chunk-tokens: the fp32 work one chunk's at a time)
         if cp_world_size() > 1:
-            return context_parallel_cross_entropy(logits, labels, self.config.vocab_size, label_smoothing, reduction)
+            return context_parallel_cross_entropy(logits, labels, self.config.vocab_size, label_smoothing, reduction,
+                                                  chunk_tokens=chunk)
         return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.config.vocab_size,
-                                            label_smoothing=label_smoothing, reduction=reduction)
+                                            label_smoothing=label_smoothing, reduction=reduction, chunk_tokens=chunk)
 
     def _tiled_loss(self, input_ids, labels, label_smoothing: float, reduction: str) -> torch.Tensor:
         """ALST's tiled output layer and loss (models/tiling.py): the [s, V / tp] logits are never held whole."""
@@ -540,7 +543,8 @@ class GPT(nn.Module):
         logits_fn = self.embedding.logits if self.lm_head is None else self.lm_head
         total = reduce_from_context_parallel_region(tiled_cross_entropy(
             lambda x: logits_fn(x, sequence_split=False), head.parameters(), h, labels,
-            vocab_size=self.config.vocab_size, tiles=self.layout.tiled_loss, label_smoothing=label_smoothing))
+            vocab_size=self.config.vocab_size, tiles=self.layout.tiled_loss, label_smoothing=label_smoothing,
+            chunk_tokens=self.layout.loss_chunk_tokens or None))
         return total if reduction == "sum" else total / global_count(labels != -100).clamp(min=1)
 
     @torch.no_grad()

@@ -24,13 +24,13 @@ def tiled_mlp(fn, module: torch.nn.Module, x: torch.Tensor, tiles: int) -> torch
 
 
 def tiled_cross_entropy(logits_fn, params, hidden: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
-                        tiles: int, label_smoothing: float = 0.0) -> torch.Tensor:
+                        tiles: int, label_smoothing: float = 0.0, chunk_tokens: int | None = None) -> torch.Tensor:
     """The summed vocabulary-parallel cross-entropy of ``logits_fn(hidden)`` ([b, s, h] replicated over TP -> [b, s,
     V/tp]) against ``labels`` [b, s], computed on ``tiles`` tiles of the sequence (``params``: the output
-    layer's weights, for ZeRO's gradient hooks)."""
+    layer's weights, for ZeRO's gradient hooks); ``chunk_tokens``: each tile's loss that many tokens at a time."""
     def tile_loss(hidden, labels):
         return vocab_parallel_cross_entropy(logits_fn(hidden), labels, vocab_size=vocab_size,
-                                            label_smoothing=label_smoothing, reduction="sum")
+                                            label_smoothing=label_smoothing, reduction="sum", chunk_tokens=chunk_tokens)
 
     return sequence_tiled_compute(tile_loss, hidden.shape[1], tiles, {"hidden": hidden, "labels": labels}, {},
                                   "hidden", compute_params=list(params), output_unshard_dimension=0,

@@ -34,18 +34,22 @@ class VocabParallelLoss:
     experts, the auxiliary losses the activations carried: ``MoETransformerLayer``; under context parallelism
     over the whole sequence, from this rank's chunk of the logits, its gradient times C: see ``pipe_topology``)."""
 
-    def __init__(self, vocab_size: int, context_parallel: int = 1):
+    def __init__(self, vocab_size: int, context_parallel: int = 1, chunk_tokens: int | None = None):
         self.vocab_size = vocab_size
         self.context_parallel = context_parallel
+        self.chunk_tokens = chunk_tokens
 
     def __call__(self, logits, labels):
         if isinstance(logits, tuple):
             logits, aux = logits
-            return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size) + aux.sum()
+            return self._cross_entropy(logits, labels) + aux.sum()
         if self.context_parallel == 1:
-            return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size)
-        loss = context_parallel_cross_entropy(logits, labels, self.vocab_size)
+            return self._cross_entropy(logits, labels)
+        loss = context_parallel_cross_entropy(logits, labels, self.vocab_size, chunk_tokens=self.chunk_tokens)
         return scale_gradient(loss, self.context_parallel)
+
+    def _cross_entropy(self, logits, labels):
+        return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size, chunk_tokens=self.chunk_tokens)
 
 
 def pipe_topology(state: ParallelState):
@@ -117,7 +121,8 @@ def gpt_pipeline(config: GPTConfig, state: ParallelState, init_seed: int, *, act
         if checkpoint_fn is not None:
             kwargs["activation_checkpoint_func"] = checkpoint_fn
     return PipelineModule(layers=layer_specs(config, layout, init_seed),
-                          loss_fn=VocabParallelLoss(config.vocab_size, state.context_parallel),
+                          loss_fn=VocabParallelLoss(config.vocab_size, state.context_parallel,
+                                                    layout.loss_chunk_tokens or None),
                           topology=pipe_topology(state), partition_method="type:TransformerLayer", **kwargs)
 
 

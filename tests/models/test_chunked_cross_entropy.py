@@ -7,6 +7,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dist import run_distributed
 from models.parallel import destroy_model_parallel, initialize_model_parallel, tp_rank, tp_world_size
 from models.parallel import vocab_parallel_cross_entropy
+from models import GPT, GPTConfig
+from models.parallel import Layout
+from models.parallel.sharding import padded_size
 
 VOCAB, PADDED = 101, 112  # padded to a multiple of 8 x TP: rank 1 of 2 holds 45 real columns and 11 padding ones
 SHAPE = (3, 12)  # 36 tokens: chunks of 5 leave a last chunk of 1
@@ -94,3 +97,30 @@ def _tp2(rank):
 
 def test_chunked_equals_unchunked_at_tp2():
     assert run_distributed(_tp2, 2) == [True, True]
+
+
+TINY_GPT = GPTConfig(variant="gpt2", vocab_size=500, hidden_size=32, num_layers=1, num_heads=4,
+                     max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _gpt_loss_and_grads(chunk: int) -> tuple[torch.Tensor, dict, int]:
+    """A tiny bf16 GPT's loss and gradients with ``--loss-chunk-tokens chunk`` (0: off), and the largest fp32
+    tensor of its forward and backward."""
+    destroy_model_parallel()
+    model = GPT(TINY_GPT, init_seed=0, layout=Layout(loss_chunk_tokens=chunk)).to(torch.bfloat16)
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with _LargestFloat32() as mode:
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, mode.largest
+
+
+def test_the_gpt_takes_the_chunked_loss_from_its_layout():
+    """--loss-chunk-tokens reaches the model's loss through the layout: the same loss and gradients bit for bit
+    (measured: equal), and no fp32 tensor of the whole [tokens, V] logits (the loss without it makes one)."""
+    loss, grads, largest = _gpt_loss_and_grads(8)
+    whole_loss, whole_grads, whole_largest = _gpt_loss_and_grads(0)
+    assert torch.equal(loss, whole_loss)
+    assert all(torch.equal(grads[n], whole_grads[n]) for n in grads)
+    logits = 2 * 16 * padded_size(TINY_GPT.vocab_size, 1, TINY_GPT.make_vocab_size_divisible_by)
+    assert whole_largest >= logits and largest < logits // 2, (largest, whole_largest, logits)
