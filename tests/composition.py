@@ -59,6 +59,8 @@ FEATURES = {
                          shows="recomputation ran"),
     "bf16": Feature({"precision": "bf16"}, shows="bf16 weights"),
     "fp16": Feature({"precision": "fp16"}, shows="fp16 weights, loss scale"),
+    "FP8": Feature({"fp8": "tensorwise"}, shows="FP8 products ran"),
+    "chunked loss": Feature({"loss_chunk_tokens": 8}, shows="the chunked cross-entropy ran"),
 }
 # of two features that set the same field only one can hold; SP includes TP2
 EXCLUSIVE = [{"DP2 ZeRO-1", "DP2 ZeRO-2", "DP2 ZeRO-3"}, {"bf16", "fp16"}, {"TP2", "TP2+SP"}]
@@ -145,8 +147,8 @@ def render() -> str:
              "and the tests disagree. Do not edit by hand.", "",
              f"Each allowed cell trains {STEPS} steps of a tiny GPT (gpt2, 4 layers, h 32; the MoE cells: 4 experts, "
              "top-2, every other layer) at its layout through DeepSpeed's engine and is compared with one process: "
-             "per-step losses and DeepSpeed's global gradient norm within 1e-6 relative in fp32 (bf16 and fp16: "
-             "the tolerances stated in the test), and the layout is shown to be in force (the group sizes the engine "
+             "per-step losses and DeepSpeed's global gradient norm within 1e-6 relative in fp32 (bf16, fp16 and FP8, "
+             "whose one process is FP8 too: the tolerances stated in the test), and the layout is shown to be in force (the group sizes the engine "
              f"used and the collectives DeepSpeed's comms logger counted). Test: `{TEST_ID}` (one launch per world "
              "size). A refused cell is refused before any work, in one line: its reason up to the remedy is shown.",
              "", "Features: " + "; ".join(f"**{n}** ({FEATURES[n].shows})" for n in names) + ".", "",

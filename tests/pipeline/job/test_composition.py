@@ -17,6 +17,8 @@ from engine_utils import GlobalBatchLoader, real_text_tokens
 
 import models.gpt
 import models.moe.layer
+from models.parallel import cross_entropy
+from models.parallel.fp8 import Float8Matmul
 from models.parallel import Layout, destroy_model_parallel, initialize_model_parallel, model_parallel_seed
 from models.recompute import DiscardedOutput
 from pipeline.engine.build import build_engine
@@ -26,9 +28,11 @@ from pipeline.engine.steps import lm_batches, train_step
 
 # measured on this CPU, largest over the cells (losses / gradient norms): fp32 8.7e-8 / 1.4e-7 from one process; bf16
 # 7.1e-5 / 1.5e-3 and fp16 1.1e-5 / 2.0e-4 from one process of the same precision (their reductions round in other
-# orders); one bf16 / fp16 process from the fp32 one: 1.1e-4 / 1.6e-3 and 3.2e-6 / 4.0e-4
-TOLERANCE = {"fp32": 1e-6, "bf16": 1.5e-2, "fp16": 2e-3}
-VS_FP32 = {"bf16": 1.6e-2, "fp16": 4e-3}
+# orders); one bf16 / fp16 process from the fp32 one: 1.1e-4 / 1.6e-3 and 3.2e-6 / 4.0e-4. FP8 (tensorwise) from one
+# FP8 process: 6.7e-8 / 1.3e-7 (its amaxes reduced over TP and CP); one FP8 process from one fp32 process: fp32
+# 2.9e-5 / 2.5e-3, bf16 2.1e-4 / 9.7e-3, fp16 8.5e-5 / 2.8e-3
+TOLERANCE = {"fp32": 1e-6, "bf16": 1.5e-2, "fp16": 2e-3, "fp32 FP8": 1e-6, "bf16 FP8": 1.5e-2, "fp16 FP8": 2e-3}
+VS_FP32 = {"bf16": 1.6e-2, "fp16": 4e-3, "fp32 FP8": 2.5e-2, "bf16 FP8": 5e-2, "fp16 FP8": 2e-2}
 COUNTED = collections.Counter()
 
 
@@ -44,6 +48,11 @@ def _counting() -> None:
     _count(models.gpt, "tiled_cross_entropy", "tiled_loss")
     recompute = DiscardedOutput._recompute
     DiscardedOutput._recompute = lambda self, grad: COUNTED.update(["recomputed"]) or recompute(self, grad)
+    chunked = cross_entropy._ChunkedVocabParallelCrossEntropy.forward
+    cross_entropy._ChunkedVocabParallelCrossEntropy.forward = staticmethod(
+        lambda ctx, *a: COUNTED.update(["chunked_loss"]) or chunked(ctx, *a))
+    fp8_matmul = Float8Matmul.__call__
+    Float8Matmul.__call__ = lambda self, x, weight: COUNTED.update(["fp8"]) or fp8_matmul(self, x, weight)
 
 
 def _train(layout: Layout, moe: bool) -> dict:
@@ -69,11 +78,21 @@ def _train(layout: Layout, moe: bool) -> dict:
              "expert_data": (groups._get_expert_data_parallel_world_size(name)
                              if name in groups._EXPERT_DATA_PARALLEL_GROUP else 0),
              "sp_world": groups._get_sequence_parallel_world_size(),
-             "ops": sorted(dc.comms_logger.comms_dict), "counted": dict(COUNTED),
+             "ops": sorted(dc.comms_logger.comms_dict), "counted": _counted_on_any_rank(),
              "dtype": str(next(engine.module.parameters()).dtype)}
     del engine
     destroy_model_parallel()
     return {"losses": losses, "norms": norms, "shown": shown}
+
+
+def _counted_on_any_rank() -> dict:
+    """COUNTED summed over the ranks (a pipeline's loss runs on its last stage, not on rank 0), outside DeepSpeed's
+    comms logger."""
+    keys = ("tiled_mlp", "tiled_loss", "recomputed", "fp8", "chunked_loss")
+    counts = torch.tensor([COUNTED[k] for k in keys], dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts)
+    return {k: int(v) for k, v in zip(keys, counts.tolist()) if v}
 
 
 def _cells_worker(rank, todo) -> dict:
@@ -84,11 +103,11 @@ def _cells_worker(rank, todo) -> dict:
 
 
 def _one_process(layout: Layout) -> Layout:
-    return Layout(precision=layout.precision, zero_stage=1)
+    return Layout(precision=layout.precision, zero_stage=1, fp8=layout.fp8)
 
 
 def _reference_key(layout: Layout, moe: bool) -> tuple:
-    return ("reference", moe, layout.precision)
+    return ("reference", moe, layout.precision, layout.fp8)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +119,7 @@ def trained():
             layout, moe = cell_layout(names)
             by_world[layout.world][names] = (layout, moe)
             by_world[1][_reference_key(layout, moe)] = (_one_process(layout), moe)
-            by_world[1][_reference_key(layout.replace(precision="fp32"), moe)] = (Layout(zero_stage=1), moe)
+            by_world[1][_reference_key(layout.replace(precision="fp32", fp8=None), moe)] = (Layout(zero_stage=1), moe)
     out = {}
     for world, todo in sorted(by_world.items()):
         out.update(run_distributed(_cells_worker, world, todo, env={"OMP_NUM_THREADS": "1"})[0])
@@ -125,7 +144,8 @@ def _assert_in_force(names, layout: Layout, shown: dict) -> None:
               "tiled MLP": shown["counted"].get("tiled_mlp", 0) > 0,
               "tiled loss": shown["counted"].get("tiled_loss", 0) > 0,
               "recompute": shown["counted"].get("recomputed", 0) > 0,
-              "bf16": shown["dtype"] == "torch.bfloat16", "fp16": shown["dtype"] == "torch.float16"}
+              "bf16": shown["dtype"] == "torch.bfloat16", "fp16": shown["dtype"] == "torch.float16",
+              "FP8": shown["counted"].get("fp8", 0) > 0, "chunked loss": shown["counted"].get("chunked_loss", 0) > 0}
     failed = [name for name in names if not checks.get(name, True)]
     assert not failed, (cell_id(names), failed, shown)
 
@@ -133,13 +153,14 @@ def _assert_in_force(names, layout: Layout, shown: dict) -> None:
 @pytest.mark.parametrize("names", [c for c in cells() if cell_refusal(c) is None], ids=cell_id)
 def test_composition_cells(names, trained):
     layout, moe = cell_layout(names)
-    alone = layout == _one_process(layout)  # bf16 or fp16 alone: against fp32, else it is its own reference
-    ref = trained[_reference_key(layout.replace(precision="fp32") if alone else layout, moe)]
+    alone = layout == _one_process(layout)  # bf16, fp16 or FP8 alone: against fp32, else its own reference
+    ref = trained[_reference_key(layout.replace(precision="fp32", fp8=None) if alone else layout, moe)]
     got = trained[names]
     loss_rel, norm_rel = _rel(got["losses"], ref["losses"]), _rel(got["norms"], ref["norms"])
     print(f"{cell_id(names)} ({layout}): losses {loss_rel:.1e}, gradient norms {norm_rel:.1e} from one "
           f"{'fp32 ' if alone else ''}process")
-    tol = VS_FP32[layout.precision] if alone else TOLERANCE[layout.precision]
+    kind = layout.precision + (" FP8" if layout.fp8 else "")
+    tol = VS_FP32[kind] if alone else TOLERANCE[kind]
     assert loss_rel < tol and norm_rel < tol, (got, ref)
     _assert_in_force(names, layout, got["shown"])
 
