@@ -25,7 +25,7 @@ from common import format_table  # noqa: E402
 
 from models import GPTConfig
 from pipeline.planning.hardware import hardware
-from pipeline.planning.layouts import Job, Layout, step_collectives
+from pipeline.planning.layouts import Job, Candidate, step_collectives
 from pipeline.planning.shapes import gpt_shape
 
 LAYOUTS = {  # name: (tp, pp, dp, zero, sp); the world is tp x pp x dp ranks
@@ -97,7 +97,7 @@ def analytic(name: str) -> Counter:
     gb = BASE_DS["train_batch_size"]
     job = Job(_shape(), hardware("h100-dgx"), gpus=world_size(name), global_batch=gb, precision="fp32")
     counts = Counter()
-    lay = Layout(tp, pp, dp, zero, sp, "none", gb // dp)
+    lay = Candidate(tp, pp, dp, zero, sp, "none", gb // dp)
     for c in step_collectives(job, lay, stage="first" if pp > 1 else None):
         n = {"tp": tp, "pp": pp, "dp": dp}[c.group]
         op = "recv" if c.what.startswith("their gradients") and pp == 2 else c.op

@@ -79,12 +79,12 @@ def setup(options: EngineOptions, *, config=None, family=None, extras: dict | No
     source = options.deepspeed_config or default_ds_config()
     ds = load_ds_config(source)
     world = launched_world_size()
-    validate(LayoutCheck(layout_from_options(options, ds, world), config, family, ds, source,
-                         {"world": world, **(extras or {})}))
+    layout = layout_from_options(options, ds, world)
+    validate(LayoutCheck(layout, config, family, ds, source, {"world": world, **(extras or {})}))
     if not options.verbose:
         quiet_deepspeed(False)
     init_distributed(timeout_minutes=options.distributed_timeout_minutes)
-    state = initialize_model_parallel(layout=layout_from_options(options, ds, launched_world_size()))
+    state = initialize_model_parallel(layout=layout)
     model_parallel_seed(options.seed)
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, pipeline_parallel=state.pipeline_parallel,
                            micro_batch_size=options.micro_batch_size, global_batch_size=options.global_batch_size,

@@ -30,7 +30,9 @@ RECOMPUTE_CHOICES = (("none", ()), ("selective", SELECTIVE_DEFAULT), ("selective
 
 
 @dataclass(frozen=True)
-class Layout:
+class Candidate:
+    """One layout the planner weighs, with its micro-batch (the job's ``models.parallel.Layout`` is what a run
+    takes; this is the planner's coarser view of one: no CP, EP or tiling yet)."""
     tp: int
     pp: int
     dp: int
@@ -65,7 +67,7 @@ class Job:
 
 @dataclass
 class Prediction:
-    layout: Layout
+    layout: Candidate
     memory: dict
     times: dict
     step_s: float
@@ -79,11 +81,11 @@ class Prediction:
         return sum(self.memory.values())
 
 
-def micro_batches(job: Job, lay: Layout) -> int:
+def micro_batches(job: Job, lay: Candidate) -> int:
     return job.global_batch // (lay.dp * lay.micro_batch)
 
 
-def predict_memory(job: Job, lay: Layout) -> dict:
+def predict_memory(job: Job, lay: Candidate) -> dict:
     psi = job.model.stage_params(lay.tp, lay.pp)
     states = model_states(psi, lay.zero, lay.dp, job.precision)
     act = activations(job.model, lay.micro_batch, lay.tp, lay.pp, lay.sp, lay.recompute,
@@ -92,7 +94,7 @@ def predict_memory(job: Job, lay: Layout) -> dict:
             "activations": act}
 
 
-def _compute_s(job: Job, lay: Layout) -> tuple[float, float]:
+def _compute_s(job: Job, lay: Candidate) -> tuple[float, float]:
     """(forward + backward compute of one micro-batch on one GPU, of which the backward)."""
     m, hw = job.model, job.hardware
     tokens = lay.micro_batch * m.seq
@@ -113,7 +115,7 @@ def _compute_s(job: Job, lay: Layout) -> tuple[float, float]:
     return total, total * backward_share
 
 
-def step_collectives(job: Job, lay: Layout, stage: str | None = None) -> list[Collective]:
+def step_collectives(job: Job, lay: Candidate, stage: str | None = None) -> list[Collective]:
     """One GPU's collectives of a step on pipeline ``stage`` ("first", "last"; None: the stage the planner
     times, a middle one for the sends and the last for the TP collectives and the DP bytes of the fullest)."""
     m, mb = job.model, micro_batches(job, lay)
@@ -133,7 +135,7 @@ def step_collectives(job: Job, lay: Layout, stage: str | None = None) -> list[Co
     return out
 
 
-def _comm_s(job: Job, lay: Layout, colls: list[Collective]) -> dict:
+def _comm_s(job: Job, lay: Candidate, colls: list[Collective]) -> dict:
     hw = job.hardware
     links = {"tp": (lay.tp, hw.link(lay.tp, 1)), "pp": (lay.pp, hw.link(lay.pp, lay.tp)),
              "dp": (lay.dp, hw.link(lay.dp, lay.tp * lay.pp))}
@@ -152,7 +154,7 @@ def _comm_s(job: Job, lay: Layout, colls: list[Collective]) -> dict:
     return out
 
 
-def predict(job: Job, lay: Layout) -> Prediction:
+def predict(job: Job, lay: Candidate) -> Prediction:
     m, hw = job.model, job.hardware
     mb = micro_batches(job, lay)
     colls = step_collectives(job, lay)
@@ -186,12 +188,12 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def candidate_layouts(job: Job, pinned: dict) -> list[Layout]:
+def candidate_layouts(job: Job, pinned: dict) -> list[Candidate]:
     """Every layout the model, the GPU count and the batch allow (``pinned``: fields fixed by the user)."""
     return list(iter_layouts(job, pinned))
 
 
-def iter_layouts(job: Job, pinned: dict) -> Iterator[Layout]:
+def iter_layouts(job: Job, pinned: dict) -> Iterator[Candidate]:
     """``candidate_layouts`` one at a time (the pinned sizes narrow the loops, not only the result)."""
     m = job.model
 
@@ -211,6 +213,6 @@ def iter_layouts(job: Job, pinned: dict) -> Iterator[Layout]:
                 for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                     for sp in ((False, True) if tp > 1 and m.seq % tp == 0 else (False,)):
                         for policy, modules in ((("none", ()),) if m.recurrent else RECOMPUTE_CHOICES):
-                            lay = Layout(tp, pp, dp, zero, sp, policy, mbs, modules)
+                            lay = Candidate(tp, pp, dp, zero, sp, policy, mbs, modules)
                             if all(getattr(lay, k) == v for k, v in pinned.items()):
                                 yield lay

@@ -25,7 +25,7 @@ from models import GPTConfig, MLSTMConfig
 from pipeline.job.files import atomic_write_figure
 
 from .hardware import hardware
-from .layouts import Job, Layout, predict
+from .layouts import Job, Candidate, predict
 from .shapes import model_shape
 
 MEGATRON_RATE = 39e12
@@ -55,7 +55,7 @@ def megatron_gpt(hidden: int, layers: int, heads: int):
     return replace(shape, fused_attention=False)  # 2019: softmax(QK^T) materialised
 
 
-def calibrated_rate(job: Job, lay: Layout, target: float) -> float:
+def calibrated_rate(job: Job, lay: Candidate, target: float) -> float:
     """The matmul rate at which ``lay`` of ``job`` runs at ``target`` model FLOP/s per GPU (bisection)."""
     lo, hi = target, 20 * target
     for _ in range(60):
@@ -68,13 +68,13 @@ def calibrated_rate(job: Job, lay: Layout, target: float) -> float:
 def megatron_rows() -> list[Row]:
     hw = hardware("v100-dgx2h")
     base = Job(megatron_gpt(1536, 40, 16), hw, gpus=1, global_batch=8, precision="fp16", bucket=12.5e6)
-    rate = calibrated_rate(base, Layout(1, 1, 1, 0, False, "full", 8), MEGATRON_RATE)
+    rate = calibrated_rate(base, Candidate(1, 1, 1, 0, False, "full", 8), MEGATRON_RATE)
     hw = hw.with_sustained(rate / 1e12)
     big = megatron_gpt(3072, 72, 32)
     one_server = predict(Job(big, hw, gpus=8, global_batch=8, precision="fp16", bucket=12.5e6),
-                         Layout(8, 1, 1, 0, False, "full", 8))
+                         Candidate(8, 1, 1, 0, False, "full", 8))
     cluster = predict(Job(big, hw, gpus=512, global_batch=512, precision="fp16", bucket=12.5e6),
-                      Layout(8, 1, 64, 0, False, "full", 8))
+                      Candidate(8, 1, 64, 0, False, "full", 8))
     return [Row("Megatron 8.3B, TP 8, one DGX-2H: weak-scaling efficiency", 77.0,
                 100 * one_server.model_tflops_per_gpu * 1e12 / MEGATRON_RATE, 5.0, "%"),
             Row("Megatron 8.3B, TP 8 x DP 64, 512 V100: weak-scaling efficiency", 76.0,
@@ -102,7 +102,7 @@ def mlstm_speedups(curve: ScalingCurve, gpus: tuple = (1, 8, 16, 32, 64, 128)) -
     hw = replace(hardware("v100-dgx1"), ib_bytes_per_s_per_server=curve.network_bytes_per_s)
     shape = model_shape(MLSTMConfig(hidden_size=curve.hidden, embed_dim=64, seq_length=256), f"mLSTM {curve.hidden}")
     rate = {n: predict(Job(shape, hw, gpus=n, global_batch=256 * n, precision="fp16", overlap_dp=False),
-                       Layout(1, 1, n, 0, False, "none", 256)).model_tflops_per_gpu for n in {1, *gpus}}
+                       Candidate(1, 1, n, 0, False, "none", 256)).model_tflops_per_gpu for n in {1, *gpus}}
     return {n: n * rate[n] / rate[1] for n in gpus}
 
 
