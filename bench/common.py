@@ -49,6 +49,7 @@ CPU_SIZES = {
 GPU_SIZES = {
     "350m": dict(hidden_size=1024, num_layers=24, num_heads=16, vocab_size=50304, seq=1024, batch=16),
     "1.3b": dict(hidden_size=2048, num_layers=24, num_heads=16, vocab_size=50304, seq=2048, batch=8),
+    "2.7b": dict(hidden_size=2560, num_layers=32, num_heads=32, vocab_size=50304, seq=2048, batch=8),
 }
 TINY_SIZES = {  # --cpu-smoke of the GPU script and the tests
     "tiny-a": dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=512, seq=32, batch=2),

@@ -1,4 +1,4 @@
-"""GPU training-step benchmark, one H200 (or any CUDA GPU): the GPT at ~350M and ~1.3B parameters through the
+"""GPU training-step benchmark, one H200 (or any CUDA GPU): the GPT at ~350M, ~1.3B and ~2.7B parameters through the
 DeepSpeed engine beside Hugging Face's model in the same conditions; tokens/s, TFLOP/s and MFU against the
 measured matmul peak. Runs in under 8 minutes; installs nothing.
 
@@ -9,7 +9,13 @@ clipping 1.0) and precision:
              with dynamic loss scaling; fp16 needs ZeRO >= 1 here), one rank (NCCL);
   hf         GPT2LMHeadModel (SDPA attention) in a plain loop: fp32 weights with torch.autocast (bf16, or fp16
              with torch's GradScaler), the same AdamW;
-  plain      (--systems ...,plain) the project's GPT in that plain loop: the engine's overhead.
+  plain      (--systems ...,plain) the project's GPT in that plain loop: the engine's overhead;
+  +compile   a suffix: each transformer block compiled (``--compile``, models/compile.py);
+  +fp8       a suffix: the column- and row-parallel linears in FP8, torchao's tensorwise recipe (``--fp8``;
+             ``+fp8-rowwise`` the rowwise one), over the same bf16 weights and fp32 masters.
+The default run is bf16 at 1.3B and 2.7B: deepspeed, deepspeed+compile, deepspeed+fp8, deepspeed+compile+fp8, hf.
+FP8's loss against bf16 after 200 steps (the same repeated batch): ``--sizes 1.3b --systems deepspeed,deepspeed+fp8
+--steps 200 --warmup 0``, the rows' last losses.
 Dropout 0 everywhere. On a GPU each system is built, warmed up and timed in turn (two 1.3B models with their
 optimizer states and activations would not both fit); the device is not shared, so timings are steady.
 MFU = GPTConfig.flops_per_token (PaLM's count) x tokens/s over the bf16 (fp16) matmul rate measured first
@@ -32,8 +38,8 @@ compiled ops: the benchmark uses torch's fused AdamW, so no DeepSpeed op is buil
 
 Tested on a CPU with tiny models: ``python bench/gpu_h200.py --cpu-smoke`` (the same code path, fp16 too).
 
-    python bench/gpu_h200.py [--sizes 350m,1.3b] [--precisions bf16,fp16] [--steps 30] [--warmup 3]
-                             [--systems deepspeed,hf] [--variants gpt2,llama] [--recompute none,selective,full]
+    python bench/gpu_h200.py [--sizes 1.3b,2.7b] [--precisions bf16] [--steps 30] [--warmup 3]
+                             [--systems deepspeed,deepspeed+compile,deepspeed+fp8,deepspeed+compile+fp8,hf] [--variants gpt2,llama] [--recompute none,selective,full]
                              [--profile STEPS] [--budget-s 360] [--out DIR] [--cpu-smoke]
 """
 from __future__ import annotations
@@ -75,7 +81,8 @@ def measure(system, steps: int, warmup: int, device) -> dict:
 
 KERNEL_KINDS = (  # (kind, name fragments), first match wins; names of CUDA kernels, or of aten ops on a CPU
     ("attention", ("flash", "fmha", "attention", "efficient", "cudnn_sdpa", "scaled_dot")),
-    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+                "scaled_mm")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("communication", ("nccl", "gloo", "all_reduce", "allreduce", "all_gather", "reduce_scatter")),
     ("copy", ("memcpy", "memset", "copy_", "aten::to", "fill_")),
@@ -215,8 +222,9 @@ def run(args) -> list[dict]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=None, help=f"of {', '.join(GPU_SIZES)} (--cpu-smoke: {', '.join(TINY_SIZES)})")
-    p.add_argument("--precisions", default="bf16,fp16")
-    p.add_argument("--systems", default="deepspeed,hf")
+    p.add_argument("--precisions", default="bf16", help="bf16, fp16 (comma list)")
+    p.add_argument("--systems", default="deepspeed,deepspeed+compile,deepspeed+fp8,deepspeed+compile+fp8,hf",
+                   help="deepspeed, deepspeed-zN, hf, plain; +compile, +fp8, +fp8-rowwise suffixes (comma list)")
     p.add_argument("--variants", default="gpt2", help="model families: gpt2, llama (grouped-query, untied)")
     p.add_argument("--recompute", default="none",
                    help="activation recomputation policies for the DeepSpeed systems: none, selective, full")
@@ -229,7 +237,7 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=None, help="write gpu_bench.json here")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny models on the CPU: checks the script end to end")
     args = p.parse_args(argv)
-    args.sizes = (args.sizes or ",".join(TINY_SIZES if args.cpu_smoke else GPU_SIZES)).split(",")
+    args.sizes = (args.sizes or ",".join(TINY_SIZES if args.cpu_smoke else ("1.3b", "2.7b"))).split(",")
     args.precisions = args.precisions.split(",")
     args.systems = args.systems.split(",")
     args.variants = args.variants.split(",")

@@ -15,7 +15,9 @@ tensors, gradient clipping 1.0) in the same precision:
 ``NAME+compile`` (or ``--compile`` for every system) compiles that system: the project's systems per transformer
 block (``models.compile.compile_transformer_layers``, torchtitan's way: the embedding, output layer, loss and
 DeepSpeed's engine and hooks stay eager), Hugging Face's whole model with ``torch.compile``. The first (warm-up)
-step pays the compilation.
+step pays the compilation. ``NAME+fp8`` (or ``+fp8-rowwise``) runs the project's column- and row-parallel linears
+in FP8 with torchao's recipe, as ``--fp8`` does; on a CPU that measures torch's emulated ``_scaled_mm``, not FP8
+hardware.
 
 Precision. fp32: everything fp32. bf16: DeepSpeed keeps bf16 weights and activations and an fp32 master
 copy that its optimizer updates; the plain loops get the matching standard treatment, fp32 weights
@@ -53,6 +55,7 @@ from torch.profiler import profile as tprofile
 
 from models import GPT
 from models.compile import compile_transformer_layers
+from models.parallel.fp8 import enable_fp8
 from models.parallel import get_parallel_state, initialize_model_parallel
 from pipeline.engine.distributed import init_distributed
 from pipeline.engine.build import build_engine, param_groups
@@ -119,11 +122,15 @@ def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, dev
     """One contender for one (model, precision), owning its model, optimizer and step function.
 
     ``name``: deepspeed (the config's ZeRO stage), deepspeed-zN (ZeRO stage N), hf, plain; a "+compile"
-    suffix compiles that one system's model (the project's per block, Hugging Face's whole). ``recompute``: the
+    suffix compiles that one system's model (the project's per block, Hugging Face's whole); "+fp8" (tensorwise)
+    or "+fp8-rowwise" runs the project's parallel linears in FP8 (``--fp8``). ``recompute``: the
     engine's activation recomputation policy (none, selective, full; DeepSpeed systems only)."""
     label = name
-    if name.endswith("+compile"):
-        name, compile = name[:-len("+compile")], True
+    name, *mods = name.split("+")
+    compile = compile or "compile" in mods
+    fp8 = next((m.split("-", 1)[1] if "-" in m else "tensorwise" for m in mods if m.startswith("fp8")), None)
+    if set(mods) - {"compile", "fp8", "fp8-tensorwise", "fp8-rowwise"}:
+        raise ValueError(f"unknown system {label!r}: a suffix is +compile, +fp8 or +fp8-rowwise")
     if name.startswith("deepspeed-z"):
         zero_stage = int(name.split("-z")[1])
     ds = bench_ds_config(base_ds, precision, tokens.shape[0], zero_stage)
@@ -132,12 +139,16 @@ def make_system(name: str, config, tokens, precision: str, base_ds: dict, *, dev
     torch.manual_seed(seed)
     if name.startswith("deepspeed"):
         engine = build_engine(config, ds, get_parallel_state(), init_seed=seed, recompute=recompute)
+        if fp8:  # what --fp8 does (build_engine applies the layout's recipe; this bench's state has none)
+            enable_fp8(engine.module, fp8)
         if compile:
             compile_transformer_layers(engine.module)
         batches = _repeat((x, y))
         return System(f"{label} {precision}", lambda: train_step(engine, batches), owner=engine)
     if name == "plain":
         model = GPT(config, init_seed=seed).to(device).train()
+        if fp8:
+            enable_fp8(model, fp8)
         if compile:
             compile_transformer_layers(model)
         opt = plain_optimizer(model, ds)

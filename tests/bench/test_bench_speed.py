@@ -82,7 +82,8 @@ def test_rotary_tables_cached_and_usable_after_inference_mode():
 def test_gpu_script_cpu_smoke(tmp_path):
     # the H200 script end to end on tiny models: DeepSpeed bf16 and fp16 (loss scaling) beside HF
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_h200.py"), "--cpu-smoke", "--sizes", "tiny-a",
-                          "--systems", "deepspeed,hf", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
+                          "--precisions", "bf16,fp16", "--systems", "deepspeed,hf", "--steps", "1", "--warmup", "1",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]
@@ -95,15 +96,16 @@ def test_gpu_script_cpu_smoke(tmp_path):
 
 
 def test_gpu_script_profiles_each_recompute_policy_and_model_family(tmp_path):
-    # --variants, --recompute (DeepSpeed systems only) and --profile's breakdown of a step by kernel kind
+    # --variants, --recompute (DeepSpeed systems only), the FP8 system and --profile's step by kernel kind
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_h200.py"), "--cpu-smoke", "--sizes", "tiny-a",
                           "--precisions", "bf16", "--variants", "gpt2,llama", "--recompute", "none,full",
-                          "--systems", "deepspeed,hf", "--steps", "1", "--warmup", "1", "--profile", "1",
+                          "--systems", "deepspeed,deepspeed+fp8,hf", "--steps", "1", "--warmup", "1", "--profile", "1",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]
     assert sorted((r["variant"], r["system"], r["recompute"]) for r in rows) == sorted(
-        (v, s, p) for v in ("gpt2", "llama") for s, p in (("deepspeed", "none"), ("deepspeed", "full"), ("hf", "none")))
+        (v, s, p) for v in ("gpt2", "llama") for s in ("deepspeed", "deepspeed+fp8", "hf")
+        for p in (("none", "full") if s != "hf" else ("none",)))
     for r in rows:
         prof = r["profile"]
         # (at these lengths a CPU computes the attention as plain matrix products: models.gpt.short_causal_attention)
