@@ -27,6 +27,15 @@ DENSE = dict(variant="gpt2", vocab_size=256, hidden_size=32, num_layers=4, num_h
              hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
 # every other layer a mixture of 4 experts, top-2, dropless (a capacity factor drops by each rank's token order)
 MOE = dict(DENSE, num_experts=4, moe_top_k=2, moe_layer_freq=2, moe_aux_loss_coeff=0.01)
+# DeepSeek-V3's generation: a dense first layer, 8 fine-grained experts in 4 groups (top-2 of the best 2 groups) by
+# sigmoid scores, a shared expert, the sequence-wise balancing loss and the bias of auxiliary-loss-free balancing
+# (its rate high enough to change the routing within the cells' 4 steps), the experts as one grouped product
+V3_MOE = dict(DENSE, num_experts=8, moe_top_k=2, moe_layer_freq=1, moe_dense_layers=[0], moe_ffn_hidden_size=16,
+              moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2,
+              moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="seq_aux_loss",
+              moe_aux_loss_coeff=0.001, moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
+              moe_shared_expert_intermediate_size=32, moe_grouped_gemm=True)
+MODELS = {"dense": DENSE, "moe": MOE, "v3": V3_MOE}
 GLOBAL_BATCH = 8
 # every layout runs micro-batches of 2 sequences (gradient accumulation makes up the rest): an MoE layer's
 # balancing loss is a statistic of its micro-batch, the same one at every layout only if the micro-batches are
@@ -40,7 +49,7 @@ TEST_ID = "tests/pipeline/job/test_composition.py::test_composition_cells"
 class Feature:
     layout: dict = field(default_factory=dict)
     data: int = 1            # data-parallel ranks it needs
-    moe: bool = False        # it needs the mixture-of-experts model
+    model: str = "dense"     # the model it needs (``MODELS``)
     shows: str = ""          # what proves it was in force (``tests/pipeline/job/test_composition.py``)
 
 
@@ -52,7 +61,9 @@ FEATURES = {
     "DP2 ZeRO-1": Feature({"zero_stage": 1}, data=2, shows="ZeRO stage 1 over 2 ranks"),  # (every cell's default)
     "DP2 ZeRO-2": Feature({"zero_stage": 2}, data=2, shows="ZeRO stage 2 over 2 ranks"),
     "DP2 ZeRO-3": Feature({"zero_stage": 3}, data=2, shows="ZeRO stage 3 over 2 ranks"),
-    "EP2 MoE": Feature({"expert": 2}, data=2, moe=True, shows="ep all-to-all, expert groups of 2"),
+    "EP2 MoE": Feature({"expert": 2}, data=2, model="moe", shows="ep all-to-all, expert groups of 2"),
+    "EP2 V3 MoE": Feature({"expert": 2}, data=2, model="v3",
+                          shows="ep all-to-all, expert groups of 2, the balancing bias moved"),
     "tiled MLP": Feature({"tiled_mlp": 2}, shows="TiledMLP ran"),
     "tiled loss": Feature({"tiled_loss": 2}, shows="tiled loss ran"),
     "recompute": Feature({"recompute": "selective", "recompute_modules": ("core_attn", "layernorm")},
@@ -63,9 +74,10 @@ FEATURES = {
     "chunked loss": Feature({"loss_chunk_tokens": 8}, shows="the chunked cross-entropy ran"),
 }
 # of two features that set the same field only one can hold; SP includes TP2
-EXCLUSIVE = [{"DP2 ZeRO-1", "DP2 ZeRO-2", "DP2 ZeRO-3"}, {"bf16", "fp16"}, {"TP2", "TP2+SP"}]
+EXCLUSIVE = [{"DP2 ZeRO-1", "DP2 ZeRO-2", "DP2 ZeRO-3"}, {"bf16", "fp16"}, {"TP2", "TP2+SP"},
+             {"EP2 MoE", "EP2 V3 MoE"}]
 TRIPLES = [("TP2", "CP2", "PP2"), ("TP2+SP", "EP2 MoE", "DP2 ZeRO-1"), ("CP2", "EP2 MoE", "DP2 ZeRO-2"),
-           ("TP2", "PP2", "DP2 ZeRO-1")]
+           ("TP2", "PP2", "DP2 ZeRO-1"), ("TP2+SP", "EP2 V3 MoE", "DP2 ZeRO-2")]
 
 
 def applicable(names) -> bool:
@@ -78,8 +90,8 @@ def cells() -> list[tuple[str, ...]]:
     return [(name,) for name in FEATURES] + pairs + TRIPLES
 
 
-def cell_layout(names) -> tuple[Layout, bool]:
-    """(the layout of a cell, whether it trains the MoE model). Data parallel: 2 when a feature needs it. ZeRO: the
+def cell_layout(names) -> tuple[Layout, str]:
+    """(the layout of a cell, the model it trains: ``MODELS``). Data parallel: 2 when a feature needs it. ZeRO: the
     feature's stage, else 1 (the project's default DeepSpeed config; DeepSpeed's ZeRO-0 path keeps no gradient
     norm to compare, and ZeRO-0 is compared with one process in tests/pipeline/engine/test_engine.py)."""
     fields: dict = {}
@@ -91,7 +103,7 @@ def cell_layout(names) -> tuple[Layout, bool]:
     fields.setdefault("zero_stage", 1)
     model_ranks = fields.get("tensor", 1) * fields.get("context", 1) * fields.get("pipeline", 1)
     layout = Layout.for_world(model_ranks * data, **fields)
-    return layout, any(FEATURES[name].moe for name in names)
+    return layout, next((FEATURES[n].model for n in names if FEATURES[n].model != "dense"), "dense")
 
 
 def ds_config(layout: Layout) -> dict:
@@ -110,13 +122,13 @@ def ds_config(layout: Layout) -> dict:
     return ds
 
 
-def model_config(moe: bool) -> GPTConfig:
-    return GPTConfig(**(MOE if moe else DENSE))
+def model_config(model: str) -> GPTConfig:
+    return GPTConfig(**MODELS[model])
 
 
 def cell_refusal(names) -> str | None:
-    layout, moe = cell_layout(names)
-    return refusal(LayoutCheck(layout, model_config(moe), None, ds_config(layout), "DeepSpeed config"))
+    layout, model = cell_layout(names)
+    return refusal(LayoutCheck(layout, model_config(model), None, ds_config(layout), "DeepSpeed config"))
 
 
 def cell_id(names) -> str:

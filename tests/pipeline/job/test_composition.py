@@ -20,6 +20,7 @@ import models.moe.layer
 from models.parallel import cross_entropy
 from models.parallel.fp8 import Float8Matmul
 from models.parallel import Layout, destroy_model_parallel, initialize_model_parallel, model_parallel_seed
+from models.moe import expert_bias_gates
 from models.recompute import DiscardedOutput
 from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import resolve_ds_config
@@ -27,11 +28,11 @@ from pipeline.engine.schedules import LRSchedule
 from pipeline.engine.steps import lm_batches, train_step
 
 # measured on this CPU, largest over the cells (losses / gradient norms): fp32 8.7e-8 / 1.4e-7 from one process; bf16
-# 7.1e-5 / 1.5e-3 and fp16 1.1e-5 / 2.0e-4 from one process of the same precision (their reductions round in other
+# 7.1e-5 / 1.5e-3 and fp16 1.2e-4 / 2.3e-3 (the DeepSeek-V3-style MoE) from one process of the same precision (their reductions round in other
 # orders); one bf16 / fp16 process from the fp32 one: 1.1e-4 / 1.6e-3 and 3.2e-6 / 4.0e-4. FP8 (tensorwise) from one
 # FP8 process: 6.7e-8 / 1.3e-7 (its amaxes reduced over TP and CP); one FP8 process from one fp32 process: fp32
 # 2.9e-5 / 2.5e-3, bf16 2.1e-4 / 9.7e-3, fp16 8.5e-5 / 2.8e-3
-TOLERANCE = {"fp32": 1e-6, "bf16": 1.5e-2, "fp16": 2e-3, "fp32 FP8": 1e-6, "bf16 FP8": 1.5e-2, "fp16 FP8": 2e-3}
+TOLERANCE = {"fp32": 1e-6, "bf16": 1.5e-2, "fp16": 5e-3, "fp32 FP8": 1e-6, "bf16 FP8": 1.5e-2, "fp16 FP8": 5e-3}
 VS_FP32 = {"bf16": 1.6e-2, "fp16": 4e-3, "fp32 FP8": 2.5e-2, "bf16 FP8": 5e-2, "fp16 FP8": 2e-2}
 COUNTED = collections.Counter()
 
@@ -55,7 +56,7 @@ def _counting() -> None:
     Float8Matmul.__call__ = lambda self, x, weight: COUNTED.update(["fp8"]) or fp8_matmul(self, x, weight)
 
 
-def _train(layout: Layout, moe: bool) -> dict:
+def _train(layout: Layout, model: str) -> dict:
     """4 steps at ``layout``: losses, gradient norms and what shows the layout was in force."""
     state = initialize_model_parallel(layout=layout)
     model_parallel_seed(1234)
@@ -63,7 +64,7 @@ def _train(layout: Layout, moe: bool) -> dict:
                            pipeline_parallel=state.pipeline_parallel, micro_batch_size=MICRO_BATCH)
     dc.comms_logger.comms_dict.clear()
     COUNTED.clear()
-    engine = build_engine(model_config(moe), ds, state, init_seed=1234, schedule=LRSchedule(3e-3, 2, STEPS, "cosine"))
+    engine = build_engine(model_config(model), ds, state, init_seed=1234, schedule=LRSchedule(3e-3, 2, STEPS, "cosine"))
     table = real_text_tokens(GLOBAL_BATCH * STEPS)
     batches = lm_batches(GlobalBatchLoader(table, GLOBAL_BATCH, ds["train_micro_batch_size_per_gpu"],
                                            state.get_data_parallel_rank(), state.data_parallel))
@@ -79,10 +80,15 @@ def _train(layout: Layout, moe: bool) -> dict:
                              if name in groups._EXPERT_DATA_PARALLEL_GROUP else 0),
              "sp_world": groups._get_sequence_parallel_world_size(),
              "ops": sorted(dc.comms_logger.comms_dict), "counted": _counted_on_any_rank(),
-             "dtype": str(next(engine.module.parameters()).dtype)}
+             "dtype": str(next(engine.module.parameters()).dtype), "bias": _balancing_bias(engine.module)}
     del engine
     destroy_model_parallel()
     return {"losses": losses, "norms": norms, "shown": shown}
+
+
+def _balancing_bias(module) -> list[float]:
+    """The auxiliary-loss-free balancing biases of this rank's MoE layers, in layer order."""
+    return [float(b) for gate in expert_bias_gates(module) for b in gate.expert_bias]
 
 
 def _counted_on_any_rank() -> dict:
@@ -99,15 +105,15 @@ def _cells_worker(rank, todo) -> dict:
     get_accelerator().is_fp16_supported = lambda: True  # DeepSpeed's CPU accelerator refuses fp16 otherwise
     torch.manual_seed(0)
     _counting()
-    return {key: _train(layout, moe) for key, (layout, moe) in todo.items()}
+    return {key: _train(layout, model) for key, (layout, model) in todo.items()}
 
 
 def _one_process(layout: Layout) -> Layout:
     return Layout(precision=layout.precision, zero_stage=1, fp8=layout.fp8)
 
 
-def _reference_key(layout: Layout, moe: bool) -> tuple:
-    return ("reference", moe, layout.precision, layout.fp8)
+def _reference_key(layout: Layout, model: str) -> tuple:
+    return ("reference", model, layout.precision, layout.fp8)
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +122,11 @@ def trained():
     by_world = collections.defaultdict(dict)
     for names in cells():
         if cell_refusal(names) is None:
-            layout, moe = cell_layout(names)
-            by_world[layout.world][names] = (layout, moe)
-            by_world[1][_reference_key(layout, moe)] = (_one_process(layout), moe)
-            by_world[1][_reference_key(layout.replace(precision="fp32", fp8=None), moe)] = (Layout(zero_stage=1), moe)
+            layout, model = cell_layout(names)
+            by_world[layout.world][names] = (layout, model)
+            by_world[1][_reference_key(layout, model)] = (_one_process(layout), model)
+            by_world[1][_reference_key(layout.replace(precision="fp32", fp8=None), model)] = (Layout(zero_stage=1),
+                                                                                             model)
     out = {}
     for world, todo in sorted(by_world.items()):
         out.update(run_distributed(_cells_worker, world, todo, env={"OMP_NUM_THREADS": "1"})[0])
@@ -141,6 +148,8 @@ def _assert_in_force(names, layout: Layout, shown: dict) -> None:
               # (under CP, ZeRO-3 reduces by all-reduce: pipeline.engine.ds_config.context_parallel_ds_config)
               "DP2 ZeRO-3": "all_gather" in ops and ("reduce_scatter" in ops or layout.context > 1),
               "EP2 MoE": "ep/" in ops and shown["ep"] == 2 and shown["expert_data"] == layout.data * layout.context // 2,
+              "EP2 V3 MoE": ("ep/" in ops and shown["ep"] == 2 and shown["expert_data"] == layout.data * layout.context // 2
+                             and any(shown["bias"])),
               "tiled MLP": shown["counted"].get("tiled_mlp", 0) > 0,
               "tiled loss": shown["counted"].get("tiled_loss", 0) > 0,
               "recompute": shown["counted"].get("recomputed", 0) > 0,
@@ -152,9 +161,9 @@ def _assert_in_force(names, layout: Layout, shown: dict) -> None:
 
 @pytest.mark.parametrize("names", [c for c in cells() if cell_refusal(c) is None], ids=cell_id)
 def test_composition_cells(names, trained):
-    layout, moe = cell_layout(names)
+    layout, model = cell_layout(names)
     alone = layout == _one_process(layout)  # bf16, fp16 or FP8 alone: against fp32, else its own reference
-    ref = trained[_reference_key(layout.replace(precision="fp32", fp8=None) if alone else layout, moe)]
+    ref = trained[_reference_key(layout.replace(precision="fp32", fp8=None) if alone else layout, model)]
     got = trained[names]
     loss_rel, norm_rel = _rel(got["losses"], ref["losses"]), _rel(got["norms"], ref["norms"])
     print(f"{cell_id(names)} ({layout}): losses {loss_rel:.1e}, gradient norms {norm_rel:.1e} from one "
@@ -162,6 +171,12 @@ def test_composition_cells(names, trained):
     kind = layout.precision + (" FP8" if layout.fp8 else "")
     tol = VS_FP32[kind] if alone else TOLERANCE[kind]
     assert loss_rel < tol and norm_rel < tol, (got, ref)
+    # the balancing bias moves by sign(mean load - load) from the global counts: the same steps at every layout
+    # (rank 0's layers: a pipeline's first stage holds the first ones). In bf16 / fp16 a near-tie of two experts'
+    # scores can route a token elsewhere than one process does, and a bias entry then steps the other way (measured)
+    bias = got["shown"]["bias"]
+    if layout.precision == "fp32":
+        assert bias == ref["shown"]["bias"][:len(bias)], (bias, ref["shown"]["bias"])
     _assert_in_force(names, layout, got["shown"])
 
 
