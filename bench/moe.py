@@ -2,6 +2,13 @@
 
     python bench/moe.py [--steps 200] [--work DIR] [--out bench/results/moe.json]
     python bench/moe.py --dispatch [--rounds 20] [--out bench/results/moe_dispatch.json]
+    python bench/moe.py --balancing [--steps 1000] [--out bench/results/moe_balancing.json]
+
+``--balancing``: a DeepSeek-V3-style MoE (``V3``: a dense first layer, 16 fine-grained experts in 4 groups, top-4
+within the best 2, sigmoid scores, a shared expert, grouped products) trained 1000 steps by the main job three
+ways: with the sequence-wise auxiliary loss (coefficient 0.01), with auxiliary-loss-free balancing (the per-expert
+bias, rate 1e-3, no loss), and with neither. Reported: the max/mean expert load over training and the validation
+loss (DeepSeek-V3's claim: the bias balances as well as the loss without its cost in quality).
 
 ``--dispatch``: one DeepSeek-style MoE layer (``DEEPSEEK_STYLE``: h 256, 64 fine-grained experts of FFN 128, top-8
 within the best 4 of 8 groups, sigmoid scores with the balancing bias, 2 shared experts' width), a training step
@@ -55,6 +62,12 @@ DENSE = {"variant": "llama", "hidden_size": 128, "num_layers": 4, "num_heads": 4
          "ffn_hidden_size": 512, "max_position_embeddings": 256, "hidden_dropout": 0.0, "attention_dropout": 0.0,
          "tie_embeddings": False}
 MOE = {**DENSE, "num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 256, "moe_aux_loss_coeff": 0.01}
+# DeepSeek-V3's generation at the same size: a dense first layer, 16 fine-grained experts of FFN 64 in 4 groups (top-4
+# within the best 2), sigmoid scores scaled by 2.5, a shared expert of FFN 128 (active FFN 4 x 64 + 128 = 384)
+V3 = {**DENSE, "num_experts": 16, "moe_top_k": 4, "moe_ffn_hidden_size": 64, "moe_dense_layers": [0],
+      "moe_router_score_function": "sigmoid", "moe_router_num_groups": 4, "moe_router_group_topk": 2,
+      "moe_router_topk_scaling_factor": 2.5, "moe_shared_expert_intermediate_size": 128, "moe_grouped_gemm": True,
+      "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0}
 SYSTEMS = {  # name -> (model, ranks, extra flags)
     "dense": (DENSE, 1, []),
     "moe": (MOE, 1, []),
@@ -63,7 +76,13 @@ SYSTEMS = {  # name -> (model, ranks, extra flags)
     "moe EP2": (MOE, 2, ["--expert-parallel", "2"]),
     "dense micro 4": (DENSE, 1, ["--micro-batch-size", "4"]),
     "moe micro 4": (MOE, 1, ["--micro-batch-size", "4"]),
+    # balancing (issue 43): the sequence-wise auxiliary loss, DeepSeek-V3's bias (no auxiliary loss), neither
+    "v3 aux loss": ({**V3, "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-2}, 1, []),
+    "v3 aux-loss-free": ({**V3, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3}, 1, []),
+    "v3 unbalanced": (V3, 1, []),
 }
+DEFAULT_SYSTEMS = ("dense", "moe", "moe without balancing loss", "dense DP2", "moe EP2", "dense micro 4", "moe micro 4")
+BALANCING = ("v3 aux loss", "v3 aux-loss-free", "v3 unbalanced")
 DEEPSEEK_STYLE = {"variant": "llama", "hidden_size": 256, "num_layers": 1, "num_heads": 4, "ffn_hidden_size": 512,
                   "max_position_embeddings": 128, "hidden_dropout": 0.0, "attention_dropout": 0.0,
                   "num_experts": 64, "moe_top_k": 8, "moe_ffn_hidden_size": 128, "moe_router_score_function": "sigmoid",
@@ -191,12 +210,15 @@ def dispatch_benchmark(rounds: int, out: Path) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=None, help="default 200 (--balancing: 1000)")
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="bf16 (ds_configs/cpu.json) or fp32 (the same without its bf16 section)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated names of SYSTEMS")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated names of SYSTEMS")
+    p.add_argument("--balancing", action="store_true",
+                   help=f"the DeepSeek-V3-style MoE's balancing: {', '.join(BALANCING)} (default --steps 1000; "
+                        f"writes moe_balancing.json and .png)")
     p.add_argument("--work", default=None, help="directory for the runs (reused: a complete run is not redone)")
     p.add_argument("--out", default=None, help="default: bench/results/moe.json (--dispatch: moe_dispatch.json)")
     p.add_argument("--dispatch", action="store_true", help="the grouped expert products against the loop")
@@ -204,7 +226,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.dispatch:
         return dispatch_benchmark(args.rounds, Path(args.out or ROOT / "bench" / "results" / "moe_dispatch.json"))
-    args.out = args.out or str(ROOT / "bench" / "results" / "moe.json")
+    if args.balancing:
+        args.systems, args.steps = ",".join(BALANCING), args.steps or 1000
+    args.steps = args.steps or 200
+    args.out = args.out or str(ROOT / "bench" / "results" / ("moe_balancing.json" if args.balancing else "moe.json"))
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_moe_"))
     results = {name: run_system(work, name, args) for name in args.systems.split(",")}
     dense = results.get("dense")
@@ -217,7 +242,7 @@ def main(argv=None):
               f"{r['max_rss_mib_per_rank']:12.0f} {load:>13s}")
     out = Path(args.out)
     note = {"machine": machine_note(), "precision": args.precision, "steps": args.steps, "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
-            "models": {"dense": DENSE, "moe": MOE}}
+            "models": {"dense": DENSE, "moe": MOE, "v3": V3}}
     atomic_write_json(out, {"benchmark": "moe", **note, "systems": results}, indent=1)
     print("wrote", out, "and", plot(results, args.seq_length * args.global_batch_size, out.with_suffix(".png")))
 
