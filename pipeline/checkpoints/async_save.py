@@ -193,13 +193,14 @@ class AsyncSaver:
         except Exception as e:  # every rank takes part in the gather below, whatever happened here
             failure = e
         write.staged = []  # the host copies go back to the stager's cache
-        failures = _gather_objects(None if failure is None else _describe(failure, write), self.writer_group)
-        if dist.get_rank() == 0:
-            failures = [_commit(write, checkpoint.gather_digests(digests, self.writer_group), failures)]
-        else:
-            checkpoint.gather_digests(digests, self.writer_group)
-        failures = _broadcast(failures, self.writer_group)
-        write.error = _error(failures, failure)
+        try:
+            everyone = _gather_objects((digests, None if failure is None else _describe(failure)), self.writer_group)
+            outcome = None
+            if dist.get_rank() == 0:
+                outcome = _commit(write, {k: v for d, _ in everyone for k, v in d.items()}, [f for _, f in everyone])
+            write.error = _error(_broadcast(outcome, self.writer_group), failure)
+        except Exception as e:  # a collective that failed (a rank died): never a save taken for done
+            write.error = e
 
     def poll(self, result=None) -> None:
         """At a step boundary (a hook): if every rank's write has ended, the save is over (its error raised on
@@ -233,35 +234,37 @@ class AsyncSaver:
         self.stager.close()
 
 
-def _describe(error: BaseException, write: _Write) -> tuple[str, str]:
-    """(kind, one line) of a rank's failed write: a full disk's line names the tag and the bytes."""
-    if disk_full_cause(error) is not None:
-        return "disk_full", str(checkpoint.save_disk_full(error, write.tag_dir.parent, write.step, write.estimate))
-    return "other", (f"rank {dist.get_rank()}: the background write of {write.tag_dir} failed: "
-                     f"{type(error).__name__}: {error}")
+def _describe(error: BaseException) -> tuple[str, object]:
+    """What a rank sends of its failed write: ("disk_full", errno), or ("other", one line)."""
+    cause = disk_full_cause(error)
+    if cause is not None:
+        return "disk_full", cause.errno
+    return "other", f"rank {dist.get_rank()}: the background write failed: {type(error).__name__}: {error}"
 
 
 def _commit(write: _Write, digests: dict, failures: list) -> tuple[str, str] | None:
     """Rank 0, once every rank's write has ended: the tag committed (layout.json, COMPLETE.json, then latest), or,
-    if a write failed, removed; returns the first failure (or the commit's own), else None."""
+    if a write failed, removed; returns the first failure (or the commit's own) as (kind, one line), else None."""
     failure = next((f for f in failures if f is not None), None)
-    if failure is not None:
-        checkpoint.remove_partial_tag(write.tag_dir)
-        return failure
-    try:
-        checkpoint.commit_tag(write.tag_dir, write.step, digests, write.layout_text)
-    except Exception as e:
-        checkpoint.remove_partial_tag(write.tag_dir)
-        return _describe(e, write)
-    return None
-
-
-def _error(failures: list, local: BaseException | None) -> BaseException | None:
-    """The error every rank raises: the same line on every rank (rank 0 prints it)."""
-    failure = failures[0]
     if failure is None:
+        try:
+            checkpoint.commit_tag(write.tag_dir, write.step, digests, write.layout_text)
+            return None
+        except Exception as e:
+            failure = _describe(e)
+    checkpoint.remove_partial_tag(write.tag_dir)
+    kind, what = failure
+    if kind == "disk_full":  # the synchronous save's line, the free bytes counted once the partial tag is gone
+        what = str(checkpoint.save_disk_full(OSError(what, os.strerror(what)), write.tag_dir.parent, write.step,
+                                             write.estimate))
+    return kind, f"{what} (writing {write.tag_dir})" if kind == "other" else what
+
+
+def _error(outcome: tuple[str, str] | None, local: BaseException | None) -> BaseException | None:
+    """The error every rank raises for rank 0's ``outcome``: the same line on every rank (rank 0 prints it)."""
+    if outcome is None:
         return None
-    kind, line = failure
+    kind, line = outcome
     if kind == "disk_full":
         error = DiskFullError(line, disk_full_cause(local))
         error.every_rank = False  # every rank has the same line: rank 0 says it
@@ -275,7 +278,7 @@ def _gather_objects(obj, group) -> list:
     return everyone
 
 
-def _broadcast(objects: list | None, group) -> list:
-    box = [objects]
+def _broadcast(obj, group):
+    box = [obj]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
