@@ -91,11 +91,13 @@ def _manifest(save, tag):
 
 
 def test_async_save_writes_the_bytes_of_a_synchronous_save(setup, uninterrupted):
-    """The run of ``uninterrupted`` (TP 2, dropout on) saved with --async-save: every file of both tags has the
-    size and sha256 of the synchronous save's (the manifests are equal), so a resume reads the same bytes."""
+    """The run of ``uninterrupted`` (TP 2, dropout on) saved with --async-save, each write delayed 1 s so that
+    steps 4 and 5 change the weights and Adam moments while step 3's is pending: every file of both tags has the
+    size and sha256 of the synchronous save's (the manifests are equal: what is written is the snapshot of the
+    step), so a resume reads the same bytes. (The kill test below is the one that needs the write in flight.)"""
     save = setup / "async"
     run_distributed(_pretrain, 2, args(setup, save, 6, "--save-interval", "3", "--tensor-parallel", "2",
-                                       "--async-save"))
+                                       "--async-save"), env={"PIPELINE_ASYNC_SAVE_DELAY_S": "1"})
     assert (save / "latest").read_text() == "global_step6\n"
     for tag in ("global_step3", "global_step6"):
         assert _manifest(save, tag) == _manifest(uninterrupted, tag), tag
