@@ -102,6 +102,9 @@ def test_async_save_writes_the_bytes_of_a_synchronous_save(setup, uninterrupted)
     for tag in ("global_step3", "global_step6"):
         assert _manifest(save, tag) == _manifest(uninterrupted, tag), tag
     assert losses(save) == losses(uninterrupted)
+    _, got, _ = checkpoint.read_full_checkpoint(save, "global_step3")  # what export_hf and evaluate read
+    _, want, _ = checkpoint.read_full_checkpoint(uninterrupted, "global_step3")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_kill_during_an_async_write_leaves_the_previous_tag_latest(setup, uninterrupted):
