@@ -16,7 +16,7 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torc
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from models.compile import compile_transformer_layers
-from pipeline.checkpoints import checkpoint
+from pipeline.checkpoints import async_save, checkpoint
 from pipeline.checkpoints.resume import StartPoint, plan_start, restore
 from pipeline.data import DistributedBatchLoader, StreamBatchLoader, build_pretraining_data, main_process_first
 from pipeline.data.build import run_tokenizer
@@ -43,7 +43,7 @@ def parse_args(argv=None):
     add_engine_args(p)
     add_data_args(p)
     add_lr_args(p)
-    add_run_args(p, add_checkpoint_args(p))
+    add_run_args(p, async_save.add_async_save_args(add_checkpoint_args(p)))
     add_sample_args(p)
     add_straggler_args(p)
     return check_recompute_args(p.parse_args(argv))
@@ -129,16 +129,16 @@ def main(argv=None) -> dict:
         metrics.write(record)
         last.update(record)
 
-    def save(r: StepResult) -> None:
-        checkpoint.save(engine, save_dir, r.step, data_state=train.state_dict(), layout=layout)
-
-    hooks = [straggler_hook(args.straggler_interval, metrics, threshold=args.straggler_threshold),  # every rank
+    saver = async_save.make_saver(engine, save_dir, layout, args.async_save)  # poll: at each step boundary
+    hooks = [saver.poll, straggler_hook(args.straggler_interval, metrics, threshold=args.straggler_threshold),
              every(args.log_interval, log), *sample_hooks(args, engine, m.config, m.tokenizer, job, save_dir),
              every(args.eval_interval if make_valid is not None else None, evaluate),
              when(lambda r: save_dir is not None and (r.last or bool(args.save_interval)
-                                                      and r.step % args.save_interval == 0), save)]
-    train_loop(lambda: train_step(engine, batches), first=step + 1, last=args.train_steps, desc="pretrain",
-               hooks=hooks)
+                                                      and r.step % args.save_interval == 0),
+                  lambda r: saver.save(r.step, train.state_dict(), last=r.last))]
+    with saver:  # the end of the job waits for a write in flight
+        train_loop(lambda: train_step(engine, batches), first=step + 1, last=args.train_steps, desc="pretrain",
+                   hooks=hooks)
     metrics.close()
     return last
 

@@ -39,8 +39,8 @@ from models.config import ConfigError
 from models.parallel import get_rng_tracker
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_of_dict
-from pipeline.job.files import (OutputError, atomic_dir, atomic_write_text, crash_point, disk_full, disk_full_cause,
-                                refuse_links_out, tree_size)
+from pipeline.job.files import (DiskFullError, OutputError, atomic_dir, atomic_write_text, crash_point, disk_full,
+                                disk_full_cause, refuse_links_out, tree_size)
 from pipeline.checkpoints.model_dir import read_model_dir
 
 from pipeline.checkpoints import safe_load
@@ -142,56 +142,88 @@ def save_run_files(save_dir: Path, model_config, tokenizer) -> None:
 
 def save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, extra_client_state=None) -> Path:
     """Collective: every rank calls it. Returns the tag directory. A full disk (or file-size limit) removes the
-    partial tag and leaves ``latest`` and the earlier tags as they were (``DiskFullError``, naming the bytes)."""
+    partial tag and leaves ``latest`` and the earlier tags as they were (``DiskFullError``, naming the bytes).
+    (``pipeline.checkpoints.async_save`` writes the same files with the write off the training's path.)"""
     try:
         return _save(engine, save_dir, step, data_state=data_state, layout=layout,
                      extra_client_state=extra_client_state)
     except OSError as e:
         if disk_full_cause(e) is None:
             raise
-        tag_dir = Path(save_dir) / tag_for_step(step)
-        shutil.rmtree(tag_dir, ignore_errors=True)  # never complete (no COMPLETE.json): this save's own files
-        tags = complete_tags(save_dir)
-        needed = tree_size(Path(save_dir) / tags[-1]) if tags else sum(
-            p.numel() * (p.element_size() + 12) for p in engine.module.parameters())  # + fp32 Adam state
-        raise disk_full(disk_full_cause(e), tag_dir, f"the checkpoint of step {step}", needed) from None
+        remove_partial_tag(Path(save_dir) / tag_for_step(step))
+        raise save_disk_full(e, save_dir, step, estimate_bytes(engine)) from None
+
+
+def estimate_bytes(engine) -> int:
+    """About what a tag of ``engine`` takes: its weights and fp32 Adam state."""
+    return sum(p.numel() * (p.element_size() + 12) for p in engine.module.parameters())
+
+
+def remove_partial_tag(tag_dir: Path) -> None:
+    """A save's own files, once no rank writes there: never complete (no COMPLETE.json, or not named by latest)."""
+    shutil.rmtree(tag_dir, ignore_errors=True)
+
+
+def save_disk_full(error: OSError, save_dir, step: int, estimate: int) -> DiskFullError:
+    """The one line of a save that did not fit: the tag, and the bytes needed (the newest complete tag's, else
+    ``estimate``)."""
+    tags = complete_tags(save_dir)
+    needed = tree_size(Path(save_dir) / tags[-1]) if tags else estimate
+    return disk_full(disk_full_cause(error), Path(save_dir) / tag_for_step(step), f"the checkpoint of step {step}",
+                     needed)
 
 
 def _save(engine, save_dir, step: int, *, data_state: dict | None, layout: dict, extra_client_state=None) -> Path:
     save_dir = Path(save_dir)
-    tag = tag_for_step(step)
-    tag_dir = save_dir / tag
-    rank = _rank()
-    if rank == 0 and tag_dir.exists():
-        # a leftover of a save that never completed (or a rerun of this step): replace it
-        shutil.rmtree(tag_dir)
-    if rank == 0:
-        _unlink_linked_scripts(save_dir)
-    _barrier()
+    tag_dir, client_state = begin_tag(engine, save_dir, step, extra_client_state)
     writer = engine.checkpoint_engine  # a safe_load.SafeCheckpointEngine (build_engine installs it)
     writer.written.clear()
+    engine.save_checkpoint(str(save_dir), tag=tag_dir.name, client_state=client_state, save_latest=False)
+    crash_point(f"after-deepspeed-files:{step}")
+    state_file = tag_dir / f"rank{_rank()}_state.pt"
+    digests = {**writer.written, str(state_file.resolve()): safe_load.save_hashed(rank_state(data_state), state_file)}
+    digests = gather_digests(digests)
+    if _rank() == 0:
+        commit_tag(tag_dir, step, digests, layout_text_of(engine, layout, step))
+    _barrier()
+    return tag_dir
+
+
+def begin_tag(engine, save_dir: Path, step: int, extra_client_state=None) -> tuple[Path, dict]:
+    """Collective, before DeepSpeed writes: the tag directory emptied of a save that never completed (or a rerun
+    of this step), and the client state DeepSpeed saves with it."""
+    tag_dir = save_dir / tag_for_step(step)
+    if _rank() == 0:
+        if tag_dir.exists():
+            shutil.rmtree(tag_dir)
+        _unlink_linked_scripts(save_dir)
+    _barrier()
     client_state = {"step": step, **(extra_client_state or {})}
     names = optimizer_param_names(engine)  # ZeRO-0: which moments belong to which parameter
     if names is not None:
         client_state[OPTIMIZER_PARAM_NAMES] = names
-    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
-    crash_point(f"after-deepspeed-files:{step}")
-    state_file = tag_dir / f"rank{rank}_state.pt"
-    digests = {**writer.written, str(state_file.resolve()): safe_load.save_hashed(
-        {"data": data_state, "rng": rng_state()}, state_file)}
-    digests = _gather_digests(digests)
-    if rank == 0:
-        scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        layout_text = json.dumps({**layout, "step": step, "scheduler": scheduler,
-                                  "skipped_steps": int(engine.skipped_steps), OPTIMIZER_PARAM_NAMES: names is not None},
-                                 indent=2) + "\n"
-        atomic_write_text(tag_dir / "layout.json", layout_text)
-        digests[str((tag_dir / "layout.json").resolve())] = hashlib.sha256(layout_text.encode()).hexdigest()
-        write_complete(tag_dir, step, digests)
-        safe_load.make_recovery_script_safe(save_dir)
-        atomic_write_text(save_dir / "latest", tag + "\n")
-    _barrier()
-    return tag_dir
+    return tag_dir, client_state
+
+
+def rank_state(data_state: dict | None) -> dict:
+    """What each rank saves of its own: its data position and RNG streams."""
+    return {"data": data_state, "rng": rng_state()}
+
+
+def layout_text_of(engine, layout: dict, step: int) -> str:
+    """layout.json of the tag: the run's layout, the step, the LR schedule and the skipped steps, as now."""
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    return json.dumps({**layout, "step": step, "scheduler": scheduler, "skipped_steps": int(engine.skipped_steps),
+                       OPTIMIZER_PARAM_NAMES: optimizer_param_names(engine) is not None}, indent=2) + "\n"
+
+
+def commit_tag(tag_dir: Path, step: int, digests: dict, layout_text: str) -> None:
+    """Rank 0, once every rank's files are written: layout.json, then COMPLETE.json, then ``latest`` names the tag."""
+    atomic_write_text(tag_dir / "layout.json", layout_text)
+    digests = {**digests, str((tag_dir / "layout.json").resolve()): hashlib.sha256(layout_text.encode()).hexdigest()}
+    write_complete(tag_dir, step, digests)
+    safe_load.make_recovery_script_safe(tag_dir.parent)
+    atomic_write_text(tag_dir.parent / "latest", tag_dir.name + "\n")
 
 
 def _unlink_linked_scripts(save_dir: Path) -> None:
@@ -203,12 +235,12 @@ def _unlink_linked_scripts(save_dir: Path) -> None:
             path.unlink()
 
 
-def _gather_digests(digests: dict) -> dict:
-    """Every rank's {absolute path: sha256} of the files it wrote, on every rank."""
+def gather_digests(digests: dict, group=None) -> dict:
+    """Every rank's {absolute path: sha256} of the files it wrote, on every rank (over ``group``, default all)."""
     if not dist.is_initialized():
         return dict(digests)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, digests)
+    dist.all_gather_object(everyone, digests, group=group)
     return {k: v for d in everyone for k, v in d.items()}
 
 
@@ -239,8 +271,30 @@ def resolve_tag(load_dir, tag: str | None = None, *, choose: str = LOAD_TAG, fla
     else:
         source = flag
     _check_inside(load_dir, tag, source)
-    verify(load_dir / tag, choose)
+    try:
+        check_tag(load_dir / tag)
+    except DamagedTagError as e:
+        backup = None if source == flag else intact_tag(load_dir, skip=tag)
+        if backup is None:
+            raise CheckpointError(f"{e}; {choose_another(load_dir, choose)}") from None
+        how = choose.replace("<tag>", backup) if "<tag>" in choose else f"{choose} {backup}"
+        raise CheckpointError(f"{e}; {source} {tag}, which is damaged: the complete checkpoint {backup} is intact, "
+                              f"load it {how}") from None
     return tag
+
+
+def choose_another(load_dir: Path, choose: str) -> str:
+    return f"choose another {choose} (complete checkpoints: {', '.join(complete_tags(load_dir)) or 'none'})"
+
+
+def intact_tag(load_dir: Path, skip: str) -> str | None:
+    """The newest complete tag but ``skip`` whose files all pass ``verify`` (a refusal's way out), or None."""
+    for tag in reversed(complete_tags(load_dir)):
+        if tag != skip:
+            with contextlib.suppress(CheckpointError):
+                check_tag(load_dir / tag)
+                return tag
+    return None
 
 
 def _read_latest(latest: Path, load_dir: Path) -> str:
@@ -271,36 +325,46 @@ def complete_tags(load_dir) -> list[str]:
     return sorted(tags, key=lambda t: int(t.removeprefix("global_step")))
 
 
+class DamagedTagError(CheckpointError):
+    """A tag that is incomplete or damaged; its message says what, the caller adds the way out."""
+
+
 def verify(tag_dir: Path, choose: str = LOAD_TAG) -> dict:
     """Every file COMPLETE.json lists is there with its size and sha256, and pickles nothing but tensors and
     DeepSpeed's own types; else refuse, naming the file. ``choose``: how the command picks another tag."""
+    try:
+        return check_tag(tag_dir)
+    except DamagedTagError as e:
+        raise CheckpointError(f"{e}; {choose_another(tag_dir.parent, choose)}") from None
+
+
+def check_tag(tag_dir: Path) -> dict:
+    """``verify`` without the way out: ``DamagedTagError`` names what is wrong (``UnsafeCheckpointError`` a pickle
+    that is not weights)."""
     marker = tag_dir / COMPLETE
-    others = ", ".join(complete_tags(tag_dir.parent)) or "none"
     if not tag_dir.is_dir():
-        raise CheckpointError(f"checkpoint {tag_dir} does not exist (complete checkpoints: {others})")
+        raise CheckpointError(f"checkpoint {tag_dir} does not exist (complete checkpoints: "
+                              f"{', '.join(complete_tags(tag_dir.parent)) or 'none'})")
     if not marker.is_file():
-        raise CheckpointError(f"checkpoint {tag_dir} is incomplete (no {COMPLETE}: its save was interrupted); "
-                              f"choose another {choose} (complete checkpoints: {others})")
+        raise DamagedTagError(f"checkpoint {tag_dir} is incomplete (no {COMPLETE}: its save was interrupted)")
     try:
         manifest = json.loads(marker.read_text())
         entries = {name: entry if isinstance(entry, dict) else {"size": entry}  # size-only: saved before sha256
                    for name, entry in manifest["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{marker}: not a valid {COMPLETE} ({e}); choose another checkpoint {choose} "
-                              f"(complete checkpoints: {others})") from None
-    damaged = f"; choose another {choose} (complete checkpoints: {others})"
+        raise DamagedTagError(f"{marker}: not a valid {COMPLETE} ({e})") from None
     for name, entry in entries.items():
         path = tag_dir / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise CheckpointError(f"{marker}: lists {name!r}, a path outside the checkpoint{damaged}")
+            raise DamagedTagError(f"{marker}: lists {name!r}, a path outside the checkpoint")
         if not path.is_file():
-            raise CheckpointError(f"checkpoint {tag_dir} is damaged: {path} is missing{damaged}")
+            raise DamagedTagError(f"checkpoint {tag_dir} is damaged: {path} is missing")
         if path.stat().st_size != entry.get("size"):
-            raise CheckpointError(f"checkpoint {tag_dir} is damaged: {path} has {path.stat().st_size} bytes, "
-                                  f"expected {entry.get('size')} (truncated?){damaged}")
+            raise DamagedTagError(f"checkpoint {tag_dir} is damaged: {path} has {path.stat().st_size} bytes, "
+                                  f"expected {entry.get('size')} (truncated?)")
         if "sha256" in entry and safe_load.sha256_file(path) != entry["sha256"]:
-            raise CheckpointError(f"checkpoint {tag_dir} is damaged: {path} does not match the sha256 recorded "
-                                  f"when it was written (its bytes changed){damaged}")
+            raise DamagedTagError(f"checkpoint {tag_dir} is damaged: {path} does not match the sha256 recorded "
+                                  f"when it was written (its bytes changed)")
         if path.suffix == ".pt":
             safe_load.scan(path)
     return manifest

@@ -84,6 +84,60 @@ def test_kill_during_save_leaves_previous_checkpoint(setup, uninterrupted):
 
 
 
+# -- asynchronous saves (--async-save, pipeline/checkpoints/async_save.py) ------------------------------------------
+
+def _manifest(save, tag):
+    return json.loads((Path(save) / tag / checkpoint.COMPLETE).read_text())["files"]
+
+
+def test_async_save_writes_the_bytes_of_a_synchronous_save(setup, uninterrupted):
+    """The run of ``uninterrupted`` (TP 2, dropout on) saved with --async-save, each write delayed 1 s so that
+    steps 4 and 5 change the weights and Adam moments while step 3's is pending: every file of both tags has the
+    size and sha256 of the synchronous save's (the manifests are equal: what is written is the snapshot of the
+    step), so a resume reads the same bytes. (The kill test below is the one that needs the write in flight.)"""
+    save = setup / "async"
+    run_distributed(_pretrain, 2, args(setup, save, 6, "--save-interval", "3", "--tensor-parallel", "2",
+                                       "--async-save"), env={"PIPELINE_ASYNC_SAVE_DELAY_S": "1"})
+    assert (save / "latest").read_text() == "global_step6\n"
+    for tag in ("global_step3", "global_step6"):
+        assert _manifest(save, tag) == _manifest(uninterrupted, tag), tag
+    assert losses(save) == losses(uninterrupted)
+    _, got, _ = checkpoint.read_full_checkpoint(save, "global_step3")  # what export_hf and evaluate read
+    _, want, _ = checkpoint.read_full_checkpoint(uninterrupted, "global_step3")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_kill_during_an_async_write_leaves_the_previous_tag_latest(setup, uninterrupted):
+    """kill -9 of both ranks at the boundary of step 5 while the write of step 4 is in flight (each write delayed
+    2 s; the crash point fires only while a write is in flight): latest still names the async-saved step 2, step
+    4 is no complete tag, and --load continues from step 2 with the losses of the uninterrupted run, to the bit."""
+    save = setup / "async_killed"
+    with pytest.raises(Exception, match="SIGKILL|signal"):
+        run_distributed(_pretrain, 2, args(setup, save, 6, "--save-interval", "2", "--tensor-parallel", "2",
+                                           "--async-save"),
+                        env={"PIPELINE_CRASH_AT": "async-save-in-flight:5", "PIPELINE_ASYNC_SAVE_DELAY_S": "2"})
+    assert (save / "latest").read_text().strip() == "global_step2"
+    assert checkpoint.complete_tags(save) == ["global_step2"]
+    assert sorted(losses(save)) == [1, 2, 3, 4]  # step 4 ran and its write began; step 5's record never came
+    resumed = setup / "async_resumed"
+    run_distributed(_pretrain, 2, args(setup, resumed, 6, "--load", str(save), "--tensor-parallel", "2"))
+    full, res = losses(uninterrupted), losses(resumed)
+    assert sorted(res) == [3, 4, 5, 6] and all(res[s] == full[s] for s in res), (res, full)
+
+
+def test_stop_signal_waits_for_the_async_write_in_flight(setup):
+    """SIGTERM to both ranks after step 3 while the write of step 2 is in flight (delayed 2 s): the stop's save of
+    step 3 waits for it, writes its own, and the job ends normally with both tags complete and latest at step 3."""
+    save = setup / "async_stopped"
+    run_distributed(_pretrain, 2, args(setup, save, 6, "--save-interval", "2", "--tensor-parallel", "2",
+                                       "--async-save"),
+                    env={"PIPELINE_SIGNAL_AT": "3", "PIPELINE_ASYNC_SAVE_DELAY_S": "2"})
+    assert (save / "latest").read_text() == "global_step3\n"
+    assert checkpoint.complete_tags(save) == ["global_step2", "global_step3"]
+    assert checkpoint.resolve_tag(save) == "global_step3" and sorted(losses(save)) == [1, 2, 3]
+
+
+
 def _killed_at(where: str, command: list, cwd: Path) -> None:
     """Run ``command`` (a module and its arguments) in a process of its own that kills itself (SIGKILL) at
     ``where`` (``pipeline.job.files.crash_point``)."""

@@ -42,6 +42,9 @@ def work(tmp_path_factory):
     d = tmp_path_factory.mktemp("hostile")
     write_job_files(d, MODEL, json.__doc__ * 20)
     run_distributed(_pretrain, 1, pretrain(d, d / "run"))
+    run_distributed(_pretrain, 1, [*pretrain(d, d / "damaged-latest"), "--train-steps", "2", "--save-interval", "1"])
+    victim = d / "damaged-latest" / "global_step2" / "mp_rank_00_model_states.pt"  # global_step1: the backup
+    victim.write_bytes(victim.read_bytes()[:100])
     (d / "moe.json").write_text(json.dumps({**MODEL, "num_experts": 4, "moe_top_k": 2}))
     run_distributed(_pretrain, 1, [*pretrain(d, d / "moerun"), "--model-config", d / "moe.json"])
     lines = (shared_data("semeval2018-ec") / "dev.tsv").read_text(encoding="utf-8").splitlines()[:21]
@@ -259,6 +262,13 @@ FILES = [
     ("finetune --base a Hugging Face export", _finetune(base="hf"),
      "{d}/hf is a Hugging Face model directory ({d}/hf/config.json names GPT2LMHeadModel), not a checkpoint of "
      "this project; read it with --hf where a command takes one, or import it with python -m pipeline.import_hf"),
+    ("resume: the tag latest names damaged beside a complete one", _resume("damaged-latest"),
+     "(truncated?); {d}/damaged-latest/latest names global_step2, which is damaged: the complete checkpoint "
+     "global_step1 is intact, load it with --load-tag global_step1"),
+    ("export_hf: the tag latest names damaged beside a complete one",
+     lambda d: ("pipeline.export_hf", ["--checkpoint", d / "damaged-latest", "--out", d / "x"]),
+     "{d}/damaged-latest/latest names global_step2, which is damaged: the complete checkpoint global_step1 is "
+     "intact, load it by passing {d}/damaged-latest/global_step1 in place of {d}/damaged-latest"),
     ("reshard --tag escaping its run", lambda d: ("pipeline.reshard", ["--checkpoint", d / "run", "--out", d / "r",
                                                                        "--tag", "../run/global_step1"]),
      "--tag tag '../run/global_step1', which is not a checkpoint directory inside {d}/run"),
