@@ -40,16 +40,19 @@ from __future__ import annotations
 
 import os
 import threading
+import typing
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from pipeline.checkpoints import checkpoint, safe_load
 from pipeline.job.files import DiskFullError, crash_point, disk_full_cause
+
+if typing.TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import DefaultStager
 
 __all__ = ["AsyncSaver", "SyncSaver", "StagingCheckpointEngine", "add_async_save_args", "make_saver"]
 
@@ -139,6 +142,8 @@ class AsyncSaver:
 
     def __init__(self, engine, save_dir: Path | None, layout: dict):
         self.engine, self.save_dir, self.layout = engine, save_dir, layout
+        # (torch distributed checkpoint costs every job ~1 s of imports: only a run with --async-save pays it)
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: PLC0415
         cuda = torch.cuda.is_available()
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=cuda))

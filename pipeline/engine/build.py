@@ -20,7 +20,6 @@ from models import GPT
 from models.gpt import select_recompute_modules
 from models.moe import register_expert_groups
 from models.parallel import ParallelState
-from models.parallel.fp8 import enable_fp8
 
 from pipeline.checkpoints import safe_load
 from pipeline.engine.host_memory import keep_freed_host_memory
@@ -178,6 +177,7 @@ def parallelize(model: torch.nn.Module, model_config, ds_config: dict, state: Pa
     if recompute.policy == "selective":
         select_recompute_modules(model, checkpoint_fn, recompute.modules)
     if state.layout.fp8:  # the parallel linears' products only: the weights DeepSpeed takes stay as they are
+        from models.parallel.fp8 import enable_fp8  # noqa: PLC0415 (torchao costs every job ~2 s of imports)
         enable_fp8(model, state.layout.fp8)
     attach_info(model, model_config, pipeline=state.pipeline_parallel > 1)  # saved with every checkpoint
     return ds_config
