@@ -373,9 +373,10 @@ def check_tag(tag_dir: Path) -> dict:
 def load(engine, load_dir, tag: str | None = None, *, load_optimizer: bool = True) -> tuple[int, dict | None]:
     """Restore engine, RNG streams and this rank's data state; returns (step, data_state)."""
     tag = resolve_tag(load_dir, tag)
-    path, client = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=load_optimizer,
-                                          load_lr_scheduler_states=load_optimizer,
-                                          load_module_only=not load_optimizer)
+    with safe_load.weights_only_loads():  # (a universal load reads files past the engine's weights-only hook)
+        path, client = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=load_optimizer,
+                                              load_lr_scheduler_states=load_optimizer,
+                                              load_module_only=not load_optimizer)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {Path(load_dir) / tag}")
     state_file = Path(load_dir) / tag / f"rank{_rank()}_state.pt"
@@ -486,14 +487,16 @@ def _zero3_weights(load_dir: Path, tag: str, tp: int) -> list[dict]:
     TP rank's files are therefore shown to it alone, in a directory of links."""
 
     if tp == 1:
-        return [dict(get_fp32_state_dict_from_zero_checkpoint(str(load_dir), tag=tag))]
+        with safe_load.weights_only_loads():
+            return [dict(get_fp32_state_dict_from_zero_checkpoint(str(load_dir), tag=tag))]
     per_rank = []
     for r in range(tp):
         with tempfile.TemporaryDirectory(prefix="zero3-tp-rank") as view:
             (Path(view) / tag).mkdir()
             for path in (load_dir / tag).glob(f"*mp_rank_{r:02d}_*_states.pt"):
                 (Path(view) / tag / path.name).symlink_to(path.resolve())
-            per_rank.append(dict(get_fp32_state_dict_from_zero_checkpoint(view, tag=tag)))
+            with safe_load.weights_only_loads():
+                per_rank.append(dict(get_fp32_state_dict_from_zero_checkpoint(view, tag=tag)))
     return per_rank
 
 

@@ -7,9 +7,11 @@ carries. Three mechanisms close that:
 * ``SafeCheckpointEngine`` replaces the engine's checkpoint engine (``install``): loads are
   ``weights_only=True``, saves hash each file's bytes as they are written (``COMPLETE.json``
   records them);
-* importing this module sets ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1``, torch's own switch that turns
-  every ``torch.load`` of this process (and of the processes it starts) into a weights-only load,
-  so the library paths without a hook (``zero_to_fp32``, universal checkpoints) are safe too;
+* ``weights_only_loads()`` sets ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1``, torch's own switch that turns every
+  ``torch.load`` (and those of the processes started meanwhile) into a weights-only load, for as long as one
+  of DeepSpeed's readers without a hook runs (``zero_to_fp32``, the universal conversion, the engine's
+  universal load), and restores the environment after: importing the library changes no process-wide
+  environment variable;
 * ``scan`` lists the pickled globals of a file without unpickling it, so a refusal names the
   file and the type before any library reads it (``checkpoint.verify`` scans every file of a tag,
   ``universal`` every file it converts and every file of a cache before DeepSpeed reads them).
@@ -18,6 +20,7 @@ The only non-tensor types allowed are the few DeepSpeed writes itself (``DEEPSPE
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -51,14 +54,25 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file that holds something other than tensors and DeepSpeed's own types."""
 
 
-def enforce_weights_only() -> None:
-    """Every torch.load in this process (and its children) loads weights only; DeepSpeed's types are allowed."""
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-    torch.serialization.add_safe_globals(list(DEEPSPEED_TYPES))
+_FORCE, _NO_FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+torch.serialization.add_safe_globals(list(DEEPSPEED_TYPES))  # (torch's allow-list for weights-only loads)
 
 
-enforce_weights_only()
+@contextlib.contextmanager
+def weights_only_loads():
+    """Every torch.load inside (DeepSpeed's own, which ask for weights_only=False, and those of processes started
+    meanwhile) loads weights only, DeepSpeed's types allowed; the environment is restored after."""
+    saved = {name: os.environ.get(name) for name in (_FORCE, _NO_FORCE)}
+    os.environ[_FORCE] = "1"
+    os.environ.pop(_NO_FORCE, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _refusal(path, types) -> UnsafeCheckpointError:

@@ -328,7 +328,8 @@ def convert(tag_dir: Path, out: Path) -> None:
     _scan_all(tag_dir)  # ds_to_universal unpickles every file with weights_only=False (forced weights-only here)
     args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
-    with contextlib.redirect_stdout(io.StringIO()), _zero3_merged_as_tp1(ds_to_universal, tag_dir):
+    with (contextlib.redirect_stdout(io.StringIO()), _zero3_merged_as_tp1(ds_to_universal, tag_dir),
+          safe_load.weights_only_loads()):
         ds_to_universal.main(args)  # (its progress report is for a terminal)
     (out.parent / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside ``out``;
     # the tags are passed explicitly
@@ -549,7 +550,8 @@ def load(engine, cache: Path, model_config) -> None:
     if engine.zero_optimization_stage() == 0:
         _load_zero0(engine, cache)
         return
-    with _gpt_names(engine, model_config), _global_expert_names(engine, cache), _zero3_hp_loader(engine):
+    with (_gpt_names(engine, model_config), _global_expert_names(engine, cache), _zero3_hp_loader(engine),
+          safe_load.weights_only_loads()):  # (DeepSpeed reads each parameter's folder with plain torch.load)
         path, _ = engine.load_checkpoint(str(cache.parent), tag=cache.name, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     if path is None:

@@ -150,14 +150,21 @@ def test_copied_recovery_script_is_safe(runs, tmp_path):
 
 
 def test_library_loads_are_weights_only(runs, tmp_path):
-    """Even called directly, past our checks, DeepSpeed's zero_to_fp32 cannot run the payload in a process that
-    imported the project's checkpoint code (torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD)."""
+    """Importing the library sets no environment variable; inside ``weights_only_loads()`` DeepSpeed's zero_to_fp32,
+    called directly past our checks, cannot run the payload (torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD), and after it
+    the environment is what it was."""
     marker = tmp_path / "marker"
     doctored_copy(runs / "z3", tmp_path / "run", "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
-    code = ("import pipeline.checkpoints.checkpoint; from deepspeed.utils.zero_to_fp32 import "
-            f"get_fp32_state_dict_from_zero_checkpoint as g; g({str(tmp_path / 'run')!r})")
+    code = ("import os; before = dict(os.environ); import pipeline.checkpoints.checkpoint as c; "
+            "assert dict(os.environ) == before, 'the import changed the environment'; "
+            "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g\n"
+            "try:\n"
+            f"    with c.safe_load.weights_only_loads(): g({str(tmp_path / 'run')!r})\n"
+            "finally:\n"
+            "    assert dict(os.environ) == before, 'the environment was not restored'")
     proc = run_cmd(["-c", code], tmp_path)
     assert proc.returncode != 0 and not marker.exists()
+    assert "UnpicklingError" in proc.stderr and "AssertionError" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_checkpoint_engine_refuses_legacy_format_pickle(tmp_path):
