@@ -44,7 +44,9 @@ def plan_start(load_dir: Path | None, tag: str | None, layout: dict, ds: dict, *
         if reason:  # refused, not resumed with the optimizer state restarted: that path is untested for experts
             raise checkpoint.CheckpointError(f"--load {load_dir} ({tag}): {reason}; resume it at the layout it was "
                                              f"saved at ({checkpoint.layout_text(saved)})")
-        cache_root = save_dir or load_dir
+        # a cache the loaded run holds already (pipeline.reshard writes runs that have only theirs) is read there;
+        # a new conversion goes into the run being written
+        cache_root = load_dir if universal.cache_path(load_dir, tag).is_dir() else (save_dir or load_dir)
         if universal.unsupported_reason(saved, layout) is None and is_rank0():
             cache = universal.cache_path(cache_root, tag)
             print(f"resuming {load_dir} {tag} (saved at {checkpoint.layout_text(saved)}) at "

@@ -16,11 +16,15 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: TOML needs 3.11's tomllib
+    tomllib = None
 
 CONFIG_FLAG = "--config"
 _SWITCHES = (argparse._StoreConstAction, argparse.BooleanOptionalAction)
@@ -47,6 +51,8 @@ def read_config_file(path: str) -> dict:
     p = Path(path)
     text = p.read_text(encoding="utf-8")  # a missing file: the OS error names it
     suffix = p.suffix.lower()
+    if suffix == ".toml" and tomllib is None:
+        raise ConfigFileError(f"{path}: TOML needs Python 3.11 or later (tomllib); write the file as YAML or JSON")
     try:
         if suffix == ".toml":
             data = tomllib.loads(text)
@@ -57,7 +63,7 @@ def read_config_file(path: str) -> dict:
         else:
             raise ConfigFileError(f"{CONFIG_FLAG} {path}: unknown file type {suffix or '(none)'}; use .yaml, .yml, "
                                   f".toml or .json")
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+    except (yaml.YAMLError, json.JSONDecodeError, *([tomllib.TOMLDecodeError] if tomllib else [])) as e:
         where = str(e).replace("\n", " ")
         raise ConfigFileError(f"{path}: not valid {suffix.lstrip('.').upper()} ({where}); fix the file") from None
     if data is None:
