@@ -16,6 +16,8 @@ from run_utils import ds_config
 from test_pretrain import MODEL, corpus  # noqa: F401 (a fixture)
 
 from pipeline.engine.schedules import LRSchedule, Scheduler
+from pipeline.job.config_file import ConfigFileError
+from pipeline.pretrain import parse_args
 
 LR = {"lr": 1e-2, "min_lr": 1e-3, "warmup": 1}
 
@@ -146,3 +148,22 @@ def test_a_resumed_schedule_continues_or_is_overridden():
         lrs = [sched.schedule(s) for s in range(6, 21)]
         if not override:
             assert lrs == sorted(lrs, reverse=True) and lrs[-1] == pytest.approx(1e-3)
+
+
+def test_config_file_values_become_the_flags_they_name(tmp_path):
+    """Switches (store_true and --x/--no-x), lists of a repeatable flag (replaced whole by the command line's),
+    values typed by the flag; a switch given a word and a file that is no mapping are refused naming the file."""
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"sequence-parallel": True, "exit_signal_handler": False, "data": ["a", "b"],
+                                   "train_steps": "7", "lr": 3e-4}))
+    args = parse_args(["--config", str(job)])
+    assert (args.sequence_parallel, args.exit_signal_handler, args.data, args.train_steps, args.lr) == \
+        (True, False, ["a", "b"], 7, 3e-4)
+    args = parse_args(["--config", str(job), "--data", "c", "--exit-signal-handler"])
+    assert (args.data, args.exit_signal_handler) == (["c"], True)
+    job.write_text("sequence_parallel: maybe\n")
+    with pytest.raises(ConfigFileError, match=f"{job}: key 'sequence_parallel' is a switch"):
+        parse_args(["--config", str(job)])
+    job.write_text("- train_steps\n")
+    with pytest.raises(ConfigFileError, match=f"{job}: holds a list, not a mapping"):
+        parse_args(["--config", str(job)])
