@@ -31,7 +31,7 @@ from pipeline.job.loop import Job, StepResult, every, is_rank0, setup, train_loo
 from pipeline.job.model_configs import (add_model_args, check_recompute_args, choose_model_config, make_model_config,
                                         preview_model_config)
 from pipeline.job.options import EngineOptions, add_checkpoint_args, add_engine_args, add_run_args, default_ds_config
-from pipeline.tracking.metrics import MetricsWriter
+from pipeline.job.run_dir import RunReport, start_run
 from pipeline.tracking.straggler import add_straggler_args, straggler_hook
 
 __all__ = ["main", "parse_args", "default_ds_config"]
@@ -100,46 +100,45 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     inputs = [("--model-config", args.model_config), ("--tokenizer", args.tokenizer),
               *(("--data", d) for d in ([args.data] if isinstance(args.data, str) else args.data or []))]
-    checkpoint.check_save_dir(args.save, load=args.load, inputs=inputs)  # nothing the user owns is replaced
+    start_run(args, inputs, "pretrain")  # resumes --save's run, protects what the user owns (docs/runs.md)
     raw_config, family = choose_model_config(args.model_config, args.model_type, Path(args.load) if args.load else None)
     job = setup(EngineOptions.from_args(args), config=preview_model_config(raw_config, args.seq_length),
                 family=family, extras={"sample_interval": args.sample_interval})
     m = provide_model_config(args, raw_config, family)
     train, make_valid = provide_data(args, m, job)
-    layout = job.record(m.family.name)
-    engine, step = provide_engine(args, m, job, plan_start(m.load_dir, args.load_tag, layout, job.ds), train)
-    save_dir = Path(args.save) if args.save else None
+    layout, save_dir = job.record(m.family.name), Path(args.save) if args.save else None
+    start = plan_start(m.load_dir, args.load_tag, layout, job.ds, save_dir=save_dir)
+    engine, step = provide_engine(args, m, job, start, train)
     if save_dir is not None and is_rank0():
         checkpoint.save_run_files(save_dir, m.config, m.tokenizer)
-    metrics = MetricsWriter(save_dir / "metrics.jsonl" if save_dir and is_rank0() else None,
-                            monitor=engine.monitor, prefix="pretrain")
+    report = RunReport(args, start.ds, engine.monitor, start_step=step, prefix="pretrain")
     batches, tokens_per_step, last = lm_batches(train), job.global_batch * m.config.seq_length, {}
 
     def log(r: StepResult) -> None:
-        last.clear()
         last.update(lm_step_record(engine, r, tokens_per_step=tokens_per_step, world_size=job.state.world_size,
                                    flops_per_step=m.config.flops_per_token(m.config.seq_length) * tokens_per_step,
                                    peak_tflops=args.peak_tflops))
         r.bar.set_postfix(loss=f"{r.out:.4f}", lr=f"{last['lr']:.2e}", tok_s=f"{last['tokens_per_s']:.0f}")
-        metrics.write(last)
+        report.metrics.write({k: v for k, v in last.items() if not k.startswith("valid_")})
 
     def evaluate(r: StepResult) -> None:
         record = lm_validation_record(engine, lm_batches(make_valid()), args.eval_iters, r.step,
                                       streams=m.family.stream_data)
-        metrics.write(record)
+        report.validation(r, record)
         last.update(record)
 
     saver = async_save.make_saver(engine, save_dir, layout, args.async_save)  # poll: at each step boundary
-    hooks = [saver.poll, straggler_hook(args.straggler_interval, metrics, threshold=args.straggler_threshold),
+    hooks = [saver.poll, report.step,
+             straggler_hook(args.straggler_interval, report.metrics, threshold=args.straggler_threshold),
              every(args.log_interval, log), *sample_hooks(args, engine, m.config, m.tokenizer, job, save_dir),
              every(args.eval_interval if make_valid is not None else None, evaluate),
              when(lambda r: save_dir is not None and (r.last or bool(args.save_interval)
                                                       and r.step % args.save_interval == 0),
                   lambda r: saver.save(r.step, train.state_dict(), last=r.last))]
     with saver:  # the end of the job waits for a write in flight
-        train_loop(lambda: train_step(engine, batches), first=step + 1, last=args.train_steps, desc="pretrain",
-                   hooks=hooks)
-    metrics.close()
+        end = train_loop(lambda: train_step(engine, batches), first=step + 1, last=args.train_steps, desc="pretrain",
+                         hooks=hooks)
+    report.finish(end, last, tokens_per_step)
     return last
 
 

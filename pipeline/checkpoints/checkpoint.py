@@ -93,8 +93,9 @@ RUN_ENTRIES = ("config.json", "tokenizer", "latest", "metrics.jsonl", "samples.j
 def check_save_dir(save, *, load=None, inputs=()) -> None:
     """``pretrain --save``: refused, before anything is written, when it would replace what the user owns: a
     directory holding files a run does not write (a data folder, a model), a link to outside it, an earlier
-    run's checkpoints unless that run is the one resumed (``--load`` the same directory), or an input of this
-    run (``inputs``: (flag, path or None) pairs, e.g. the --model-config file) inside it."""
+    run's checkpoints unless that run is the one resumed (``--load`` the same directory: pretrain sets it when
+    --save holds a checkpoint and no --load is given), or an input of this run (``inputs``: (flag, path or None)
+    pairs, e.g. the --model-config file) inside it."""
     if save is None:
         return
     save = Path(save)
@@ -103,7 +104,8 @@ def check_save_dir(save, *, load=None, inputs=()) -> None:
     if not save.is_dir():
         return
     resumed = load is not None and Path(load).resolve() == save.resolve()
-    foreign = sorted(n for n in os.listdir(save) if not (n in RUN_ENTRIES or n.startswith((".", "global_step"))))
+    ours = (*RUN_ENTRIES, "args.json", "ds_config.json")  # (pipeline.job.run_dir: the run's settings)
+    foreign = sorted(n for n in os.listdir(save) if not (n in ours or n.startswith((".", "global_step"))))
     if foreign or not _our_config(save / "config.json"):
         names = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "") if foreign else "a config.json"
         raise OutputError(f"--save {save} holds {names}, which a pretraining run does not write (not a run "
@@ -112,7 +114,7 @@ def check_save_dir(save, *, load=None, inputs=()) -> None:
     tags = complete_tags(save)
     if tags and not resumed:
         raise OutputError(f"--save {save} holds the checkpoints of another run ({', '.join(tags[-3:])}); continue "
-                          f"it with --load {save} --save {save}, or choose a new --save")
+                          f"that run with --save {save} and no --load, or choose a new --save")
     for flag, path in inputs:
         if path is not None and not resumed and os.path.lexists(path) and (
                 save.resolve() in Path(path).resolve().parents or save.resolve() == Path(path).resolve()):

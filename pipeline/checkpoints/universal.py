@@ -210,9 +210,9 @@ def enable(ds_config: dict) -> dict:
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
 
 
-def prepare(load_dir, tag: str, saved: dict, current: dict, *, log=print) -> Path | None:
-    """Collective. The universal cache of ``load_dir/tag`` (converted on rank 0 if needed), or None
-    (with the reason logged) where the optimizer state cannot move to this layout."""
+def prepare(load_dir, tag: str, saved: dict, current: dict, *, log=print, cache_root=None) -> Path | None:
+    """Collective. The universal cache of ``load_dir/tag`` (converted on rank 0 if needed, into ``cache_root``,
+    default ``load_dir``), or None (with the reason logged) where the optimizer state cannot move to this layout."""
     reason = unsupported_reason(saved, current)
     rank0 = is_rank0()
     if reason is not None:
@@ -225,7 +225,7 @@ def prepare(load_dir, tag: str, saved: dict, current: dict, *, log=print) -> Pat
     result = [None, None, False]  # the cache, or why not (and whether the disk was full: exit code 1, not 2)
     if rank0:
         try:
-            result = [str(ensure_cache(load_dir, tag, log=log)), None, False]
+            result = [str(ensure_cache(load_dir, tag, log=log, cache_root=cache_root)), None, False]
         except UserError as e:  # its message names the file already; every rank must learn of it
             result = [None, str(e), isinstance(e, DiskFullError)]
         except Exception as e:  # or the others wait forever

@@ -1,14 +1,15 @@
 """DeepSpeed configs checked and resolved before any work: precision, ZeRO stage, batch sizes from the
-layout, what the project's engine supports, the sequence-parallel settings. Errors name the JSON key.
+layout, Hugging Face-style "auto" values (``pipeline.engine.ds_auto``), what the project's engine supports, the
+sequence-parallel settings. Errors name the JSON key.
 """
 from __future__ import annotations
 
 import copy
 
-
 from models.config import read_json
 from models.parallel import ParallelState
 
+from pipeline.engine.ds_auto import AutoValues, fill_auto, fill_fixed
 from pipeline.engine.ds_keys import unknown_key_errors
 from pipeline.job.errors import UserError
 
@@ -18,9 +19,10 @@ class EngineConfigError(UserError, ValueError):
 
 
 def load_ds_config(path_or_dict) -> dict:
+    """The config, the "auto" values that no flag sets filled (``ds_auto.fill_fixed``)."""
     if isinstance(path_or_dict, dict):
-        return copy.deepcopy(path_or_dict)
-    return read_json(path_or_dict, "DeepSpeed config", EngineConfigError)
+        return fill_fixed(path_or_dict)
+    return fill_fixed(read_json(path_or_dict, "DeepSpeed config", EngineConfigError))
 
 
 def enabled(ds: dict, key: str) -> bool:
@@ -36,16 +38,18 @@ def zero_stage(ds: dict) -> int:
 
 
 def resolve_ds_config(ds: dict, *, data_parallel: int, pipeline_parallel: int = 1, micro_batch_size: int | None = None,
-                      global_batch_size: int | None = None, source: str = "DeepSpeed config") -> dict:
-    """Fill and check the batch sizes; refuse what DeepSpeed cannot do, before any work starts.
+                      global_batch_size: int | None = None, source: str = "DeepSpeed config",
+                      auto: AutoValues | None = None) -> dict:
+    """Fill and check the batch sizes and every "auto" (from ``auto``: the flags); refuse what DeepSpeed cannot
+    do, before any work starts.
 
     global batch = micro batch x gradient accumulation steps x data-parallel size.
     """
-    ds = copy.deepcopy(ds)
     unknown = unknown_key_errors(ds, source)
     if unknown:
         raise EngineConfigError(unknown[0] + (f" ({len(unknown) - 1} more unknown key(s) follow it)"
                                               if len(unknown) > 1 else ""))
+    ds, _ = fill_auto(ds, auto or AutoValues(), source)
     if micro_batch_size is not None:
         ds["train_micro_batch_size_per_gpu"] = micro_batch_size
     if global_batch_size is not None:
@@ -58,7 +62,8 @@ def resolve_ds_config(ds: dict, *, data_parallel: int, pipeline_parallel: int = 
     if micro is None:
         if glob is None:
             raise EngineConfigError(f"{source}: set train_micro_batch_size_per_gpu (or --micro-batch-size) "
-                                    f"and/or train_batch_size (or --global-batch-size)")
+                                    f"and/or train_batch_size (or --global-batch-size); an \"auto\" one is "
+                                    f"filled from those flags")
         micro = glob // (data_parallel * (gas or 1))
     if glob is None:
         glob = micro * (gas or 1) * data_parallel

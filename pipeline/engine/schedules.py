@@ -4,10 +4,16 @@ Linear decay to zero after warmup is the schedule with which the 40 GB
 mLSTM paper converged at a 32k global batch; warmup + cosine is Megatron's.
 The scheduler is handed to ``deepspeed.initialize``, which steps it only on
 steps the optimizer really took (fp16 overflow steps are skipped) and saves
-its state in checkpoints.
+its state in checkpoints: the step and the schedule itself. A resumed run
+continues the saved schedule (peak, warmup, decay style, floor) from the saved
+step; a new --train-steps moves the end of the decay, stretching what is left
+of it from the LR of the saved step, so the LR never jumps. With
+--override-lr-schedule the schedule of the command's flags applies at the saved
+step instead (Megatron's --override-opt_param-scheduler).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -21,6 +27,11 @@ class LRSchedule:
     total_steps: int
     style: str = "cosine"
     min_lr: float = 0.0
+    # the decay's progress is ``anchor_progress`` at step ``anchor_step`` and 1 at ``total_steps`` (None: 0 at the
+    # end of warmup); a resume with another total anchors the decay at the saved step, so the LR is continuous
+    anchor_step: int | None = None
+    anchor_progress: float = 0.0
+    override: bool = dataclasses.field(default=False, compare=False)  # on resume: this, not the saved one
 
     def __post_init__(self):
         if self.style not in STYLES:
@@ -37,13 +48,39 @@ class LRSchedule:
             return self.lr * (step + 1) / self.warmup_steps
         if self.style == "constant":
             return self.lr
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        start = self.warmup_steps if self.anchor_step is None else self.anchor_step
+        decay_steps = max(1, self.total_steps - start)
+        progress = min(1.0, self.anchor_progress + (1.0 - self.anchor_progress) * (step - start) / decay_steps)
         if self.style == "linear":
             factor = 1.0 - progress
         else:
             factor = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr + (self.lr - self.min_lr) * factor
+
+    def progress(self, step: int) -> float:
+        """How far the decay is at ``step`` (0 before and at the end of warmup, 1 at the end)."""
+        if step < self.warmup_steps:
+            return 0.0
+        start = self.warmup_steps if self.anchor_step is None else self.anchor_step
+        return min(1.0, self.anchor_progress + (1.0 - self.anchor_progress) * (step - start)
+                   / max(1, self.total_steps - start))
+
+    def continued(self, step: int, total_steps: int) -> LRSchedule:
+        """This schedule from ``step`` on, ending at ``total_steps`` instead: the same LR at ``step``."""
+        if total_steps == self.total_steps:
+            return self
+        if step <= self.warmup_steps:  # the decay has not started: it only ends elsewhere
+            return dataclasses.replace(self, total_steps=max(total_steps, self.warmup_steps + 1))
+        return dataclasses.replace(self, total_steps=max(total_steps, step), anchor_step=step,
+                                   anchor_progress=self.progress(step))
+
+    def shape(self) -> tuple:
+        """What the flags set (not where a resume anchored the decay)."""
+        return self.lr, self.warmup_steps, self.total_steps, self.style, self.min_lr
+
+    def text(self) -> str:
+        return (f"peak {self.lr:g}, warmup {self.warmup_steps}, {self.style} to {self.min_lr:g} at step "
+                f"{self.total_steps}")
 
 
 def scaled_lr(base_lr: float, global_batch: int, base_batch: int, max_lr: float | None = None) -> float:
@@ -53,12 +90,16 @@ def scaled_lr(base_lr: float, global_batch: int, base_batch: int, max_lr: float 
 
 
 class Scheduler:
-    """Sets the optimizer's learning rate from an ``LRSchedule``; the state is the step count."""
+    """Sets the optimizer's learning rate from an ``LRSchedule``; the state is the step count and the schedule.
+
+    On load the saved schedule continues (``LRSchedule.continued`` to this run's total steps), unless
+    ``schedule.override``: then this one applies at the saved step. ``note`` says which, when the two differ."""
 
     def __init__(self, optimizer, schedule: LRSchedule):
         self.optimizer = optimizer
         self.schedule = schedule
         self.last_step = 0
+        self.note = None
         self._apply()
 
     def _apply(self):
@@ -77,11 +118,26 @@ class Scheduler:
         return self.get_lr()
 
     def state_dict(self):
-        return {"last_step": self.last_step}
+        saved = {k: v for k, v in dataclasses.asdict(self.schedule).items() if k != "override"}
+        return {"last_step": self.last_step, "schedule": saved}
 
     def load_state_dict(self, state):
         self.last_step = int(state["last_step"])
+        saved = LRSchedule(**state["schedule"]) if state.get("schedule") else None
+        if saved is not None and not self.schedule.override:
+            if saved.shape() != self.schedule.shape():
+                self.note = self._continue_note(saved)
+            self.schedule = saved.continued(self.last_step, self.schedule.total_steps)
+        elif saved is not None and saved.shape() != self.schedule.shape():
+            self.note = (f"LR schedule: this command's ({self.schedule.text()}) from step {self.last_step} "
+                         f"(--override-lr-schedule; the run's was {saved.text()})")
         self._apply()
+
+    def _continue_note(self, saved: LRSchedule) -> str:
+        note = f"LR schedule: the run's ({saved.text()}) continues from step {self.last_step}"
+        if saved.total_steps != self.schedule.total_steps:
+            note += (f", its decay from {saved(self.last_step):.3g} now ending at step {self.schedule.total_steps}")
+        return note + " (--override-lr-schedule for this command's)"
 
 
 def add_lr_args(parser) -> None:
@@ -95,6 +151,9 @@ def add_lr_args(parser) -> None:
     g.add_argument("--lr-scale-base-batch", type=int, default=None,
                    help="large-batch recipe: the lr is --lr x global batch / this batch, capped at --lr-max")
     g.add_argument("--lr-max", type=float, default=None, help="cap of the batch-scaled learning rate")
+    g.add_argument("--override-lr-schedule", action="store_true",
+                   help="on resume, this command's schedule (--lr, --lr-warmup-steps, --train-steps, ...) at the saved "
+                        "step, instead of the run's saved schedule continued (its decay stretched to --train-steps)")
 
 
 def schedule_from_args(args, ds: dict) -> LRSchedule | None:
@@ -104,4 +163,4 @@ def schedule_from_args(args, ds: dict) -> LRSchedule | None:
         base_lr = scaled_lr(base_lr, ds["train_batch_size"], args.lr_scale_base_batch, args.lr_max)
     warmup = args.lr_warmup_steps if args.lr_warmup_steps is not None else max(1, args.train_steps // 100)
     return None if "scheduler" in ds else LRSchedule(base_lr, warmup, args.train_steps, args.lr_decay_style,
-                                                     args.min_lr)
+                                                     args.min_lr, override=getattr(args, "override_lr_schedule", False))

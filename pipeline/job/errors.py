@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
+from pipeline.job.config_file import add_config_arg, config_path, config_words
+
 __all__ = ["UserError", "InputError", "ArgumentParser", "is_user_error", "is_rank0", "format_user_error",
            "reported_errors", "command", "add_debug_arg",
            "EXIT_USER_ERROR", "DEBUG_ENV"]
@@ -156,12 +158,22 @@ def console_script(main: Callable) -> Callable[[], int]:
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (a missing or malformed flag) are user errors like any other: one line
     ``error: <prog>: <what>; see --help``, exit 2, through ``command``'s handler, without the usage block.
-    The description is shown as written (the commands' docstrings hold their usage lines)."""
+    The description is shown as written (the commands' docstrings hold their usage lines). Every command takes
+    ``--config FILE``: its flags from a YAML/TOML/JSON file, the command line overriding it
+    (``pipeline.job.config_file``)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
         add_debug_arg(self)  # every command takes --debug
+        add_config_arg(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        path = config_path(argv)
+        if path is not None:
+            argv = config_words(self, path, argv) + argv
+        return super().parse_known_args(argv, namespace)
 
     def error(self, message: str):
         raise InputError(f"{self.prog}: {message}; see {self.prog} --help")

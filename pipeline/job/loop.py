@@ -88,7 +88,7 @@ def setup(options: EngineOptions, *, config=None, family=None, extras: dict | No
     model_parallel_seed(options.seed)
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, pipeline_parallel=state.pipeline_parallel,
                            micro_batch_size=options.micro_batch_size, global_batch_size=options.global_batch_size,
-                           source=source)
+                           source=source, auto=options.auto_values(config))
     faults.configure(options.save, exit_signal_handler=options.exit_signal_handler,
                      max_bad_steps=options.max_bad_steps, fp16=precision(ds) == "fp16")
     ds = place_monitor_outputs(ds, Path(options.save) if options.save else None)

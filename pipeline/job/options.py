@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.engine.ds_auto import AutoValues
 from pipeline.job.numbers import non_negative_int, positive_float, positive_int
 
 
@@ -103,6 +104,14 @@ class EngineOptions:
     compile: bool = False
     fp8: str | None = None
     loss_chunk_tokens: int | None = None
+    lr: float | None = None  # the optimization group's (engine.schedules.add_lr_args): what fills an "auto"
+    lr_warmup_steps: int | None = None
+    train_steps: int | None = None
+
+    def auto_values(self, model_config=None) -> AutoValues:
+        """What fills a Hugging Face-style "auto" in the DeepSpeed config (``engine.ds_auto``)."""
+        return AutoValues(lr=self.lr, warmup_steps=self.lr_warmup_steps, total_steps=self.train_steps,
+                          hidden_size=getattr(model_config, "hidden_size", None))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> EngineOptions:
@@ -113,13 +122,17 @@ class EngineOptions:
 def add_checkpoint_args(p):
     """--save, --load and the intervals of a pretraining job; returns the group (add_run_args adds to it)."""
     g = p.add_argument_group("checkpoints and logging")
-    g.add_argument("--save", default=None, help="directory for checkpoints and metrics.jsonl")
+    g.add_argument("--save", default=None,
+                   help="the run directory: checkpoints, metrics.jsonl, args.json, ds_config.json (docs/runs.md)")
     g.add_argument("--save-interval", type=positive_int, default=None,
                    help="steps between checkpoints (default: at the end)")
     g.add_argument("--load", default=None,
                    help="resume from this run directory's latest complete checkpoint (any TP/PP/DP layout), or "
                         "start from the weights of a config.json + model.safetensors directory (pipeline.import_hf)")
     g.add_argument("--load-tag", default=None, help="resume from this tag (e.g. global_step200) instead of latest")
+    g.add_argument("--no-resume", action="store_true",
+                   help="start a new run: refused when --save already holds files (choose a new directory). Without "
+                        "it, a --save holding a complete checkpoint resumes that run (no --load needed)")
     g.add_argument("--eval-interval", type=positive_int, default=None, help="steps between validations (default: none)")
     g.add_argument("--eval-iters", type=positive_int, default=2, help="validation batches per validation (default 2)")
     g.add_argument("--peak-tflops", type=positive_float, default=None,

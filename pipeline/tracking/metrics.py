@@ -6,6 +6,11 @@ writes on global rank 0 only. Every numeric field of a record goes to it as ``<p
 record's optimizer step as x-axis (DeepSpeed's own events, ``Train/Samples/*``, count samples instead).
 W&B keeps one step counter per run, which DeepSpeed's events drive with the sample count, so there the
 records carry their step as the field ``<prefix>/step``, declared their x-axis with ``wandb.define_metric``.
+
+One run, one series: a run that starts at step N (resumed from the checkpoint of step N, or N = 0) first drops the
+records of its directory's metrics.jsonl after step N (what an earlier command of the run logged past its last
+checkpoint, which this one logs again). The run's settings go to the monitors once (``log_settings``): W&B's run
+config, TensorBoard's hparams.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.job.files import open_append
+from pipeline.job.files import atomic_write_text, open_append
 
 MONITOR_SECTIONS = ("tensorboard", "csv_monitor")
 
@@ -66,7 +71,7 @@ class MetricsWriter:
     """One JSON record per line, flushed at once so a killed run keeps what it logged (rank 0 only), and the
     same records to DeepSpeed's monitor when one is given and enabled."""
 
-    def __init__(self, path: Path | None, monitor=None, prefix: str = "train"):
+    def __init__(self, path: Path | None, monitor=None, prefix: str = "train", start_step: int | None = None):
         self.path = path
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.prefix = prefix
@@ -77,7 +82,21 @@ class MetricsWriter:
         self._f = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if start_step is not None:
+                drop_records_after(path, start_step)
             self._f = open_append(path)
+
+    def log_settings(self, settings: dict) -> None:
+        """The run's resolved settings (flat: ``args/...``, ``ds/...``) as W&B's config and TensorBoard's hparams."""
+        if self.monitor is None:
+            return
+        flat = {k: (v if isinstance(v, (int, float, str, bool)) else json.dumps(v)) for k, v in settings.items()}
+        if getattr(self.monitor, "wandb_monitor", None) is not None:
+            import wandb  # noqa: PLC0415  (optional: only a config with a wandb section needs it)
+            wandb.config.update(flat, allow_val_change=True)
+        tb = getattr(self.monitor, "tb_monitor", None)
+        if tb is not None and getattr(tb, "summary_writer", None) is not None:
+            write_hparams(tb.summary_writer, flat)
 
     def write(self, record: dict):
         events = monitor_events(record, self.prefix) if self.monitor is not None else []
@@ -106,3 +125,31 @@ class MetricsWriter:
             import wandb  # noqa: PLC0415
             wandb.finish()  # the offline run's files complete now, not at interpreter exit
         self.monitor = None
+
+
+def drop_records_after(path: Path, step: int) -> int:
+    """Rewrites metrics.jsonl without the records of steps after ``step`` (atomically); returns how many went."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if _step_of(line) is None or _step_of(line) <= step]
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def write_hparams(writer, hparams: dict) -> None:
+    """TensorBoard's hparams plugin summary of ``hparams`` into ``writer``'s own run (``SummaryWriter.add_hparams``
+    would open another run beside it)."""
+    from torch.utils.tensorboard.summary import hparams as hparams_summary  # noqa: PLC0415  (needs tensorboard)
+    for summary in hparams_summary({k: v for k, v in hparams.items()}, {}):
+        writer.file_writer.add_summary(summary)
+    writer.flush()

@@ -138,12 +138,13 @@ def test_stop_signal_waits_for_the_async_write_in_flight(setup):
 
 
 
-def _killed_at(where: str, command: list, cwd: Path) -> None:
+def _killed_at(where: str, command: list, cwd: Path) -> subprocess.CompletedProcess:
     """Run ``command`` (a module and its arguments) in a process of its own that kills itself (SIGKILL) at
     ``where`` (``pipeline.job.files.crash_point``)."""
     proc = subprocess.run([sys.executable, "-m", *map(str, command)], cwd=cwd, env=cli_env(PIPELINE_CRASH_AT=where),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, f"{command[0]} was not killed at {where}: {proc.stderr[-2000:]}"
+    return proc
 
 
 def test_kill_at_any_point_of_a_conversion_then_the_same_command_succeeds(setup, uninterrupted, tmp_path):
@@ -151,7 +152,7 @@ def test_kill_at_any_point_of_a_conversion_then_the_same_command_succeeds(setup,
     is complete under its temporary name (and export_hf --force when the earlier export is moved aside): no
     output, or none that any reader takes for complete; the same command run again succeeds."""
     run = tmp_path / "run"
-    shutil.copytree(uninterrupted, run)  # the universal conversion writes into the run directory
+    shutil.copytree(uninterrupted, run)
     hf, imported, resharded = tmp_path / "hf", tmp_path / "imported", tmp_path / "resharded"
     commands = {"export_hf": (export_main, ["--checkpoint", run, "--out", hf], hf),
                 "import_hf": (import_main, ["--model", hf, "--out", imported], imported),
@@ -169,12 +170,18 @@ def test_kill_at_any_point_of_a_conversion_then_the_same_command_succeeds(setup,
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert checkpoint.resolve_tag(resharded) == "global_step6"
 
-    cache = run / "universal" / "global_step6"  # --load at TP1 of the TP2 run converts it on rank 0
+    # --load at TP1 of the TP2 run converts it on rank 0, into the run being written (--save), not the one read
+    cache = tmp_path / "tp1" / "universal" / "global_step6"
     load = args(setup, tmp_path / "tp1", 7, "--load", str(run))
-    _killed_at(f"written:{cache.name}", ["pipeline.pretrain", *load], setup)
+    killed = _killed_at(f"written:{cache.name}", ["pipeline.pretrain", *load], setup)
+    said = killed.stdout  # what is converted and where, in one line; DeepSpeed's conversion bars named
+    assert "universal checkpoint: merge the shards of each parameter" in killed.stderr, killed.stderr[-2000:]
+    assert f"resuming {run} global_step6 (saved at TP 2, PP 1, DP 1, EP 1, ZeRO 1) at TP 1, PP 1, DP 1, EP 1, " \
+           f"ZeRO 1: its optimizer state goes through the universal checkpoint {cache} (converted now)" in said, said
     assert not cache.exists()
     run_distributed(_pretrain, 1, load)
     assert (cache / universal.MANIFEST).is_file() and sorted(losses(tmp_path / "tp1")) == [7]
+    assert not (run / "universal").exists()
 
 def test_damaged_checkpoint_is_refused(setup, uninterrupted, tmp_path):
     copy = tmp_path / "copy"

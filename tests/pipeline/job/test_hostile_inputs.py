@@ -297,8 +297,8 @@ def test_pretrain_save_refuses_what_the_user_owns(work, tmp_path):
     refusals = [
         (data, {}, f"--save {data} holds corpus.txt, which a pretraining run does not write"),
         (hf, {}, f"--save {hf} holds a config.json, which a pretraining run does not write"),
-        (work / "run", {}, f"--save {work}/run holds the checkpoints of another run (global_step1); continue it "
-                           f"with --load {work}/run --save {work}/run"),
+        (work / "run", {}, f"--save {work}/run holds the checkpoints of another run (global_step1); continue "
+                           f"that run with --save {work}/run and no --load"),
         (work / "run", {"load": work / "clf"}, "holds the checkpoints of another run"),
         (work / "link-latest", {"load": work / "link-latest"}, "latest is a link to"),
         (work / "run", {"inputs": [("--model-config", work / "run" / "config.json")], "load": None},

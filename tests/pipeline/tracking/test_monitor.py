@@ -10,6 +10,7 @@ import pytest
 from conftest import shared_data
 from dist import run_distributed
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 from test_finetune_train import ec_slice, write_base
 from test_pretrain import FP32_DS, corpus, job_args, metrics  # noqa: F401 (corpus is a fixture)
 from wandb.proto import wandb_internal_pb2 as pb
@@ -28,10 +29,10 @@ def csv_rows(path: Path) -> tuple[list, list]:
     return rows[0], [(int(s), float(v)) for s, v in rows[1:]]
 
 
-def wandb_history(run_file: Path) -> list[dict]:
-    """The history rows of a W&B offline run file: a LevelDB-style log (32 KiB blocks, 7-byte record headers)
-    of wandb's protobuf Records after a 7-byte file header."""
-    data, pos, block, chunks, rows = run_file.read_bytes(), 7, 32768, b"", []
+def wandb_records(run_file: Path):
+    """The protobuf Records of a W&B offline run file: a LevelDB-style log (32 KiB blocks, 7-byte record headers)
+    after a 7-byte file header."""
+    data, pos, block, chunks = run_file.read_bytes(), 7, 32768, b""
     while pos + 7 <= len(data):
         if block - pos % block < 7:
             pos += block - pos % block
@@ -44,9 +45,29 @@ def wandb_history(run_file: Path) -> list[dict]:
         if kind in (1, 4):  # a full record, or the last piece of one
             record = pb.Record()
             record.ParseFromString(chunks)
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
+            yield record
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
+
+
+def wandb_config(run_file: Path) -> dict:
+    return {i.key: json.loads(i.value_json) for r in wandb_records(run_file) if r.WhichOneof("record_type") == "config"
+            for i in r.config.update}
+
+
+def tensorboard_hparams(log_dir: Path) -> dict:
+    """The hparams of the run's session (TensorBoard's hparams plugin), as written by ``MetricsWriter.log_settings``."""
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    values = {}
+    for content in acc.PluginTagToContent("hparams").values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        for key, value in data.session_start_info.hparams.items():
+            values[key] = getattr(value, value.WhichOneof("kind"))
+    return values
 
 
 def _pretrain(rank, argv):
@@ -84,6 +105,12 @@ def test_pretraining_metrics_reach_tensorboard_csv_and_wandb_on_rank_0(tmp_path,
     history = [h for h in wandb_history(runs[0]) if "pretrain/loss" in h]
     assert [h["pretrain/step"] for h in history] == [r["step"] for r in logged]
     assert [h["pretrain/loss"] for h in history] == pytest.approx([r["loss"] for r in logged], rel=1e-12)
+    # the resolved settings (args.json, ds_config.json) as TensorBoard's hparams and W&B's config
+    hparams = tensorboard_hparams(save / "tensorboard" / "tiny")
+    assert (hparams["args/train_steps"], hparams["args/save"]) == (6, str(save))
+    assert hparams["ds/train_batch_size"] == json.loads((save / "ds_config.json").read_text())["train_batch_size"]
+    config = wandb_config(runs[0])
+    assert (config["args/train_steps"], config["ds/zero_optimization.stage"]) == (6, FP32_DS["zero_optimization"]["stage"])
 
 
 def _finetune(rank, argv):

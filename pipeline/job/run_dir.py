@@ -1,0 +1,177 @@
+"""One run per directory: the same command again resumes the directory's run, its settings are saved beside its
+checkpoints, and the end of the run says what it did and what to run next (docs/runs.md).
+
+    --save DIR                 resumed from DIR's last complete checkpoint when DIR holds one (no --load needed)
+    --save DIR --no-resume     a new run: DIR must be new or empty
+    DIR/args.json              the resolved arguments of the latest command that wrote the run
+    DIR/ds_config.json         the resolved DeepSpeed config
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+from pathlib import Path
+
+from pipeline.checkpoints import checkpoint
+from pipeline.job.errors import is_rank0
+from pipeline.job.files import OutputError, atomic_write_text
+from pipeline.tracking.metrics import MetricsWriter
+
+ARGS_FILE = "args.json"
+DS_CONFIG_FILE = "ds_config.json"
+# what may differ between two commands of one run without changing the run
+NOT_SETTINGS = {"load", "load_tag", "no_resume", "debug", "local_rank", "verbose", "config_file"}
+
+
+def say(line: str) -> None:
+    if is_rank0():
+        print(line, flush=True)
+
+
+def start_run(args: argparse.Namespace, inputs, command: str) -> None:
+    """Before any work: --save resumed when it holds a complete checkpoint and no --load is given (sets
+    ``args.load``), --no-resume refused on a non-empty --save, what the user owns protected
+    (``checkpoint.check_save_dir``), the resume or a missing --save said in one line."""
+    line = _auto_resume(args)
+    checkpoint.check_save_dir(args.save, load=args.load, inputs=inputs)
+    if line:
+        say(line)
+    if args.load is not None:
+        report_changed_settings(Path(args.load), args)
+    if args.save is None:
+        say(f"warning: no --save: this run keeps nothing (no checkpoint, no metrics.jsonl); pass --save DIR to keep "
+            f"it ({command})")
+
+
+def _auto_resume(args: argparse.Namespace) -> str | None:
+    save = Path(args.save) if args.save else None
+    if save is None or not save.is_dir():
+        return None
+    if getattr(args, "no_resume", False):
+        entries = sorted(n for n in os.listdir(save) if not n.startswith("."))
+        if entries:
+            names = ", ".join(entries[:4]) + (" ..." if len(entries) > 4 else "")
+            raise OutputError(f"--save {save} holds {names}; --no-resume starts a new run in a new or empty "
+                              f"directory only: choose another --save (or drop --no-resume to resume it)")
+        return None
+    tags = checkpoint.complete_tags(save)
+    if args.load is not None or not tags:
+        return None
+    args.load = str(save)
+    latest = save / "latest"
+    tag = args.load_tag or (latest.read_text(errors="replace").strip() if latest.is_file() else tags[-1])
+    return f"resuming {save} from {tag}, its last complete checkpoint (--no-resume with a new --save starts over)"
+
+
+def arguments_record(args: argparse.Namespace) -> dict:
+    """The resolved arguments as JSON values."""
+    return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+            for k, v in sorted(vars(args).items())}
+
+
+def report_changed_settings(load_dir: Path | None, args: argparse.Namespace) -> list[str]:
+    """On a resume: one line naming each setting that differs from the run's saved args.json (printed on rank 0)."""
+    saved_file = load_dir / ARGS_FILE if load_dir is not None else None
+    if saved_file is None or not saved_file.is_file():
+        return []
+    try:
+        saved = json.loads(saved_file.read_text())
+    except ValueError:
+        return []
+    now = arguments_record(args)
+    changed = [f"--{k.replace('_', '-')} {_show(saved.get(k))} -> {_show(now.get(k))}"
+               for k in sorted(set(saved) | set(now)) if k not in NOT_SETTINGS and saved.get(k) != now.get(k)]
+    if changed:
+        say(f"settings changed since {saved_file}: " + ", ".join(changed))
+    return changed
+
+
+def _show(value) -> str:
+    return "(unset)" if value is None else ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def save_settings(save_dir: Path, args: argparse.Namespace, ds: dict) -> None:
+    """args.json and ds_config.json in the run directory (rank 0; atomic)."""
+    save_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(save_dir / ARGS_FILE, json.dumps(arguments_record(args), indent=2, default=str) + "\n")
+    atomic_write_text(save_dir / DS_CONFIG_FILE, json.dumps(ds, indent=2, default=str) + "\n")
+
+
+def settings_record(args: argparse.Namespace, ds: dict) -> dict:
+    """Flat ``args/<flag>`` and ``ds/<dotted key>`` entries: what W&B's config and TensorBoard's hparams show."""
+    flat = {f"args/{k}": v for k, v in arguments_record(args).items() if v is not None}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"ds/{prefix}{k}"] = v
+    walk(ds, "")
+    return flat
+
+
+class RunReport:
+    """What the run directory and the terminal are told: args.json and ds_config.json, metrics.jsonl (one series
+    from ``start_step``), the settings to the monitors, validation losses, and the summary at the end."""
+
+    def __init__(self, args: argparse.Namespace, ds: dict, monitor, *, start_step: int, prefix: str):
+        self.save_dir = Path(args.save) if args.save else None
+        rank0 = is_rank0()
+        if self.save_dir is not None and rank0:
+            save_settings(self.save_dir, args, ds)
+        self.metrics = MetricsWriter(self.save_dir / "metrics.jsonl" if self.save_dir and rank0 else None,
+                                     monitor=monitor, prefix=prefix, start_step=start_step)
+        self.metrics.log_settings(settings_record(args, ds))
+        self.first, self.steps, self.seconds, self.valid_loss = start_step + 1, 0, 0.0, None
+
+    def step(self, r) -> None:
+        """A hook on every step: the seconds of the summary's tokens/s."""
+        self.steps += 1
+        self.seconds += r.seconds
+
+    def validation(self, r, record: dict) -> None:
+        self.metrics.write(record)
+        self.valid_loss = record["valid_loss"]
+        extra = "".join(f", {k.removeprefix('valid_')} {v:.4g}" for k, v in record.items()
+                        if k.startswith("valid_") and k != "valid_loss")
+        if is_rank0():
+            r.bar.write(f"step {r.step}: validation loss {self.valid_loss:.4f}{extra}")
+
+    def finish(self, last_step: int, record: dict, tokens_per_step: int) -> None:
+        self.metrics.close()
+        tokens_per_s = self.steps * tokens_per_step / self.seconds if self.seconds > 0 else None
+        for line in summary_lines(self.save_dir, first=self.first, last=last_step, record=record,
+                                  valid_loss=self.valid_loss, tokens_per_s=tokens_per_s):
+            say(line)
+
+
+def summary_lines(save_dir: Path | None, *, first: int, last: int, record: dict, valid_loss: float | None,
+                  tokens_per_s: float | None) -> list[str]:
+    """The run's one summary line and the commands that continue from its checkpoint."""
+    parts = [f"done: steps {first}-{last}" if first <= last else f"done: no steps to run (at step {last})"]
+    if record.get("loss") is not None:
+        parts.append(f"train loss {record['loss']:.4f}")
+    if valid_loss is not None:
+        parts.append(f"validation loss {valid_loss:.4f}")
+    if tokens_per_s:
+        parts.append(f"{tokens_per_s:,.0f} tokens/s")
+    latest = save_dir / "latest" if save_dir is not None else None
+    if latest is not None and latest.is_file():
+        parts.append(f"last checkpoint {save_dir / latest.read_text().strip()}")
+    else:
+        parts.append("no checkpoint saved (no --save)")
+    lines = [", ".join(parts)]
+    if latest is not None and latest.is_file():
+        run = shlex.quote(str(save_dir))
+        stem = shlex.quote(str(save_dir).rstrip("/"))
+        lines += ["next:",
+                  f"  python -m pipeline.export_hf --checkpoint {run} --out {stem}-hf",
+                  f"  python -m pipeline.generate --checkpoint {run} --prompt 'Once upon a time' "
+                  f"--out {stem}-samples.jsonl",
+                  f"  python -m pipeline.evaluate --checkpoint {run} --task bpc --data TEXT_FILE "
+                  f"--out {stem}-eval.json",
+                  f"  python -m pipeline.plot {run} --out {stem}-curves.png"]
+    return lines
