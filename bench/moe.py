@@ -236,9 +236,9 @@ def main(argv=None):
     print(f"{'system':24s} {'tok/s':>8s} {'vs dense':>8s} {'valid loss':>10s} {'RSS MiB/rank':>12s} {'load max/mean':>13s}")
     for name, r in results.items():
         base = results.get(BASELINES.get(name, "dense"), dense)
-        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"  # (--balancing: no dense run)
         load = f"{r['final_load_max_mean']:.2f}" if r["final_load_max_mean"] else "-"
-        print(f"{name:24s} {r['tokens_per_s']:8.0f} {ratio:8.2f} {r['final_valid_loss']:10.4f} "
+        print(f"{name:24s} {r['tokens_per_s']:8.0f} {ratio:>8s} {r['final_valid_loss']:10.4f} "
               f"{r['max_rss_mib_per_rank']:12.0f} {load:>13s}")
     out = Path(args.out)
     note = {"machine": machine_note(), "precision": args.precision, "steps": args.steps, "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
