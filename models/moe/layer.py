@@ -111,9 +111,11 @@ class ReferenceGate(nn.Module):
     """Built by ``make_gate`` as a subclass of DeepSpeed's ``TopKGate`` (its router ``wg``), with the reference
     models' routing (models/moe/router.py). Returns what ``dispatch`` reads: (load-balancing loss, expert of each route
     [S, k], -1 where the capacity dropped it, the route's gate [S, k], tokens per expert [E] before drops).
-    With ``moe_router_enable_expert_bias`` it holds ``expert_bias`` (a buffer, fp32 whatever the model's dtype:
-    saved in state dicts) and counts in ``load_since_update`` the routes each expert got in training since
-    ``update_expert_biases`` last read them."""
+    With ``moe_router_enable_expert_bias`` it holds ``expert_bias`` (a parameter without gradient, left out of the
+    optimizer, fp32 whatever the model's dtype: a parameter so that full state dicts, checkpoints at every layout,
+    imports and exports carry it as they carry the weights; transformers' ``e_score_correction_bias``) and counts
+    in ``load_since_update`` the routes each expert got in training since ``update_expert_biases`` last read
+    them."""
 
     def setup(self, config: GPTConfig):
         self.k = config.moe_top_k
@@ -123,7 +125,7 @@ class ReferenceGate(nn.Module):
         self.policy = RouterPolicy.from_config(config)
         self.bias_update_rate = config.moe_router_bias_update_rate
         if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+            self.expert_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
             self.load_since_update = torch.zeros(config.num_experts, dtype=torch.float32)
         else:
             self.expert_bias = self.load_since_update = None
@@ -132,11 +134,11 @@ class ReferenceGate(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """Moves keep ``expert_bias`` in fp32 (a cast of the model to bf16 would round its small steps away)."""
-        bias = self._buffers.pop("expert_bias", None)
+        bias = self._parameters.pop("expert_bias", None)
         super()._apply(fn, recurse)
         if bias is not None:
             device = fn(torch.zeros((), dtype=torch.float32, device=bias.device)).device
-            self.register_buffer("expert_bias", bias.to(device))
+            self.expert_bias = nn.Parameter(bias.data.to(device), requires_grad=False)
             self.load_since_update = self.load_since_update.to(device)
         return self
 
