@@ -137,9 +137,13 @@ class ReferenceGate(nn.Module):
         bias = self._parameters.pop("expert_bias", None)
         super()._apply(fn, recurse)
         if bias is not None:
-            device = fn(torch.zeros((), dtype=torch.float32, device=bias.device)).device
-            self.expert_bias = nn.Parameter(bias.data.to(device), requires_grad=False)
-            self.load_since_update = self.load_since_update.to(device)
+            probe = fn(torch.zeros((), dtype=torch.float32, device=bias.device))
+            # a move (or to_empty) as every tensor's; a cast leaves it fp32
+            moved = fn(bias.data) if probe.dtype == torch.float32 else bias.data.to(probe.device)
+            self.expert_bias = nn.Parameter(moved, requires_grad=False)
+            counts = self.load_since_update  # (none yet in a model built on the meta device)
+            self.load_since_update = (torch.zeros(counts.shape, device=probe.device) if counts.is_meta
+                                      else counts.to(probe.device))
         return self
 
     def forward(self, input, used_token=None, sparse_routes=True, use_tutel=False, sequence_length=None):
