@@ -246,7 +246,7 @@ def _expert_rules(c: GPTConfig, p: str, t: str) -> list[WeightRule]:
         rules += [WeightRule(x + "fc_in.weight", (2 * f, h), (gate, up), (f, f)),
                   WeightRule(x + "fc_out.weight", (h, f), (down,))]
     if c.moe_router_enable_expert_bias:
-        rules.append(WeightRule(ours + "gate.expert_bias", (E,), (names.router_bias(t),)))
+        rules.append(WeightRule(ours + "gate.balance_bias", (E,), (names.router_bias(t),)))
     shared = c.moe_shared_expert_intermediate_size
     if shared is not None:
         gate, up, down = names.shared_expert(t)
