@@ -9,7 +9,9 @@ experts; Qwen2-MoE: Q, K, V biases, a layer kept dense, a gated shared expert, u
 ``AutoModelForCausalLM`` (and ``MtpModel``) load with the same tensors, and back through the import the same state
 bit for bit, the balancing bias included. One 2-rank launch: the imported models at TP2 (logits, greedy decoding
 through the latent cache). One 1-rank launch: ``evaluate --checkpoint`` scores the imported model as ``--hf`` scores
-the original, ``generate --greedy`` writes transformers' greedy tokens."""
+the original, ``generate --greedy`` writes transformers' greedy tokens. The config's parameter and FLOP counts
+agree with transformers' modules (latent attention, shared experts, MTP); a shared expert TP cannot split is
+refused in one line."""
 import json
 import re
 from pathlib import Path
@@ -24,6 +26,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 from transformers.modeling_layers import MtpModel
 
 from models import GPT, GPTConfig
+from models.config import ConfigError
 from models.parallel import destroy_model_parallel, initialize_model_parallel
 from pipeline.checkpoints.state_dicts import load_full_state_dict, read_state_dict
 from pipeline.data import load_tokenizer
@@ -268,3 +271,39 @@ def test_evaluate_and_generate_take_the_imported_models(hf_models, imported, tmp
         assert abs(ours - theirs) < 1e-6 * theirs  # measured 2026-12-05: equal to the 8 decimals printed
         (record,) = results["generate", name]
         assert record["new_ids"] == _hf_greedy(model, [record["prompt_ids"]])[0], name
+
+
+def _hf_counts(model, mtp, k: int) -> tuple[int, int]:
+    """(parameters, the active matrix entries a token meets) of transformers' model and MTP depth: every parameter
+    and balancing bias (a buffer there); the matrices but the embedding, k of each layer's experts, the output
+    layer once per depth more (``MtpModel.shared_head``)."""
+    named = [*model.named_parameters(), *model.named_buffers(),
+             *([*mtp.named_parameters(), *mtp.named_buffers()] if mtp else [])]
+    params = sum(t.numel() for n, t in named if "embed_tokens" not in n and "shared_head" not in n
+                 and "rotary" not in n)
+    active = 0
+    for name, t in [*model.named_parameters(), *(mtp.named_parameters(remove_duplicate=False) if mtp else [])]:
+        if t.dim() >= 2 and "embed_tokens" not in name:
+            active += t.numel() * k // t.shape[0] if ".experts." in name else t.numel()
+    return params + model.model.embed_tokens.weight.numel(), active
+
+
+def test_parameter_and_flop_counts_agree_with_transformers(hf_models, imported):
+    for name, (_, _, model, mtp) in hf_models.items():
+        config = GPTConfig.from_file(imported[name] / "config.json")
+        params, active = _hf_counts(model, mtp, config.moe_top_k)
+        unpadded = GPTConfig.from_dict({**config.to_dict(), "make_vocab_size_divisible_by": 1})
+        ours = sum(p.numel() for p in GPT(unpadded).parameters())
+        if config.multi_latent_attention:
+            attention = config.num_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+        else:
+            attention = 2 * config.num_heads * config.head_dim
+        layers = config.num_layers + config.mtp_num_layers
+        print(f"{name}: {params} parameters (transformers), {config.num_parameters()} (config), {ours} (model)")
+        assert config.num_parameters() == params == ours, name
+        assert config.flops_per_token(16) == 6 * active + 6 * layers * attention * 16, name
+    odd = {**GPTConfig.from_file(imported["qwen2_moe"] / "config.json").to_dict(),
+           "moe_shared_expert_intermediate_size": 25}
+    with pytest.raises(ConfigError, match="moe_shared_expert_intermediate_size 25 is not divisible by the "
+                                          "tensor-parallel size 2"):
+        GPTConfig.from_dict(odd).check_parallel(2)
