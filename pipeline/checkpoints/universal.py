@@ -28,7 +28,7 @@ each beside the code it fixes:
 - the MoE gates' balancing biases (auxiliary-loss-free balancing): parameters without gradient, in no optimizer
   state, which DeepSpeed's universal loader leaves as the new engine built them. ``convert_moe`` writes each into
   a folder of its own (``<name>/fp32.pt``, from the source's model file) and ``load`` copies it into the engine
-  (``_restore_expert_biases``).
+  (``_restore_balance_biases``).
 
 Layout of the cache, beside the tags it converts::
 
@@ -555,7 +555,7 @@ def _zero3_merged_as_tp1(ds_to_universal, tag_dir: Path):
 def load(engine, cache: Path, model_config) -> None:
     """Restore weights, Adam moments and step, loss scale and LR schedule of a universal checkpoint into
     ``engine`` (built with ``"checkpoint": {"load_universal": true}``). Collective."""
-    _restore_expert_biases(engine, cache)
+    _restore_balance_biases(engine, cache)
     if engine.zero_optimization_stage() == 0:
         _load_zero0(engine, cache)
         return
@@ -568,7 +568,7 @@ def load(engine, cache: Path, model_config) -> None:
 
 
 @torch.no_grad()
-def _restore_expert_biases(engine, cache: Path) -> None:
+def _restore_balance_biases(engine, cache: Path) -> None:
     """The gates' balancing biases from their folders (``convert_moe``): DeepSpeed's loader fills the optimizer's
     parameters only. (MoE layers resume through this path without pipeline stages: the GPT's names.)"""
     for name, param in engine.module.named_parameters():

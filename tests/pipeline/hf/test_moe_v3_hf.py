@@ -27,6 +27,7 @@ from transformers.modeling_layers import MtpModel
 
 from models import GPT, GPTConfig
 from models.config import ConfigError
+from pipeline.hf.convert import ConversionError, config_from_hf
 from models.parallel import destroy_model_parallel, initialize_model_parallel
 from pipeline.checkpoints.state_dicts import load_full_state_dict, read_state_dict
 from pipeline.data import load_tokenizer
@@ -307,3 +308,16 @@ def test_parameter_and_flop_counts_agree_with_transformers(hf_models, imported):
     with pytest.raises(ConfigError, match="moe_shared_expert_intermediate_size 25 is not divisible by the "
                                           "tensor-parallel size 2"):
         GPTConfig.from_dict(odd).check_parallel(2)
+
+
+@pytest.mark.parametrize("name, field, value, message", [
+    ("deepseek_v3", "rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, "rope_type='linear'"),
+    ("deepseek_v3", "attention_bias", True, "attention_bias=True"),
+    ("deepseek_v3", "n_shared_experts", 0, "n_shared_experts=0"),
+    ("qwen2_moe", "use_sliding_window", True, "use_sliding_window=True"),
+    ("qwen2_moe", "shared_expert_intermediate_size", 0, "shared_expert_intermediate_size=0")])
+def test_what_the_model_cannot_compute_is_refused_by_name(name, field, value, message):
+    config = FAMILIES[name][1]()
+    setattr(config, field, value)
+    with pytest.raises(ConversionError, match=re.escape(message) + " cannot be represented"):
+        config_from_hf(config, "tiny")
