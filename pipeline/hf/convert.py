@@ -7,7 +7,7 @@ process group. Sharding to a tensor-parallel size happens afterwards, with
 
 One table (``weight_map``) lists, for a given config, every project tensor, its full
 shape and the Hugging Face tensor(s) it is made of; both directions read it, so an
-export and an import cannot disagree. The two conventions differ in only three ways:
+export and an import cannot disagree. The two conventions differ in only four ways:
 
 * fused tensors: the project keeps Q, K, V (and llama's gate, up) as row blocks of
   one matrix, in Hugging Face's head order; Llama stores them as separate matrices,

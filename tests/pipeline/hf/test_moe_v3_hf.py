@@ -27,7 +27,7 @@ from transformers.modeling_layers import MtpModel
 
 from models import GPT, GPTConfig
 from models.config import ConfigError
-from pipeline.hf.convert import ConversionError, config_from_hf
+from pipeline.hf.convert import ConversionError, config_from_hf, from_hf
 from models.parallel import destroy_model_parallel, initialize_model_parallel
 from pipeline.checkpoints.state_dicts import load_full_state_dict, read_state_dict
 from pipeline.data import load_tokenizer
@@ -321,3 +321,22 @@ def test_what_the_model_cannot_compute_is_refused_by_name(name, field, value, me
     setattr(config, field, value)
     with pytest.raises(ConversionError, match=re.escape(message) + " cannot be represented"):
         config_from_hf(config, "tiny")
+
+
+def test_rotate_half_rope_rows_import_and_export_as_they_are(tmp_path):
+    """``rope_interleave: false`` (transformers' rotate-half form, the project's): rows kept, recorded, written back."""
+    config = FAMILIES["deepseek_v3"][1]()
+    config.rope_interleave, config.num_mtp_layers = False, 0
+    torch.manual_seed(2)
+    model = DeepseekV3ForCausalLM(config).eval()
+    ours_config, full = from_hf(model)
+    ours = GPT(ours_config).eval()
+    load_full_state_dict(ours, full)
+    q_b = "model.layers.0.self_attn.q_b_proj.weight"
+    assert torch.equal(full["layers.0.attention.q_b_proj.weight"], model.state_dict()[q_b])
+    export_hf(ours_config, full, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_interleave"] is False
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        diffs = [_max_diff(ours(TOKENS), model(TOKENS).logits), _max_diff(back(TOKENS).logits, model(TOKENS).logits)]
+    assert max(diffs) < TOL, diffs
