@@ -266,9 +266,12 @@ class GPTConfig:
         checks = [("num_heads", self.num_heads, tensor_parallel, "tensor-parallel size"),
                   ("num_kv_heads", self.num_kv_heads, tensor_parallel, "tensor-parallel size"),
                   ("ffn_hidden_size", self.ffn_hidden_size, tensor_parallel, "tensor-parallel size")]
-        if self.num_experts:  # each expert's columns are split as the dense MLP's
+        if self.num_experts:  # each expert's columns (and the shared expert's) are split as the dense MLP's
             checks.append(("moe_ffn_hidden_size", self.moe_ffn_hidden_size or self.ffn_hidden_size, tensor_parallel,
                            "tensor-parallel size"))
+            if self.moe_shared_expert_intermediate_size:
+                checks.append(("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
+                               tensor_parallel, "tensor-parallel size"))
         for name, value, by, what in checks:
             if value % by:
                 raise ConfigError(f"invalid model config for tensor_parallel={tensor_parallel}: {name} {value} "
@@ -332,38 +335,73 @@ class GPTConfig:
 
     # -- sizes ------------------------------------------------------------------
     def num_parameters(self) -> int:
-        h, L, V = self.hidden_size, self.num_layers, self.vocab_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        b = 1 if self.bias else 0
-        qkv_b = 1 if self.bias or self.qkv_bias else 0
-        qk_norms = 2 * self.head_dim if self.qk_norm else 0
-        attn = h * (q + 2 * kv) + qkv_b * (q + 2 * kv) + q * h + b * h + qk_norms
-        if self.variant == "gpt2":
-            mlp = 2 * h * self.ffn_hidden_size + b * (self.ffn_hidden_size + h)
-            norms = 2 * 2 * h
-        else:
-            mlp = 3 * h * self.ffn_hidden_size + b * (2 * self.ffn_hidden_size + h)
-            norms = 2 * h
+        """Every parameter of the model (all experts, the balancing biases, the MTP depths)."""
+        h, V = self.hidden_size, self.vocab_size
         final_norm = (2 if self.variant == "gpt2" else 1) * h
         emb = V * h + (self.max_position_embeddings * h if self.variant == "gpt2" else 0)
         head = 0 if self.tie_embeddings else V * h
-        return emb + L * (attn + mlp + norms) + final_norm + head
+        layers = sum(self._layer_parameters(self.is_moe_layer(i)) for i in range(self.num_layers))
+        # each depth: enorm, hnorm, final_norm, eh_proj [h, 2h] and a layer (an MoE layer where the model has experts)
+        mtp = self.mtp_num_layers * (3 * h + 2 * h * h + self._layer_parameters(self.num_experts > 0))
+        return emb + layers + final_norm + head + mtp
+
+    def _attention_weights(self) -> int:
+        """The attention's matrix entries (what multiplies activations)."""
+        h, heads = self.hidden_size, self.num_heads
+        if not self.multi_latent_attention:
+            q, kv = heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return h * (q + 2 * kv) + q * h
+        qk, rank = self.qk_nope_head_dim + self.qk_rope_head_dim, self.kv_lora_rank
+        query = h * heads * qk if self.q_lora_rank is None else self.q_lora_rank * (h + heads * qk)
+        return (query + h * (rank + self.qk_rope_head_dim) + rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+                + heads * self.v_head_dim * h)
+
+    def _mlp_parameters(self, f: int) -> int:
+        b = 1 if self.bias else 0
+        if self.variant == "gpt2":
+            return 2 * self.hidden_size * f + b * (f + self.hidden_size)
+        return 3 * self.hidden_size * f + b * (2 * f + self.hidden_size)
+
+    def _layer_parameters(self, moe: bool) -> int:
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.multi_latent_attention:  # + the latents' norms
+            attn = self._attention_weights() + self.kv_lora_rank + (self.q_lora_rank or 0)
+        else:
+            qkv_b = 1 if self.bias or self.qkv_bias else 0
+            attn = (self._attention_weights() + qkv_b * (q + 2 * kv) + (h if self.bias else 0)
+                    + (2 * self.head_dim if self.qk_norm else 0))
+        norms = (4 if self.variant == "gpt2" else 2) * h
+        if not moe:
+            return attn + self._mlp_parameters(self.ffn_hidden_size) + norms
+        E, shared = self.num_experts, self.moe_shared_expert_intermediate_size
+        experts = E * self._mlp_parameters(self.moe_ffn_hidden_size or self.ffn_hidden_size) + h * E
+        experts += E if self.moe_router_enable_expert_bias else 0
+        experts += (self._mlp_parameters(shared) if shared else 0) + (h if self.moe_shared_expert_gate else 0)
+        return attn + experts + norms
 
     def flops_per_token(self, seq_length: int | None = None) -> float:
         """Training FLOPs per token (forward + backward): 6 per matmul weight plus attention.
 
         Counts every weight matrix that multiplies activations (the output layer
-        included, positions excluded; of an MoE layer the router and the top-k experts) and
+        included, positions excluded; of an MoE layer the router, the top-k experts and the shared expert; of
+        latent attention its down and up projections; each MTP depth's projection, layer and output layer) and
         12 x L x (heads x head_dim) x seq for scores and values, as PaLM's MFU does (no discount for the
-        causal mask).
+        causal mask; latent attention: 6 x L x heads x (nope + rope + v) x seq; the MTP depths as layers).
         """
         s = seq_length or self.seq_length
-        h, L = self.hidden_size, self.num_layers
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, L, depths = self.hidden_size, self.num_layers, self.mtp_num_layers
         per_ffn = (2 if self.variant == "gpt2" else 3) * h
-        moe = sum(1 for i in range(L) if self.is_moe_layer(i))
-        # an MoE layer's token meets its router and its top-k experts only (the active parameters)
-        active = self.moe_top_k * per_ffn * (self.moe_ffn_hidden_size or self.ffn_hidden_size) + h * self.num_experts
-        n_mlp = (L - moe) * per_ffn * self.ffn_hidden_size + moe * active
-        matmul_params = L * (h * (q + 2 * kv) + q * h) + n_mlp + self.vocab_size * h
-        return 6.0 * matmul_params + 12.0 * L * q * s
+        moe = sum(1 for i in range(L) if self.is_moe_layer(i)) + (depths if self.num_experts else 0)
+        # an MoE layer's token meets its router, its top-k experts and the shared expert only (the active parameters)
+        active = (self.moe_top_k * per_ffn * (self.moe_ffn_hidden_size or self.ffn_hidden_size) + h * self.num_experts
+                  + per_ffn * (self.moe_shared_expert_intermediate_size or 0) + h * self.moe_shared_expert_gate)
+        n_mlp = (L + depths - moe) * per_ffn * self.ffn_hidden_size + moe * active
+        # each MTP depth: its eh_proj, its layer and the shared output layer once more
+        matmul_params = ((L + depths) * self._attention_weights() + n_mlp + (1 + depths) * self.vocab_size * h
+                         + depths * 2 * h * h)
+        if self.multi_latent_attention:  # scores over nope + rope per head, values of v_head_dim
+            attention = self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        else:
+            attention = 2 * self.num_heads * self.head_dim
+        return 6.0 * matmul_params + 6.0 * (L + depths) * attention * s

@@ -131,6 +131,14 @@ def deinterleave_rope_rows(weight: torch.Tensor, rope: int, period: int) -> torc
     return torch.cat([kept, rot[:, 0::2], rot[:, 1::2]], dim=1).reshape(weight.shape)
 
 
+def interleave_rope_rows(weight: torch.Tensor, rope: int, period: int) -> torch.Tensor:
+    """The inverse of ``deinterleave_rope_rows``: [even; odd] RoPE rows back into interleaved pairs (an export to
+    transformers' ``rope_interleave`` layout)."""
+    blocks = weight.view(-1, period, *weight.shape[1:])
+    kept, rot = blocks[:, :period - rope], blocks[:, period - rope:]
+    pairs = torch.stack([rot[:, :rope // 2], rot[:, rope // 2:]], dim=2).flatten(1, 2)
+    return torch.cat([kept, pairs], dim=1).reshape(weight.shape)
+
 
 class MTPLayer(nn.Module):
     """One depth around ``block`` (a ``models.gpt.TransformerLayer``); ``seed`` draws ``eh_proj``."""

@@ -111,9 +111,12 @@ class ReferenceGate(nn.Module):
     """Built by ``make_gate`` as a subclass of DeepSpeed's ``TopKGate`` (its router ``wg``), with the reference
     models' routing (models/moe/router.py). Returns what ``dispatch`` reads: (load-balancing loss, expert of each route
     [S, k], -1 where the capacity dropped it, the route's gate [S, k], tokens per expert [E] before drops).
-    With ``moe_router_enable_expert_bias`` it holds ``expert_bias`` (a buffer, fp32 whatever the model's dtype:
-    saved in state dicts) and counts in ``load_since_update`` the routes each expert got in training since
-    ``update_expert_biases`` last read them."""
+    With ``moe_router_enable_expert_bias`` it holds ``balance_bias`` (a parameter without gradient, left out of the
+    optimizer, fp32 whatever the model's dtype: a parameter so that full state dicts, checkpoints at every layout,
+    imports and exports carry it as they carry the weights; transformers' ``e_score_correction_bias``; not named
+    ``expert_bias``: DeepSpeed-MoE saves every state-dict entry whose name holds "expert" as an expert's) and counts
+    in ``load_since_update`` the routes each expert got in training since ``update_expert_biases`` last read
+    them."""
 
     def setup(self, config: GPTConfig):
         self.k = config.moe_top_k
@@ -123,21 +126,25 @@ class ReferenceGate(nn.Module):
         self.policy = RouterPolicy.from_config(config)
         self.bias_update_rate = config.moe_router_bias_update_rate
         if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+            self.balance_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
             self.load_since_update = torch.zeros(config.num_experts, dtype=torch.float32)
         else:
-            self.expert_bias = self.load_since_update = None
+            self.balance_bias = self.load_since_update = None
         self.z_loss = None
         self.dropped_fraction = None
 
     def _apply(self, fn, recurse=True):
-        """Moves keep ``expert_bias`` in fp32 (a cast of the model to bf16 would round its small steps away)."""
-        bias = self._buffers.pop("expert_bias", None)
+        """Moves keep ``balance_bias`` in fp32 (a cast of the model to bf16 would round its small steps away)."""
+        bias = self._parameters.pop("balance_bias", None)
         super()._apply(fn, recurse)
         if bias is not None:
-            device = fn(torch.zeros((), dtype=torch.float32, device=bias.device)).device
-            self.register_buffer("expert_bias", bias.to(device))
-            self.load_since_update = self.load_since_update.to(device)
+            probe = fn(torch.zeros((), dtype=torch.float32, device=bias.device))
+            # a move (or to_empty) as every tensor's; a cast leaves it fp32
+            moved = fn(bias.data) if probe.dtype == torch.float32 else bias.data.to(probe.device)
+            self.balance_bias = nn.Parameter(moved, requires_grad=False)
+            counts = self.load_since_update  # (none yet in a model built on the meta device)
+            self.load_since_update = (torch.zeros(counts.shape, device=probe.device) if counts.is_meta
+                                      else counts.to(probe.device))
         return self
 
     def forward(self, input, used_token=None, sparse_routes=True, use_tutel=False, sequence_length=None):
@@ -146,7 +153,7 @@ class ReferenceGate(nn.Module):
         logits = F.linear(input.float(), self.wg.weight.float())
         factor = self.capacity if self.training else None  # evaluation is dropless
         weights, experts, _, kept, _, l_aux, z_loss, counts = route(
-            logits, self.k, self.normalize, factor, self.min_capacity, self.policy, self.expert_bias, sequence_length)
+            logits, self.k, self.normalize, factor, self.min_capacity, self.policy, self.balance_bias, sequence_length)
         self.z_loss = z_loss
         self.dropped_fraction = (1.0 - kept.float().mean()).detach()
         if self.load_since_update is not None and self.training:
@@ -341,6 +348,11 @@ class MoEMLP(nn.Module):
 EXPERT_INDEX = re.compile(r"(?<=\.deepspeed_experts\.)(\d+)(?=\.)")
 
 
+def is_balance_bias(name: str) -> bool:
+    """Whether parameter ``name`` is a gate's balancing bias (no gradient: in no optimizer's state)."""
+    return name.endswith(".gate.balance_bias")
+
+
 @dataclass(frozen=True)
 class ExpertSlice:
     """This rank's experts among an MoE layer's: local expert i is global expert ``first + i`` (of ``count``
@@ -450,12 +462,12 @@ def moe_step_stats(model: nn.Module, group=None, pipe_group=None) -> dict:
 def expert_bias_gates(model: nn.Module) -> list[nn.Module]:
     """The gates of ``model``'s MoE layers that hold a balancing bias, in layer order."""
     gates = (m.moe.deepspeed_moe.gate for m in model.modules() if isinstance(m, MoEMLP))
-    return [g for g in gates if g.expert_bias is not None]
+    return [g for g in gates if g.balance_bias is not None]
 
 
 @torch.no_grad()
 def update_expert_biases(model: nn.Module, group=None) -> list[torch.Tensor]:
-    """Auxiliary-loss-free balancing, after an optimizer step: every gate's ``expert_bias`` moves by
+    """Auxiliary-loss-free balancing, after an optimizer step: every gate's ``balance_bias`` moves by
     ``rate * sign(mean load - load)``, the load being the routes each expert got in the training forwards since
     the last call, summed over ``group`` (one all-reduce for all layers). ``group`` must hold every rank that routed
     other tokens (the data-parallel ranks, the context-parallel ones too); ranks holding the same tokens (TP) may
@@ -468,6 +480,6 @@ def update_expert_biases(model: nn.Module, group=None) -> list[torch.Tensor]:
     if group is not None and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(loads, group=group)
     for gate, load in zip(gates, loads):
-        gate.expert_bias.copy_(updated_expert_bias(gate.expert_bias, load, gate.bias_update_rate))
+        gate.balance_bias.copy_(updated_expert_bias(gate.balance_bias, load, gate.bias_update_rate))
         gate.load_since_update.zero_()
     return list(loads)

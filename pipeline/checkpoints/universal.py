@@ -25,6 +25,10 @@ each beside the code it fixes:
   issue #5716). ``convert_moe`` joins each parameter from its own group's partitions (an expert group's are cut
   over the expert-data ranks) and writes each expert under its global index; DeepSpeed's loader fills each
   rank's experts from those folders once given their global names (``_global_expert_names``).
+- the MoE gates' balancing biases (auxiliary-loss-free balancing): parameters without gradient, in no optimizer
+  state, which DeepSpeed's universal loader leaves as the new engine built them. ``convert_moe`` writes each into
+  a folder of its own (``<name>/fp32.pt``, from the source's model file) and ``load`` copies it into the engine
+  (``_restore_balance_biases``).
 
 Layout of the cache, beside the tags it converts::
 
@@ -77,7 +81,7 @@ from deepspeed.checkpoint.universal_checkpoint import SubparamShape
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from models import GPT, GPTConfig
-from models.moe import EXPERT_INDEX, expert_slice
+from models.moe import EXPERT_INDEX, expert_slice, is_balance_bias
 from models.parallel import get_shard_spec, tp_rank, tp_world_size
 from pipeline.checkpoints import safe_load
 from pipeline.job.errors import UserError, is_rank0
@@ -409,12 +413,17 @@ def convert_moe(tag_dir: Path, out: Path) -> None:
     models = [safe_load.safe_torch_load(tag_dir / f"mp_rank_{r:02d}_model_states.pt", map_location="cpu")
               for r in range(tp)]
     per_rank, optimizer = zip(*(_moe_fragments(tag_dir, r, layout, local, models[r]) for r in range(tp)))
-    if any(set(states) != set(specs) for states in per_rank):
-        missing = sorted(set(specs).symmetric_difference(per_rank[0]))[:3]
+    biases = {name for name in specs if is_balance_bias(name)}
+    if any(set(states) != set(specs) - biases for states in per_rank):
+        missing = sorted((set(specs) - biases).symmetric_difference(per_rank[0]))[:3]
         raise UniversalError(f"{tag_dir}: its optimizer files do not hold the model's parameters "
                              f"({', '.join(missing)} differ)")
     for name, spec in specs.items():
-        _write_param(out / "zero" / name, name, spec, [states[name] for states in per_rank])
+        if name in biases:  # replicated; the same on every rank (update_expert_biases)
+            (out / "zero" / name).mkdir(parents=True)
+            torch.save({PARAM: models[0]["module"][name].float().clone()}, out / "zero" / name / "fp32.pt")
+        else:
+            _write_param(out / "zero" / name, name, spec, [states[name] for states in per_rank])
     # the groups' hyperparameters; their names and MoE flags (``ep_size_2``) belong to the loading layout's groups
     groups = [{k: v for k, v in group.items() if k not in ("name", "moe")}
               for group in optimizer[0][BASE_OPTIMIZER_STATE][PARAM_GROUPS]]
@@ -547,6 +556,7 @@ def _zero3_merged_as_tp1(ds_to_universal, tag_dir: Path):
 def load(engine, cache: Path, model_config) -> None:
     """Restore weights, Adam moments and step, loss scale and LR schedule of a universal checkpoint into
     ``engine`` (built with ``"checkpoint": {"load_universal": true}``). Collective."""
+    _restore_balance_biases(engine, cache)
     if engine.zero_optimization_stage() == 0:
         _load_zero0(engine, cache)
         return
@@ -557,6 +567,20 @@ def load(engine, cache: Path, model_config) -> None:
     if path is None:
         raise UniversalError(f"DeepSpeed could not load the universal checkpoint {cache}")
     _zero3_after_load(engine, cache)
+
+
+@torch.no_grad()
+def _restore_balance_biases(engine, cache: Path) -> None:
+    """The gates' balancing biases from their folders (``convert_moe``): DeepSpeed's loader fills the optimizer's
+    parameters only. (MoE layers resume through this path without pipeline stages: the GPT's names.)"""
+    for name, param in engine.module.named_parameters():
+        if not is_balance_bias(name):
+            continue
+        path = cache / "zero" / name / "fp32.pt"
+        if not path.is_file():
+            raise UniversalError(f"universal checkpoint {cache} lacks {name}/fp32.pt, the balancing bias (a cache "
+                                 f"written before biases were carried); delete {cache} to convert the tag again")
+        param.copy_(_load_state(path)[PARAM])
 
 
 def _load_zero0(engine, cache: Path) -> None:

@@ -1,5 +1,5 @@
 """Weight and config mapping between the project's GPT and Hugging Face's GPT-2, Llama, Qwen2, Qwen3, Mistral,
-Mixtral and Qwen3-MoE.
+Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek-V3.
 
 Pure functions on *full* (TP=1) state dicts: ``to_hf`` and ``from_hf`` never see a
 process group. Sharding to a tensor-parallel size happens afterwards, with
@@ -7,13 +7,24 @@ process group. Sharding to a tensor-parallel size happens afterwards, with
 
 One table (``weight_map``) lists, for a given config, every project tensor, its full
 shape and the Hugging Face tensor(s) it is made of; both directions read it, so an
-export and an import cannot disagree. The two conventions differ in only three ways:
+export and an import cannot disagree. The two conventions differ in only four ways:
 
 * fused tensors: the project keeps Q, K, V (and llama's gate, up) as row blocks of
   one matrix, in Hugging Face's head order; Llama stores them as separate matrices,
   GPT-2 stores QKV fused too (``c_attn``);
 * GPT-2's ``Conv1D`` stores a linear weight as [in, out], the transpose of ``nn.Linear``;
-* a tied output layer has no tensor of its own in the project's state dict.
+* a tied output layer has no tensor of its own in the project's state dict;
+* DeepSeek-V3 (``rope_interleave``, its default) rotates interleaved pairs of the RoPE rows of the query and
+  ``kv_a_proj_with_mqa``; the project's latent attention rotates halves: those rows are reordered [even; odd] on
+  import and back on export (``models.deepseek.deinterleave_rope_rows``), the same function bit for bit.
+
+DeepSeek-V3's multi-token prediction modules are where its checkpoints keep them, ``model.layers.{L + d}.*``
+(``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and one decoder layer, L = ``num_hidden_layers``), which
+``DeepseekV3ForCausalLM`` does not load and transformers' ``MtpModel.from_pretrained`` does: an import keeps the
+depths the files hold (``mtp_num_layers``; none in what ``save_pretrained`` writes), an export writes the model's.
+The copies of the embedding and output layer some checkpoints give each depth (``embed_tokens``,
+``shared_head.head``) are checked equal to the model's on import and not written on export (the project shares
+them, as ``MtpModel`` does).
 
 The Hugging Face families are one table, ``HF_FAMILIES`` (at the end of the config readers): each entry
 names its classes, reads its config into the project's (Qwen2, Qwen3 and Mistral are options of the llama
@@ -38,8 +49,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 from models.config import ConfigError, GPTConfig
+from models.deepseek import deinterleave_rope_rows, interleave_rope_rows
 from pipeline.job.errors import UserError
-from pipeline.hf.experts import MIXTRAL_EXPERTS, QWEN3_MOE_EXPERTS, ExpertNames, is_fused, unfuse_experts
+from pipeline.hf.experts import (DEEPSEEK_V3_EXPERTS, MIXTRAL_EXPERTS, QWEN2_MOE_EXPERTS, QWEN3_MOE_EXPERTS,
+                                 ExpertNames, is_fused, unfuse_experts)
 from pipeline.hf.safetensors_io import (PlannedTensor, SafetensorsFiles, dtype_of, hf_weight_files, materialize,
                                        read_header, shape_of)
 
@@ -53,7 +66,9 @@ _SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 TRAINING_KEY = "megatron_ds_training"
 _TRAINING_FIELDS = ("hidden_dropout", "attention_dropout", "seq_length", "make_vocab_size_divisible_by")
 # an MoE model's training-only routing settings (evaluation is dropless, the z-loss only trains the router)
-_MOE_TRAINING_FIELDS = ("moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity")
+_MOE_TRAINING_FIELDS = ("moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity", "moe_aux_loss_coeff",
+                        "moe_router_load_balancing_type", "moe_router_bias_update_rate", "moe_grouped_gemm",
+                        "mtp_loss_scaling_factor")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -100,6 +115,7 @@ class WeightRule:
     theirs: tuple[str, ...]        # Hugging Face tensor(s): several = row blocks of ``ours``, in order
     split: tuple[int, ...] = ()    # row counts of those blocks (when there are several)
     transpose: bool = False        # GPT-2 Conv1D: the HF tensor is ours transposed ([in, out])
+    rope: tuple[int, int] = ()     # (RoPE rows, period): every period rows end with RoPE rows interleaved in HF's
 
 
 def weight_map(config: GPTConfig) -> list[WeightRule]:
@@ -144,34 +160,78 @@ def _gpt2_bias_names(c: GPTConfig) -> dict[str, int]:
 
 
 def _llama_map(c: GPTConfig) -> list[WeightRule]:
-    h, f, V, d = c.hidden_size, c.ffn_hidden_size, c.vocab_size, c.head_dim
-    q, kv = c.num_heads * d, c.num_kv_heads * d
+    h, V = c.hidden_size, c.vocab_size
     R = WeightRule
     rules = [R("embedding.word_embeddings.weight", (V, h), ("model.embed_tokens.weight",))]
     for i in range(c.num_layers):
-        p, t = f"layers.{i}.", f"model.layers.{i}."
-        qkv = tuple(t + f"self_attn.{n}_proj" for n in "qkv")
-        gate_up = (t + "mlp.gate_proj", t + "mlp.up_proj")
-        rules += [R(p + "input_norm.weight", (h,), (t + "input_layernorm.weight",)),
-                  R(p + "attention.qkv.weight", (q + 2 * kv, h), tuple(n + ".weight" for n in qkv), (q, kv, kv)),
-                  R(p + "attention.dense.weight", (h, q), (t + "self_attn.o_proj.weight",)),
-                  R(p + "post_attention_norm.weight", (h,), (t + "post_attention_layernorm.weight",)),
-                  R(p + "mlp.fc_in.weight", (2 * f, h), tuple(n + ".weight" for n in gate_up), (f, f)),
-                  R(p + "mlp.fc_out.weight", (h, f), (t + "mlp.down_proj.weight",))]
-        if c.is_moe_layer(i):
-            rules = rules[:-2] + _expert_rules(c, p, t)
-        if c.qk_norm:
-            rules += [R(p + f"attention.{n}_norm.weight", (d,), (t + f"self_attn.{n}_norm.weight",)) for n in "qk"]
-        if c.bias or c.qkv_bias:
-            rules.append(R(p + "attention.qkv.bias", (q + 2 * kv,), tuple(n + ".bias" for n in qkv), (q, kv, kv)))
-        if c.bias:
-            rules += [R(p + "attention.dense.bias", (h,), (t + "self_attn.o_proj.bias",)),
-                      R(p + "mlp.fc_in.bias", (2 * f,), tuple(n + ".bias" for n in gate_up), (f, f)),
-                      R(p + "mlp.fc_out.bias", (h,), (t + "mlp.down_proj.bias",))]
+        rules += _layer_rules(c, f"layers.{i}.", f"model.layers.{i}.", c.is_moe_layer(i))
     rules.append(R("final_norm.norm.weight", (h,), ("model.norm.weight",)))
     if not c.tie_embeddings:
         rules.append(R("lm_head.weight", (V, h), ("lm_head.weight",)))
+    for d in range(c.mtp_num_layers):
+        p, t = f"mtp.layers.{d}.", f"model.layers.{c.num_layers + d}."
+        rules += [R(p + "enorm.weight", (h,), (t + "enorm.weight",)),
+                  R(p + "hnorm.weight", (h,), (t + "hnorm.weight",)),
+                  R(p + "eh_proj.weight", (h, 2 * h), (t + "eh_proj.weight",)),
+                  R(p + "final_norm.weight", (h,), (t + "shared_head.norm.weight",))]
+        rules += _layer_rules(c, p + "block.", t, c.num_experts > 0)  # an MoE layer where the model has experts
     return rules
+
+
+def _layer_rules(c: GPTConfig, p: str, t: str, moe: bool) -> list[WeightRule]:
+    """One decoder layer: the project's names start with ``p``, Hugging Face's with ``t``."""
+    h, f, d = c.hidden_size, c.ffn_hidden_size, c.head_dim
+    q, kv = c.num_heads * d, c.num_kv_heads * d
+    R = WeightRule
+    qkv = tuple(t + f"self_attn.{n}_proj" for n in "qkv")
+    gate_up = (t + "mlp.gate_proj", t + "mlp.up_proj")
+    rules = [R(p + "input_norm.weight", (h,), (t + "input_layernorm.weight",)),
+             R(p + "post_attention_norm.weight", (h,), (t + "post_attention_layernorm.weight",))]
+    if c.multi_latent_attention:
+        rules += _latent_attention_rules(c, p + "attention.", t + "self_attn.")
+    else:
+        rules += [R(p + "attention.qkv.weight", (q + 2 * kv, h), tuple(n + ".weight" for n in qkv), (q, kv, kv)),
+                  R(p + "attention.dense.weight", (h, q), (t + "self_attn.o_proj.weight",))]
+    if moe:
+        rules += _expert_rules(c, p, t)
+    else:
+        rules += [R(p + "mlp.fc_in.weight", (2 * f, h), tuple(n + ".weight" for n in gate_up), (f, f)),
+                  R(p + "mlp.fc_out.weight", (h, f), (t + "mlp.down_proj.weight",))]
+    if c.qk_norm:
+        rules += [R(p + f"attention.{n}_norm.weight", (d,), (t + f"self_attn.{n}_norm.weight",)) for n in "qk"]
+    if c.bias or c.qkv_bias:
+        rules.append(R(p + "attention.qkv.bias", (q + 2 * kv,), tuple(n + ".bias" for n in qkv), (q, kv, kv)))
+    if c.bias:
+        rules += [R(p + "attention.dense.bias", (h,), (t + "self_attn.o_proj.bias",)),
+                  R(p + "mlp.fc_in.bias", (2 * f,), tuple(n + ".bias" for n in gate_up), (f, f)),
+                  R(p + "mlp.fc_out.bias", (h,), (t + "mlp.down_proj.bias",))]
+    return rules
+
+
+def rope_interleaved(c: GPTConfig) -> bool:
+    """Whether the Hugging Face side of a latent-attention model keeps its RoPE rows interleaved: as the import
+    recorded (``rope_interleave``), else DeepSeek-V3's default (true)."""
+    recorded = c.extra.get("hf", {}) if isinstance(c.extra, dict) else {}
+    return bool(recorded.get("rope_interleave", True))
+
+
+def _latent_attention_rules(c: GPTConfig, a: str, s: str) -> list[WeightRule]:
+    """Multi-head latent attention (``models.deepseek``; transformers' ``DeepseekV3Attention``)."""
+    h, heads, rope, rank = c.hidden_size, c.num_heads, c.qk_rope_head_dim, c.kv_lora_rank
+    qk = c.qk_nope_head_dim + rope
+    q_rope, kv_rope = ((rope, qk), (rope, rank + rope)) if rope_interleaved(c) else ((), ())
+    R = WeightRule
+    if c.q_lora_rank is None:
+        rules = [R(a + "q_proj.weight", (heads * qk, h), (s + "q_proj.weight",), rope=q_rope)]
+    else:
+        rules = [R(a + "q_a_proj.weight", (c.q_lora_rank, h), (s + "q_a_proj.weight",)),
+                 R(a + "q_a_norm.weight", (c.q_lora_rank,), (s + "q_a_layernorm.weight",)),
+                 R(a + "q_b_proj.weight", (heads * qk, c.q_lora_rank), (s + "q_b_proj.weight",), rope=q_rope)]
+    return rules + [
+        R(a + "kv_a_proj.weight", (rank + rope, h), (s + "kv_a_proj_with_mqa.weight",), rope=kv_rope),
+        R(a + "kv_a_norm.weight", (rank,), (s + "kv_a_layernorm.weight",)),
+        R(a + "kv_b_proj.weight", (heads * (c.qk_nope_head_dim + c.v_head_dim), rank), (s + "kv_b_proj.weight",)),
+        R(a + "dense.weight", (h, heads * c.v_head_dim), (s + "o_proj.weight",))]
 
 
 def _expert_rules(c: GPTConfig, p: str, t: str) -> list[WeightRule]:
@@ -185,6 +245,15 @@ def _expert_rules(c: GPTConfig, p: str, t: str) -> list[WeightRule]:
         gate, up, down = names.expert(t, e)
         rules += [WeightRule(x + "fc_in.weight", (2 * f, h), (gate, up), (f, f)),
                   WeightRule(x + "fc_out.weight", (h, f), (down,))]
+    if c.moe_router_enable_expert_bias:
+        rules.append(WeightRule(ours + "gate.balance_bias", (E,), (names.router_bias(t),)))
+    shared = c.moe_shared_expert_intermediate_size
+    if shared is not None:
+        gate, up, down = names.shared_expert(t)
+        rules += [WeightRule(p + "mlp.shared_expert.fc_in.weight", (2 * shared, h), (gate, up), (shared, shared)),
+                  WeightRule(p + "mlp.shared_expert.fc_out.weight", (h, shared), (down,))]
+    if c.moe_shared_expert_gate:
+        rules.append(WeightRule(p + "mlp.shared_expert_gate.weight", (1, h), (names.shared_expert_gate(t),)))
     return rules
 
 
@@ -262,11 +331,34 @@ def _mixtral_config_to_hf(config: GPTConfig) -> dict:
                 router_aux_loss_coef=config.moe_aux_loss_coeff, router_jitter_noise=0.0)
 
 
-def _qwen3_moe_config_to_hf(config: GPTConfig) -> dict:
-    return dict(_qwen3_config_to_hf(config), moe_intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+def _qwen_moe_fields_to_hf(config: GPTConfig) -> dict:
+    """The MoE fields Qwen3-MoE and Qwen2-MoE share."""
+    return dict(moe_intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
                 num_experts=config.num_experts, num_experts_per_tok=config.moe_top_k,
                 norm_topk_prob=config.moe_norm_topk_prob, decoder_sparse_step=config.moe_layer_freq,
                 mlp_only_layers=list(config.moe_dense_layers), router_aux_loss_coef=config.moe_aux_loss_coeff)
+
+
+def _qwen3_moe_config_to_hf(config: GPTConfig) -> dict:
+    return dict(_qwen3_config_to_hf(config), **_qwen_moe_fields_to_hf(config))
+
+
+def _qwen2_moe_config_to_hf(config: GPTConfig) -> dict:
+    return dict(_qwen2_config_to_hf(config), **_qwen_moe_fields_to_hf(config), qkv_bias=config.qkv_bias,
+                shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
+
+
+def _deepseek_v3_config_to_hf(c: GPTConfig) -> dict:
+    out = dict(_decoder_config_to_hf(c), moe_intermediate_size=c.moe_ffn_hidden_size or c.ffn_hidden_size,
+               n_routed_experts=c.num_experts, num_experts_per_tok=c.moe_top_k, n_group=c.moe_router_num_groups or 1,
+               topk_group=c.moe_router_group_topk or 1, routed_scaling_factor=c.moe_router_topk_scaling_factor,
+               norm_topk_prob=c.moe_norm_topk_prob, first_k_dense_replace=len(c.moe_dense_layers),
+               n_shared_experts=c.moe_shared_expert_intermediate_size // (c.moe_ffn_hidden_size or c.ffn_hidden_size),
+               q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+               qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, rope_interleave=rope_interleaved(c),
+               attention_bias=False, num_mtp_layers=c.mtp_num_layers)
+    del out["head_dim"]  # DeepseekV3Config derives it (qk_rope_head_dim)
+    return out
 
 
 def to_hf(full_state_dict: Mapping[str, torch.Tensor], config: GPTConfig, dtype: torch.dtype | str | None = None,
@@ -311,6 +403,7 @@ def _piece_maker(full_state_dict: Mapping, rule: WeightRule, start: int, rows: i
     def make() -> torch.Tensor:
         piece = materialize(full_state_dict[rule.ours]).narrow(0, start, rows)
         piece = piece.t() if rule.transpose else piece
+        piece = interleave_rope_rows(piece, *rule.rope) if rule.rope else piece
         # a block of a fused tensor gets its own storage: safetensors' own writer refuses tensors sharing one
         piece = piece.clone(memory_format=torch.contiguous_format) if rule.split else piece.contiguous()
         return _cast(piece, dtype, rule.ours)
@@ -370,6 +463,8 @@ def config_from_hf(cfg, source: str = "Hugging Face config") -> GPTConfig:
         out = family.read(cfg, source)
         if model_type == "gpt2":
             out["bias"] = training.get("bias", True) is not False  # from_hf checks the biases are still zero
+        if model_type == "deepseek_v3":  # the layout of the RoPE rows in the files (rope_interleaved)
+            hf_meta["rope_interleave"] = bool(getattr(cfg, "rope_interleave", True))
         out.update({k: training[k] for k in _TRAINING_FIELDS + _MOE_TRAINING_FIELDS if k in training})
         return GPTConfig(**out, hf_model_type=model_type, extra={"hf": hf_meta})
     except ConfigError as e:
@@ -473,17 +568,63 @@ def _mixtral_config_from_hf(cfg, source: str) -> dict:
                 moe_aux_loss_coeff=float(cfg.router_aux_loss_coef), moe_norm_topk_prob=True, moe_layer_freq=1)
 
 
-def _qwen3_moe_config_from_hf(cfg, source: str) -> dict:
-    """Qwen3-MoE: Qwen3's attention; every ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` a mixture
-    of ``num_experts`` SwiGLU experts of ``moe_intermediate_size`` (softmax, top-k, renormalised if
-    ``norm_topk_prob``; dropless), the others a dense SwiGLU of ``intermediate_size``. It has no shared expert
-    (Qwen2-MoE's ``shared_expert`` is another family, not imported)."""
+def _qwen_moe_fields_from_hf(cfg, source: str, dense: str) -> dict:
+    """The MoE fields Qwen3-MoE and Qwen2-MoE share: every ``decoder_sparse_step``-th layer not in
+    ``mlp_only_layers`` a mixture of ``num_experts`` SwiGLU experts of ``moe_intermediate_size`` (softmax, top-k,
+    renormalised if ``norm_topk_prob``; dropless), the others a dense SwiGLU of ``intermediate_size``."""
     if not cfg.num_experts:
-        _refuse(source, "num_experts", cfg.num_experts, "an MoE model (import a dense model as Qwen3)")
-    return dict(_qwen3_config_from_hf(cfg, source), num_experts=cfg.num_experts, moe_top_k=cfg.num_experts_per_tok,
+        _refuse(source, "num_experts", cfg.num_experts, f"an MoE model (import a dense model as {dense})")
+    return dict(num_experts=cfg.num_experts, moe_top_k=cfg.num_experts_per_tok,
                 moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_aux_loss_coeff=float(cfg.router_aux_loss_coef),
                 moe_norm_topk_prob=bool(cfg.norm_topk_prob), moe_layer_freq=cfg.decoder_sparse_step,
                 moe_dense_layers=list(cfg.mlp_only_layers or []))
+
+
+def _qwen3_moe_config_from_hf(cfg, source: str) -> dict:
+    """Qwen3-MoE: Qwen3's attention, Qwen's MoE layers without a shared expert."""
+    return dict(_qwen3_config_from_hf(cfg, source), **_qwen_moe_fields_from_hf(cfg, source, "Qwen3"))
+
+
+def _qwen2_moe_config_from_hf(cfg, source: str) -> dict:
+    """Qwen2-MoE: Qwen2's attention (Q, K, V biases if ``qkv_bias``), Qwen's MoE layers, each with a shared expert
+    of ``shared_expert_intermediate_size`` whose output is scaled by sigmoid(``shared_expert_gate``(x))."""
+    if not getattr(cfg, "shared_expert_intermediate_size", 0):
+        _refuse(source, "shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
+                "a Qwen2-MoE layer with its shared expert")
+    return dict(_qwen2_config_from_hf(cfg, source), **_qwen_moe_fields_from_hf(cfg, source, "Qwen2"),
+                qkv_bias=bool(getattr(cfg, "qkv_bias", True)),
+                moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, moe_shared_expert_gate=True)
+
+
+# DeepSeek-V3's training settings that its config has no field for (docs/moe.md): the sequence-wise balancing loss
+# with the paper's alpha, beside the auxiliary-loss-free bias (its gamma is the project's default rate)
+DEEPSEEK_V3_TRAINING = dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4)
+
+
+def _deepseek_v3_config_from_hf(cfg, source: str) -> dict:
+    """DeepSeek-V3: latent attention (``q_lora_rank``, ``kv_lora_rank``, the head dims), the first
+    ``first_k_dense_replace`` layers dense, the others ``n_routed_experts`` experts of ``moe_intermediate_size``
+    chosen by sigmoid scores within the ``topk_group`` best of ``n_group`` groups, the selection moved by the
+    balancing bias (``e_score_correction_bias``), weights renormalised if ``norm_topk_prob`` and scaled by
+    ``routed_scaling_factor``, beside ``n_shared_experts`` shared experts (one MLP of n x the experts' width);
+    ``num_mtp_layers`` prediction depths (those the files hold: ``from_hf``)."""
+    if getattr(cfg, "attention_bias", False):
+        _refuse(source, "attention_bias", True, "latent attention without biases")
+    if not cfg.n_shared_experts:
+        _refuse(source, "n_shared_experts", cfg.n_shared_experts, "a DeepSeek-V3 layer with its shared experts")
+    groups = cfg.n_group if (cfg.n_group or 1) > 1 else None
+    return dict(_decoder_config_from_hf(cfg, source), **DEEPSEEK_V3_TRAINING, bias=False,
+                num_kv_heads=cfg.num_attention_heads, head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                num_experts=cfg.n_routed_experts, moe_top_k=cfg.num_experts_per_tok,
+                moe_ffn_hidden_size=cfg.moe_intermediate_size,
+                moe_dense_layers=list(range(min(cfg.first_k_dense_replace or 0, cfg.num_hidden_layers))),
+                moe_norm_topk_prob=bool(cfg.norm_topk_prob), moe_router_score_function="sigmoid",
+                moe_router_num_groups=groups, moe_router_group_topk=cfg.topk_group if groups else None,
+                moe_router_topk_scaling_factor=float(cfg.routed_scaling_factor), moe_router_enable_expert_bias=True,
+                moe_shared_expert_intermediate_size=cfg.n_shared_experts * cfg.moe_intermediate_size,
+                multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                v_head_dim=cfg.v_head_dim, mtp_num_layers=int(getattr(cfg, "num_mtp_layers", 0) or 0))
 
 
 # -- the Hugging Face families -----------------------------------------------------------------------------------------
@@ -513,12 +654,42 @@ class HFFamily:
 LATER_GENERATION = {"moe_router_score_function": "softmax", "moe_router_num_groups": None,
                     "moe_router_group_topk": None, "moe_router_topk_scaling_factor": 1.0,
                     "moe_router_enable_expert_bias": False, "moe_shared_expert_intermediate_size": None,
-                    "moe_shared_expert_gate": False, "multi_latent_attention": False}
+                    "moe_shared_expert_gate": False, "multi_latent_attention": False, "mtp_num_layers": 0}
+
+
+def _differs(c: GPTConfig, wanted) -> list[str]:
+    """``field=value`` of each (field, value) of ``wanted`` that the config does not have."""
+    return [f"{name}={getattr(c, name)!r}" for name, value in wanted if getattr(c, name) != value]
 
 
 def _later_generation(c: GPTConfig) -> list[str]:
-    return [f"{name}={getattr(c, name)!r}" for name, default in LATER_GENERATION.items()
-            if getattr(c, name) != default]
+    return _differs(c, LATER_GENERATION.items())
+
+
+def _qwen2_moe_holds(c: GPTConfig) -> str | None:
+    """Qwen2-MoE: Qwen2's attention, Qwen's softmax routing, a gated shared expert in every MoE layer."""
+    wanted = {**LATER_GENERATION, "moe_shared_expert_gate": True, "qk_norm": False, "bias": False,
+              "sliding_window": None}
+    del wanted["moe_shared_expert_intermediate_size"]  # any width (the gate needs one)
+    lacks = _differs(c, wanted.items())
+    return ", ".join(lacks + ([] if c.num_experts else ["num_experts=0"])) or None
+
+
+def _deepseek_v3_holds(c: GPTConfig) -> str | None:
+    """DeepSeek-V3: latent attention, sigmoid routing with the balancing bias, ungated shared experts n x the
+    experts' width, the first layers dense (any group limit, scaling, renormalisation and MTP depths)."""
+    lacks = _differs(c, (("multi_latent_attention", True), ("moe_router_score_function", "sigmoid"),
+                         ("moe_router_enable_expert_bias", True), ("moe_shared_expert_gate", False),
+                         ("qk_norm", False), ("qkv_bias", False), ("bias", False), ("sliding_window", None),
+                         ("moe_layer_freq", 1)))
+    if not c.num_experts:
+        return ", ".join(lacks + ["num_experts=0"])
+    if c.moe_dense_layers != list(range(len(c.moe_dense_layers))):
+        lacks.append(f"moe_dense_layers={c.moe_dense_layers} (only the first layers dense: first_k_dense_replace)")
+    shared, f = c.moe_shared_expert_intermediate_size, c.moe_ffn_hidden_size or c.ffn_hidden_size
+    if shared is None or shared % f:
+        lacks.append(f"moe_shared_expert_intermediate_size={shared} (n_shared_experts x the experts' {f})")
+    return ", ".join(lacks) or None
 
 
 def _holds(*, qkv_bias: bool = False, qk_norm: bool = False, sliding_window: bool = False, bias: bool = True,
@@ -562,6 +733,12 @@ HF_FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
     HFFamily("qwen3_moe", "llama", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification",
              "Qwen3MoeModel", _qwen3_moe_config_from_hf, _qwen3_moe_config_to_hf,
              _holds(qk_norm=True, bias=False, moe=True, sparse_layers=True), QWEN3_MOE_EXPERTS),
+    HFFamily("qwen2_moe", "llama", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification",
+             "Qwen2MoeModel", _qwen2_moe_config_from_hf, _qwen2_moe_config_to_hf, _qwen2_moe_holds,
+             QWEN2_MOE_EXPERTS),
+    HFFamily("deepseek_v3", "llama", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+             "DeepseekV3ForSequenceClassification", "DeepseekV3Model", _deepseek_v3_config_from_hf,
+             _deepseek_v3_config_to_hf, _deepseek_v3_holds, DEEPSEEK_V3_EXPERTS),
 )}
 HF_ARCHITECTURE = {name: f.architecture for name, f in HF_FAMILIES.items()}
 
@@ -631,6 +808,7 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dty
                                   f"input embedding")
         del head, emb
         used.add(tied_head)
+    used.update(_mtp_copies(hf_sd, config, source))
     unexpected = sorted((k for k in hf_sd if k not in used and not _ignorable(k)), key=_natural)
     if unexpected:
         raise ConversionError(f"{source}: tensor(s) the project's model has no place for: "
@@ -638,11 +816,38 @@ def state_dict_from_hf(hf_sd: Mapping[str, torch.Tensor], config: GPTConfig, dty
     return out if lazy else {name: planned.make() for name, planned in out.items()}
 
 
+def _mtp_copies(hf_sd: Mapping, config: GPTConfig, source: str) -> list[str]:
+    """The embedding and output layer a DeepSeek-V3 checkpoint repeats in each prediction depth: equal to the
+    model's (the project's depths share them), or refused."""
+    head = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
+    found = []
+    for d in range(config.mtp_num_layers):
+        for leaf, main in (("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", head)):
+            name = f"model.layers.{config.num_layers + d}.{leaf}"
+            if name not in hf_sd:
+                continue
+            if not torch.equal(materialize(hf_sd[name]), materialize(hf_sd[main])):
+                raise ConversionError(f"{source}: {name} differs from {main}; the project's multi-token prediction "
+                                      f"shares the model's embedding and output layer")
+            found.append(name)
+    return found
+
+
+def mtp_depths_found(config: GPTConfig, hf_sd: Mapping) -> GPTConfig:
+    """``config`` with the prediction depths whose weights ``hf_sd`` holds: DeepSeek-V3's config names
+    ``num_mtp_layers`` whether or not its files hold them (``save_pretrained`` writes none)."""
+    depths = 0
+    while depths < config.mtp_num_layers and f"model.layers.{config.num_layers + depths}.eh_proj.weight" in hf_sd:
+        depths += 1
+    return config if depths == config.mtp_num_layers else dataclasses.replace(config, mtp_num_layers=depths)
+
+
 def _joiner(hf_sd: Mapping, rule: WeightRule, dtype):
     def make() -> torch.Tensor:
         pieces = [materialize(hf_sd[n]) for n in rule.theirs]
         pieces = [p.t() if rule.transpose else p for p in pieces]
         full = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+        full = deinterleave_rope_rows(full.contiguous(), *rule.rope) if rule.rope else full
         return _cast(full.detach().contiguous(), dtype, rule.theirs[0])
     return make
 
@@ -780,6 +985,7 @@ def from_hf(hf_model_or_dir, *, gguf_file: str | None = None, dtype: torch.dtype
         config, hf_sd = config_from_hf(model.config, name), model.state_dict()
     if config.num_experts and is_fused(hf_sd):  # a loaded transformers 5 MoE
         hf_sd = unfuse_experts(hf_sd, hf_family(config).experts)
+    config = mtp_depths_found(config, hf_sd)
     if config.variant == "gpt2" and not config.bias and any(hf_sd[n].any() for n in _gpt2_bias_names(config)
                                                             if n in hf_sd):
         config = dataclasses.replace(config, bias=True)  # exported bias-free, then trained with biases

@@ -2,10 +2,13 @@
 
 The files (what ``save_pretrained`` writes and the Hub holds) have one tensor per expert and projection:
 Mixtral's ``model.layers.L.block_sparse_moe.experts.E.w1/w3/w2.weight`` (gate, up, down) and router
-``block_sparse_moe.gate.weight``; Qwen3-MoE's ``model.layers.L.mlp.experts.E.gate_proj/up_proj/down_proj.weight``
-and ``mlp.gate.weight``. transformers 5 fuses the experts in memory only (``mlp.experts.gate_up_proj``
-[E, 2f, h], ``mlp.experts.down_proj`` [E, h, f], router ``mlp.gate.weight``) and reverts that on save, so the
-conversion tables name the files' tensors and ``unfuse_experts`` gives a loaded model's state dict those names.
+``block_sparse_moe.gate.weight``; Qwen3-MoE's, Qwen2-MoE's and DeepSeek-V3's
+``model.layers.L.mlp.experts.E.gate_proj/up_proj/down_proj.weight`` and ``mlp.gate.weight``. Beside the routed
+experts, DeepSeek-V3 has ``mlp.shared_experts.*_proj`` and the balancing bias ``mlp.gate.e_score_correction_bias``;
+Qwen2-MoE ``mlp.shared_expert.*_proj`` and its gate ``mlp.shared_expert_gate.weight``. transformers 5 fuses the
+experts in memory only (``mlp.experts.gate_up_proj`` [E, 2f, h], ``mlp.experts.down_proj`` [E, h, f], router
+``mlp.gate.weight``) and reverts that on save, so the conversion tables name the files' tensors and
+``unfuse_experts`` gives a loaded model's state dict those names.
 """
 from __future__ import annotations
 
@@ -19,9 +22,23 @@ class ExpertNames:
     gate: str    # each expert's gate, up and down projections
     up: str
     down: str
+    shared: str | None = None       # the shared expert's module under the block (None: the family has none)
+    shared_gate: str | None = None  # its sigmoid gate's module (Qwen2-MoE)
 
     def router(self, layer: str) -> str:
         return f"{layer}{self.block}.gate.weight"
+
+    def router_bias(self, layer: str) -> str:
+        """The auxiliary-loss-free balancing bias (DeepSeek-V3's ``e_score_correction_bias``)."""
+        return f"{layer}{self.block}.gate.e_score_correction_bias"
+
+    def shared_expert(self, layer: str) -> tuple[str, str, str]:
+        """(gate, up, down) weight names of the shared expert."""
+        x = f"{layer}{self.block}.{self.shared}."
+        return x + "gate_proj.weight", x + "up_proj.weight", x + "down_proj.weight"
+
+    def shared_expert_gate(self, layer: str) -> str:
+        return f"{layer}{self.block}.{self.shared_gate}.weight"
 
     def expert(self, layer: str, e: int) -> tuple[str, str, str]:
         """(gate, up, down) weight names of expert ``e`` of the layer whose names start with ``layer``."""
@@ -31,6 +48,8 @@ class ExpertNames:
 
 MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 QWEN3_MOE_EXPERTS = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+QWEN2_MOE_EXPERTS = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", "shared_expert", "shared_expert_gate")
+DEEPSEEK_V3_EXPERTS = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", "shared_experts")
 
 
 def is_fused(hf_sd: Mapping) -> bool:
