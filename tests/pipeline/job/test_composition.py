@@ -88,7 +88,7 @@ def _train(layout: Layout, model: str) -> dict:
 
 def _balancing_bias(module) -> list[float]:
     """The auxiliary-loss-free balancing biases of this rank's MoE layers, in layer order."""
-    return [float(b) for gate in expert_bias_gates(module) for b in gate.expert_bias]
+    return [float(b) for gate in expert_bias_gates(module) for b in gate.balance_bias]
 
 
 def _counted_on_any_rank() -> dict:
