@@ -106,7 +106,7 @@ def provide_base(args, lora: LoraConfig | None, *, dropout: bool = True) -> Base
 
 # -- data --------------------------------------------------------------------------------------------------------------
 
-class _RowIndices:
+class RowIndices:
     """Row indices as the map-style sequences of ``DistributedBatchLoader``, which deals them: its per-epoch
     permutation, DP shares and resumable position, for rows of any shape."""
     def __init__(self, n: int, name: str):
@@ -122,7 +122,7 @@ class _RowIndices:
 def row_loader(rows, job: Job, seed: int, name: str) -> DistributedBatchLoader:
     state = job.state
     try:
-        return DistributedBatchLoader(_RowIndices(len(rows), name), job.micro_batch, state.get_data_parallel_rank(),
+        return DistributedBatchLoader(RowIndices(len(rows), name), job.micro_batch, state.get_data_parallel_rank(),
                                       state.data_parallel, seed=seed)
     except ValueError as e:
         raise PostTrainingError(str(e)) from None
