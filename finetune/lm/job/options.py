@@ -44,6 +44,14 @@ def lora_from_args(args, base: str | None = None, task_type: str | None = None) 
                       target_modules=targets, base_model_name_or_path=base, task_type=task_type)
 
 
+def lora_settings(lora: LoraConfig | None, targets) -> dict | None:
+    """What a run records of its LoRA (an interrupted run continues only with the same)."""
+    if lora is None:
+        return None
+    return {"r": lora.r, "lora_alpha": lora.lora_alpha, "lora_dropout": lora.lora_dropout,
+            "target_modules": sorted(t.hf_module for t in targets)}
+
+
 def add_post_training_args(parser: argparse.ArgumentParser, data_help: str):
     """--base, --data, --tokenizer, --seq-length, --epochs, --save, --force, --save-interval."""
     g = parser.add_argument_group("model, data and output")

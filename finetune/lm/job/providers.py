@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from finetune.job.loop import full_fp32_state
 from finetune.job.resume import CHECKPOINT_DIR, continue_interrupted, remove_state, save_state_hook, saved_state
 from finetune.lm.job.layout import POST_TRAINING
-from finetune.lm.job.options import lora_from_args
+from finetune.lm.job.options import lora_from_args, lora_settings
 from finetune.saved import load_full_gpt_state
 from models.lora import LoRAConfig, add_lora, is_lora_parameter
 from pipeline.checkpoints.model_dir import write_model_dir
@@ -173,10 +173,8 @@ def frozen_copy(base: Base, engine) -> torch.nn.Module:
 
 def run_settings(args, base: Base, job: Job, **extra) -> dict:
     """What an interrupted run must be continued with (``finetune.job.resume.check_resumable``)."""
-    lora = None if base.lora is None else {"r": base.lora.r, "lora_alpha": base.lora.lora_alpha,
-                                           "lora_dropout": base.lora.lora_dropout,
-                                           "target_modules": sorted(t.hf_module for t in base.targets)}
-    return {"base": str(args.base), "data": str(args.data), "lora": lora, "seq_length": base.config.seq_length,
+    return {"base": str(args.base), "data": str(args.data), "lora": lora_settings(base.lora, base.targets),
+            "seq_length": base.config.seq_length,
             "train_steps": args.train_steps, "lr": args.lr, "global_batch": job.global_batch,
             "micro_batch": job.micro_batch, "seed": args.seed, **extra}
 
