@@ -16,7 +16,8 @@ from finetune.hf_export import ExportError, export_classifier
 from finetune.job.loop import full_fp32_state
 from finetune.job.providers import Base, Head, Splits
 from finetune.model import ENCODER_PREFIX, encoder_type_of
-from finetune.saved import save_classifier_dir
+from finetune.job.inputs import first_layers
+from finetune.saved import load_base_state, save_classifier_dir
 from finetune.scoring.metrics import (
     evaluate_probabilities,
     format_comparison,
@@ -73,7 +74,7 @@ def finish(r: FinetuneRun) -> dict:
     if test is not None and test.labels is not None:
         results["test"] = scores(test, test_probs)
     metrics.write({"step": settings["steps"], **final_dev_record(results["dev"], multilabel)})
-    state, adapter = split_lora(full_fp32_state(engine), r.base)  # collective: every rank takes part
+    state, adapter = split_lora(full_fp32_state(engine), r.base, args)  # collective: every rank takes part
     out = {"dev": results["dev"], "thresholds": None if thresholds is None else thresholds.tolist(),
            "dev_probabilities": dev_probs, "test_probabilities": test_probs,
            "tune_probabilities": tune_probs, "tune_labels": tune_on.labels}
@@ -108,13 +109,17 @@ def finish(r: FinetuneRun) -> dict:
     return out
 
 
-def split_lora(state: dict, base: Base) -> tuple[dict, dict | None]:
+def split_lora(state: dict, base: Base, args) -> tuple[dict, dict | None]:
     """(the classifier's state with --lora's adapters merged into the encoder, the adapters named as on the
-    base GPT) or (state, None) without --lora."""
+    base GPT) or (state, None) without --lora. The frozen encoder is the base as it was read, not its copy
+    rounded to the engine's precision."""
     if base.lora is None:
         return state, None
-    encoder = {k[len(ENCODER_PREFIX):]: v for k, v in state.items() if k.startswith(ENCODER_PREFIX)}
-    adapter = {k: v for k, v in encoder.items() if is_lora_parameter(k)}
+    adapter = {k[len(ENCODER_PREFIX):]: v for k, v in state.items()
+               if k.startswith(ENCODER_PREFIX) and is_lora_parameter(k)}
+    _, encoder, _ = load_base_state(args.base)
+    if args.encoder_layers is not None:
+        _, encoder = first_layers(base.config, encoder, args.encoder_layers, args.base)
     merged = merged_state_dict(encoder, adapter, base.lora_targets, base.lora.lora_alpha / base.lora.r)
     head = {k: v for k, v in state.items() if not k.startswith(ENCODER_PREFIX)}
     return {**{ENCODER_PREFIX + k: v for k, v in merged.items()}, **head}, adapter

@@ -36,19 +36,26 @@ DS = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_pri
           "lr": LR, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True}}}
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    """A tiny random Llama (transformers' class) with SmolLM2-Instruct's tokenizer, as Hugging Face saves it and
-    as the project's import writes it; conversations and preference pairs as JSON lines."""
-    d = tmp_path_factory.mktemp("post_training")
+def write_chat_base(out: Path, hf_out: Path | None = None) -> Path:
+    """A tiny random Llama (transformers' class) with SmolLM2-Instruct's tokenizer, imported as the project's
+    model directory (and saved by transformers into ``hf_out``)."""
     tok = smollm2_tokenizer()
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                       tie_word_embeddings=False))
-    hf.save_pretrained(d / "hf_base")
+    if hf_out is not None:
+        hf.save_pretrained(hf_out)
     config, sd = from_hf(hf)
-    write_model_dir(config, sd, d / "base", tokenizer=tok)
+    return write_model_dir(config, sd, out, tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A tiny random Llama (transformers' class) with SmolLM2-Instruct's tokenizer, as Hugging Face saves it and
+    as the project's import writes it; conversations and preference pairs as JSON lines."""
+    d = tmp_path_factory.mktemp("post_training")
+    write_chat_base(d / "base", d / "hf_base")
     (d / "chats.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS * 4))
     (d / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS * 4))
     (d / "ds.json").write_text(json.dumps(DS))

@@ -249,10 +249,11 @@ def export(args, base: Base, engine) -> dict:
     out: dict = {}
     if args.save is not None and is_rank0():
         save = Path(args.save)
-        if base.lora is not None:
+        if base.lora is not None:  # the frozen base as it was read, not rounded to the engine's precision
             adapter = {k: v for k, v in full.items() if is_lora_parameter(k)}
             out["adapter"] = export_peft_adapter(save / "adapter", base.lora, adapter, base.targets, force=True)
-            full = merged_state_dict(full, adapter, base.targets, base.lora.lora_alpha / base.lora.r)
+            full = merged_state_dict(load_full_gpt_state(args.base)[1], adapter, base.targets,
+                                     base.lora.lora_alpha / base.lora.r)
         out["model"] = write_model_dir(base.config, full, save / "model", tokenizer=base.tokenizer_dir, force=True)
         out["hf"] = export_hf(base.config, full, save / "hf", tokenizer_dir=base.tokenizer_dir, force=True)
     barrier()
