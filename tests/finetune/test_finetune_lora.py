@@ -4,6 +4,7 @@ PEFT on the base's Hugging Face export, gives the saved encoder's hidden states.
 import json
 import sys
 
+import pytest
 import torch
 from cli import run_cli
 from conftest import shared_data
@@ -11,11 +12,13 @@ from peft import PeftModel
 from test_finetune_train import FP32_DS, ec_slice, write_base
 from transformers import AutoModelForCausalLM
 
+from finetune.job.args import parse_args
 from finetune.model import build_classifier
 from finetune.saved import load_full_gpt_state, read_classifier_dir
 from models import GPT
 from pipeline.checkpoints.state_dicts import load_full_state_dict
 from pipeline.hf.export import export_hf
+from pipeline.job.errors import UserError
 
 
 def test_lora_trains_adapters_and_head_only_and_exports_both(tmp_path):
@@ -51,3 +54,9 @@ def test_lora_trains_adapters_and_head_only_and_exports_both(tmp_path):
     print(f"PEFT adapter on the base's HF export vs the saved classifier's merged encoder: hidden states within "
           f"{diff:.1e}")
     assert diff < 2e-6  # measured 2.2e-7 (fp32)
+
+
+def test_lora_and_a_frozen_encoder_are_refused_by_the_parser():
+    with pytest.raises(UserError, match="--lora trains adapters on the encoder: it cannot be combined with "
+                                        "--freeze-encoder"):
+        parse_args(["--base", "b", "--train", "t", "--dev", "d", "--lora", "--freeze-encoder"])

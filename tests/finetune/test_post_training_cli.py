@@ -18,14 +18,17 @@ from test_dpo import PAIRS
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from finetune.lm.dpo import collate_pairs, completion_logps, dpo_loss, reference_logps, tokenize_pairs
+from finetune.lm.job.layout import POST_TRAINING
 from finetune.lm.job.providers import RowIndices
 from models import GPT
+from models.parallel import Layout
 from pipeline.checkpoints.model_dir import read_model_dir, write_model_dir
 from pipeline.checkpoints.state_dicts import load_full_state_dict
 from pipeline.data.loaders import DistributedBatchLoader
 from pipeline.engine.distributed import free_port
 from pipeline.hf.convert import from_hf
 from pipeline.hf.peft_adapter import adapter_from_peft, add_peft_lora, read_peft_adapter
+from pipeline.job.layout import LayoutCheck, refusal
 
 BIN = Path(sys.executable).parent
 STEPS, LR, BETA = 4, 1e-2, 0.1
@@ -192,3 +195,12 @@ def test_refusals_in_one_line(work, tmp_path):
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert code == 2 and len(errors) == 1 and expected in errors[0], (name, err[-1500:])
         assert "Traceback" not in err, name
+
+
+def test_the_layout_rule_refuses_what_the_packed_forward_does_not_do_and_nothing_else():
+    sp = Layout(tensor=2, sequence_parallel=True)
+    assert "SFT with --sequence-parallel" in refusal(LayoutCheck(sp, extras={POST_TRAINING: "SFT", "world": 2}))
+    assert "DPO with --context-parallel" in refusal(LayoutCheck(Layout(context=2), extras={POST_TRAINING: "DPO",
+                                                                                          "world": 2}))
+    assert refusal(LayoutCheck(sp, extras={"world": 2})) is None  # pretraining's layout, untouched
+    assert refusal(LayoutCheck(Layout(tensor=2), extras={POST_TRAINING: "SFT", "world": 4})) is None
