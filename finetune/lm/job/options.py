@@ -34,13 +34,14 @@ def add_lora_args(parser: argparse.ArgumentParser, *, switch: bool = False):
 
 def lora_from_args(args, base: str | None = None, task_type: str | None = None) -> LoraConfig | None:
     """PEFT's ``LoraConfig`` of the LoRA flags, or None (a full finetune) when none is given."""
-    given = [args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules]
-    if not getattr(args, "lora", False) and all(v is None for v in given):
-        return None
-    rank = args.lora_r or DEFAULT_RANK
-    targets = args.lora_target_modules or DEFAULT_TARGETS
+    r, alpha, dropout, targets = (getattr(args, f"lora_{k}", None) for k in ("r", "alpha", "dropout",
+                                                                           "target_modules"))
+    if not getattr(args, "lora", False) and all(v is None for v in (r, alpha, dropout, targets)):
+        return None  # (also a Namespace made without the LoRA group)
+    rank = r or DEFAULT_RANK
+    targets = targets or DEFAULT_TARGETS
     targets = targets[0] if isinstance(targets, list) and targets == [DEFAULT_TARGETS] else targets
-    return LoraConfig(r=rank, lora_alpha=args.lora_alpha or 2 * rank, lora_dropout=args.lora_dropout or 0.0,
+    return LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout or 0.0,
                       target_modules=targets, base_model_name_or_path=base, task_type=task_type)
 
 
