@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from finetune.lm.job.options import add_lora_args
 from pipeline.job.errors import ArgumentParser, UserError
 from pipeline.job.numbers import non_negative_float, non_negative_int, positive_float, positive_int, probability
 from pipeline.job.options import add_engine_args, add_run_args
@@ -19,6 +20,7 @@ def parse_args(argv=None):
     _add_model_args(p.add_argument_group("model"))
     _add_data_args(p, p.add_argument_group("data"))
     _add_optimization_args(p.add_argument_group("optimization"))
+    add_lora_args(p, switch=True)
     g = p.add_argument_group("output")
     g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...); "
                                                 "new or empty unless --force")
@@ -135,6 +137,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         problems.append(f"--holdout must be in [0, 1), got {args.holdout}")
     if not 0.0 <= args.warmup < 1.0:
         problems.append(f"--warmup is a fraction of the training steps in [0, 1), got {args.warmup}")
+    if args.freeze_encoder and (args.lora or args.lora_r or args.lora_target_modules):
+        problems.append("--lora trains adapters on the encoder: it cannot be combined with --freeze-encoder")
     if args.freeze_encoder and args.aux_lm_weight:
         problems.append("--aux-lm-weight trains the encoder: it cannot be combined with --freeze-encoder")
     if not 0.0 <= args.label_correlation < 1.0:

@@ -15,8 +15,9 @@ import torch.distributed as dist
 from finetune.hf_export import ExportError, export_classifier
 from finetune.job.loop import full_fp32_state
 from finetune.job.providers import Base, Head, Splits
-from finetune.model import encoder_type_of
-from finetune.saved import save_classifier_dir
+from finetune.model import ENCODER_PREFIX, encoder_type_of
+from finetune.job.inputs import first_layers
+from finetune.saved import load_base_state, save_classifier_dir
 from finetune.scoring.metrics import (
     evaluate_probabilities,
     format_comparison,
@@ -26,6 +27,8 @@ from finetune.scoring.metrics import (
 )
 from finetune.scoring.predictions import write_predictions
 from finetune.scoring.thresholds import apply_thresholds, thresholds_for
+from models.lora import is_lora_parameter
+from pipeline.hf.peft_adapter import export_peft_adapter, merged_state_dict
 from pipeline.job.loop import is_rank0
 from pipeline.tracking.metrics import MetricsWriter
 
@@ -71,7 +74,7 @@ def finish(r: FinetuneRun) -> dict:
     if test is not None and test.labels is not None:
         results["test"] = scores(test, test_probs)
     metrics.write({"step": settings["steps"], **final_dev_record(results["dev"], multilabel)})
-    state = full_fp32_state(engine)  # collective: every rank takes part
+    state, adapter = split_lora(full_fp32_state(engine), r.base, args)  # collective: every rank takes part
     out = {"dev": results["dev"], "thresholds": None if thresholds is None else thresholds.tolist(),
            "dev_probabilities": dev_probs, "test_probabilities": test_probs,
            "tune_probabilities": tune_probs, "tune_labels": tune_on.labels}
@@ -95,12 +98,31 @@ def finish(r: FinetuneRun) -> dict:
     save_classifier_dir(save, full_state=state, encoder_type=encoder_type_of(config), encoder_config=config,
                         head_config=head_config, tokenizer=tokenizer, max_length=max_length, normalizer=normalizer,
                         thresholds=thresholds, training=training)
+    if adapter is not None:
+        out["adapter"] = str(export_peft_adapter(save / "adapter", r.base.lora, adapter, r.base.lora_targets,
+                                                 force=True))
     metrics.write({"saved": str(save), **({"dev_tuned_micro_f1": results["dev"]["tuned"]["micro_f1"]}
                                           if multilabel else {})})
     if args.hf_export == "auto":
         out["hf_export"] = _export(save)
     _barrier()
     return out
+
+
+def split_lora(state: dict, base: Base, args) -> tuple[dict, dict | None]:
+    """(the classifier's state with --lora's adapters merged into the encoder, the adapters named as on the
+    base GPT) or (state, None) without --lora. The frozen encoder is the base as it was read, not its copy
+    rounded to the engine's precision."""
+    if base.lora is None:
+        return state, None
+    adapter = {k[len(ENCODER_PREFIX):]: v for k, v in state.items()
+               if k.startswith(ENCODER_PREFIX) and is_lora_parameter(k)}
+    _, encoder, _ = load_base_state(args.base)
+    if args.encoder_layers is not None:
+        _, encoder = first_layers(base.config, encoder, args.encoder_layers, args.base)
+    merged = merged_state_dict(encoder, adapter, base.lora_targets, base.lora.lora_alpha / base.lora.r)
+    head = {k: v for k, v in state.items() if not k.startswith(ENCODER_PREFIX)}
+    return {**{ENCODER_PREFIX + k: v for k, v in merged.items()}, **head}, adapter
 
 
 def final_dev_record(dev: dict, multilabel: bool) -> dict:

@@ -149,7 +149,7 @@ def check_save(args) -> None:
 
 # what this job writes into --save (finish.py, saved.py), a temporary of pipeline.job.files starting with "."
 _JOB_OUTPUTS = {CHECKPOINT_DIR, "metrics.jsonl", "eval.json", "per_class_f1.png", "dev_predictions.txt",
-                "test_predictions.txt", "thresholds.json", "model.safetensors", "tokenizer", "hf", LOCK_FILE}
+                "test_predictions.txt", "thresholds.json", "model.safetensors", "tokenizer", "hf", "adapter", LOCK_FILE}
 
 
 def _interrupted(save: Path) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from peft import LoraConfig
 
 from finetune.batching import auto_micro_batch, encode_texts, label_prompt
 from finetune.heads import MULTILABEL, HeadConfig
@@ -22,10 +23,14 @@ from finetune.job.inputs import (
     load_split,
     parse_pos_weight,
 )
+from finetune.lm.job.options import lora_from_args, lora_settings
 from finetune.model import build_classifier
 from finetune.normalize import TweetNormalizer
 from finetune.saved import load_base_state
+from models import GPTConfig
+from models.lora import LoRAConfig, add_lora
 from pipeline.data import load_tokenizer
+from pipeline.hf.peft_adapter import LoRATarget, lora_targets, project_targets
 from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import precision, resolve_ds_config, zero_stage
 from pipeline.engine.schedules import LRSchedule
@@ -45,6 +50,8 @@ class Base:
     tokenizer: object
     max_length: int
     pad_id: int
+    lora: LoraConfig | None = None            # --lora: adapters on the encoder's linears, the base frozen
+    lora_targets: list[LoRATarget] | None = None
 
 
 def provide_base(args) -> Base:
@@ -68,10 +75,21 @@ def provide_base(args) -> Base:
     if args.encoder_layers is not None:
         config, base_state = first_layers(config, base_state, args.encoder_layers, args.base)
     family.check_layout(config, args.tensor_parallel, 1)
+    lora, targets = provide_lora(args, config, family)
     max_length = min(args.max_length, getattr(config, "max_sequence_length", args.max_length))
     pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
     pad_id = tokenizer.eod_id if pad_id is None or pad_id >= config.vocab_size else pad_id
-    return Base(family, config, base_state, tokenizer, max_length, pad_id)
+    return Base(family, config, base_state, tokenizer, max_length, pad_id, lora, targets)
+
+
+def provide_lora(args, config, family: ModelFamily) -> tuple[LoraConfig | None, list[LoRATarget] | None]:
+    """--lora's PEFT config and the encoder's linears it adapts (a name that matches none is refused)."""
+    lora = lora_from_args(args, str(args.base))
+    if lora is None:
+        return None, None
+    if not isinstance(config, GPTConfig):
+        raise FinetuneError(f"--lora: {args.base} is an {family.name}; LoRA adapts the GPT's linears")
+    return lora, lora_targets(config, lora, "--lora-target-modules")
 
 
 @dataclass
@@ -197,6 +215,14 @@ def provide_engine(args, base: Base, data: Splits, head: Head, job: Job):
                                 freeze_encoder=args.freeze_encoder, freeze_embeddings=args.freeze_embeddings,
                                 label_priors=head.priors, source=str(args.base))
 
+    def builder_with_lora(cfg, init_seed):
+        model = builder(cfg, init_seed)
+        with torch.random.fork_rng(devices=[]):  # the adapters' A from --seed: the same at every layout
+            torch.manual_seed(args.seed)
+            add_lora(model.encoder, project_targets(base.lora_targets),  # freezes the encoder, not the head
+                     LoRAConfig(base.lora.r, base.lora.lora_alpha, base.lora.lora_dropout))
+        return model
+
     def groups(model):
         return model.param_groups(weight_decay=args.weight_decay, layer_lr_decay=args.layer_lr_decay,
                                   head_lr_mult=args.head_lr_mult)
@@ -208,7 +234,7 @@ def provide_engine(args, base: Base, data: Splits, head: Head, job: Job):
     total_steps = args.train_steps or max(1, math.ceil(args.epochs * steps_per_epoch))
     schedule = LRSchedule(args.lr, int(args.warmup * total_steps), total_steps, args.lr_decay_style, args.min_lr)
     engine = build_engine(base.config, job.ds, job.state, init_seed=args.seed, schedule=schedule,
-                          model_builder=builder, param_groups_fn=groups)
+                          model_builder=builder if base.lora is None else builder_with_lora, param_groups_fn=groups)
     base.state = None  # the engine holds the weights now
     return engine, schedule, steps_per_epoch, total_steps
 
@@ -236,4 +262,5 @@ def run_settings(args, base: Base, data: Splits, head: Head, job: Job, steps: tu
             "precision": precision(job.ds), "tensor_parallel": job.state.tensor_parallel,
             "sequence_parallel": job.layout.sequence_parallel,
             "data_parallel": job.state.data_parallel, "seed": args.seed,
-            "holdout": args.holdout, "holdout_seed": args.holdout_seed}
+            "holdout": args.holdout, "holdout_seed": args.holdout_seed,
+            "lora": lora_settings(base.lora, base.lora_targets)}

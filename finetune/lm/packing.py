@@ -9,6 +9,7 @@ packed batch gives the loss of the same conversations one per row.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import datasets
@@ -41,6 +42,12 @@ class LMBatch:
     @property
     def num_targets(self) -> int:
         return int((self.targets != IGNORE_INDEX).sum())
+
+    def to(self, device) -> LMBatch:
+        documents = copy.copy(self.documents)
+        for name in ("document_ids", "positions", "attn_mask"):
+            setattr(documents, name, getattr(documents, name).to(device))
+        return LMBatch(self.input_ids.to(device), self.targets.to(device), documents)
 
 
 def collate(rows: list[dict], seq_length: int, pad_id: int) -> LMBatch:

@@ -1,0 +1,2 @@
+"""The language-model finetuning commands (``sft``, ``dpo``) over the job layer: their arguments, layout rule and
+providers."""

@@ -1,0 +1,206 @@
+"""The sft and dpo commands as a user runs them (python -m, torchrun): LoRA SFT at TP2 equals TP1, step for step,
+through a stop signal and the rerun that continues it; its PEFT adapter, loaded by PEFT on the base's Hugging
+Face model, gives the project's logits, and so does the merged export; full DPO equals the library's DPO trained
+by hand on the same batches; the refusals, one line each."""
+import json
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from cli import cli_env, run_cli
+from conftest import ROOT
+from forked_cli import run_forked
+from lm_utils import CONVERSATIONS, smollm2_tokenizer
+from peft import PeftModel
+from test_dpo import PAIRS
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from finetune.lm.dpo import collate_pairs, completion_logps, dpo_loss, reference_logps, tokenize_pairs
+from finetune.lm.job.layout import POST_TRAINING
+from finetune.lm.job.providers import RowIndices
+from models import GPT
+from models.parallel import Layout
+from pipeline.checkpoints.model_dir import read_model_dir, write_model_dir
+from pipeline.checkpoints.state_dicts import load_full_state_dict
+from pipeline.data.loaders import DistributedBatchLoader
+from pipeline.engine.distributed import free_port
+from pipeline.hf.convert import from_hf
+from pipeline.hf.peft_adapter import adapter_from_peft, add_peft_lora, read_peft_adapter
+from pipeline.job.layout import LayoutCheck, refusal
+
+BIN = Path(sys.executable).parent
+STEPS, LR, BETA = 4, 1e-2, 0.1
+LORA = ["--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules", "q_proj", "v_proj", "o_proj", "down_proj"]
+# fp32, two micro-batches of 2 per step, DeepSpeed's torch AdamW and clipping (the DPO reference below does the same)
+DS = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+      "zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {
+          "lr": LR, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True}}}
+
+
+def write_chat_base(out: Path, hf_out: Path | None = None) -> Path:
+    """A tiny random Llama (transformers' class) with SmolLM2-Instruct's tokenizer, imported as the project's
+    model directory (and saved by transformers into ``hf_out``)."""
+    tok = smollm2_tokenizer()
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=False))
+    if hf_out is not None:
+        hf.save_pretrained(hf_out)
+    config, sd = from_hf(hf)
+    return write_model_dir(config, sd, out, tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A tiny random Llama (transformers' class) with SmolLM2-Instruct's tokenizer, as Hugging Face saves it and
+    as the project's import writes it; conversations and preference pairs as JSON lines."""
+    d = tmp_path_factory.mktemp("post_training")
+    write_chat_base(d / "base", d / "hf_base")
+    (d / "chats.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS * 4))
+    (d / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS * 4))
+    (d / "ds.json").write_text(json.dumps(DS))
+    return d
+
+
+def _args(work, data, save, *extra):
+    return ["--base", work / "base", "--data", work / data, "--deepspeed_config", work / "ds.json", "--save", save,
+            "--train-steps", STEPS, "--lr", LR, "--lr-warmup-steps", "0", "--lr-decay-style", "constant", *extra]
+
+
+def _steps(save):
+    return [json.loads(line) for line in (Path(save) / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+def _project_logits(work, out, ids):
+    """The project's GPT on the base weights with the exported adapter put back on its linears."""
+    config, sd, _ = read_model_dir(work / "base")
+    lora, peft_sd = read_peft_adapter(out / "adapter")
+    model = GPT(config).eval()
+    load_full_state_dict(model, sd)
+    targets = add_peft_lora(model, config, lora)
+    load_full_state_dict(model, {**sd, **adapter_from_peft(peft_sd, targets)})
+    return model(ids)
+
+
+def test_lora_sft_tp2_equals_tp1_through_a_stop_and_peft_loads_the_adapter(work, tmp_path):
+    tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
+    run_cli([sys.executable, "-m", "finetune.lm.job.sft", *_args(work, "chats.jsonl", tp1, "--seq-length", 64, *LORA)],
+            tmp_path)
+    torchrun = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
+                ROOT / "finetune" / "lm" / "job" / "sft.py",
+                *_args(work, "chats.jsonl", tp2, "--seq-length", 64, "--tensor-parallel", 2, *LORA)]
+    stopped = run_cli(torchrun, tmp_path, env=cli_env(PIPELINE_SIGNAL_AT="2"))  # SIGTERM at step 2: saved, exit 0
+    assert not (tp2 / "adapter").exists(), stopped.stderr[-2000:]
+    assert json.loads((tp2 / "checkpoint" / "global_step2" / "layout.json").read_text())["tensor_parallel"] == 2
+    torchrun[4] = str(free_port())
+    run_cli(torchrun, tmp_path)  # the same command continues after step 2
+    first, second = _steps(tp1), _steps(tp2)
+    assert [r["step"] for r in second] == [r["step"] for r in first] == list(range(1, STEPS + 1))
+    diff = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(first, second))
+    print(f"LoRA SFT TP2 (stopped at step 2, continued) vs TP1: losses within {diff:.1e} (relative)")
+    assert diff < 1e-6  # measured 0.0 (this CPU sums the two halves as TP1 does); rounding would be ~1e-7
+    assert first[-1]["loss"] < first[0]["loss"]
+
+    tok = AutoTokenizer.from_pretrained(work / "base")
+    ids = torch.tensor([tok.apply_chat_template(CONVERSATIONS[0], tokenize=True, return_dict=True)["input_ids"]])
+    ours = _project_logits(work, tp1, ids)
+    base_hf = AutoModelForCausalLM.from_pretrained(work / "hf_base", dtype=torch.float32)
+    peft_logits = PeftModel.from_pretrained(base_hf, tp1 / "adapter").eval()(ids).logits
+    merged = AutoModelForCausalLM.from_pretrained(tp1 / "hf", dtype=torch.float32).eval()(ids).logits
+    scale = ours.abs().max()
+    diffs = {"peft": ((peft_logits - ours).abs().max() / scale).item(),
+             "merged": ((merged - ours).abs().max() / scale).item()}
+    print(f"PEFT on the base's HF model / merged HF export vs the project's logits: {diffs}")
+    assert max(diffs.values()) < 3e-6  # measured: PEFT 2.8e-7, merged 3.9e-7 (fp32)
+    base_only = AutoModelForCausalLM.from_pretrained(work / "hf_base", dtype=torch.float32).eval()(ids).logits
+    assert ((base_only - ours).abs().max() / scale).item() > 1e-4  # the adapter trained
+    _, trained, _ = read_model_dir(tp1 / "model")
+    _, base, _ = read_model_dir(work / "base")
+    assert torch.equal(trained["embedding.word_embeddings.weight"], base["embedding.word_embeddings.weight"])
+
+
+def _library_dpo(work):
+    """The library's DPO trained by hand: the command's batches (its loader, --seed 1234), plain AdamW."""
+    tok = AutoTokenizer.from_pretrained(work / "base")
+    rows = list(tokenize_pairs(datasets.load_dataset("json", data_files=str(work / "pairs.jsonl"), split="train"),
+                               tok))
+    config, sd, _ = read_model_dir(work / "base")
+    policy, reference = GPT(config), GPT(config).eval()
+    load_full_state_dict(policy, sd)
+    load_full_state_dict(reference, sd)
+    opt = torch.optim.AdamW(policy.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+    loader = DistributedBatchLoader(RowIndices(len(rows), "pairs"), 2, 0, 1, seed=1234)
+    steps = []
+    for _ in range(STEPS):
+        record = {}
+        for _ in range(2):  # micro-batches
+            ids, targets = collate_pairs([rows[int(i)] for i in next(loader)["tokens"][:, 0]], tok.pad_token_id)
+            loss, metrics = dpo_loss(completion_logps(policy, ids, targets),
+                                     reference_logps(policy, ids, targets, reference), BETA)
+            (loss / 2).backward()
+            for k, v in {"loss": loss.item(), **metrics}.items():
+                record[k] = record.get(k, 0.0) + v / 2
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        steps.append(record)
+    return steps
+
+
+def test_dpo_command_equals_the_library_trained_by_hand(work, tmp_path):
+    out = tmp_path / "dpo"
+    run_cli([sys.executable, "-m", "finetune.lm.job.dpo", *_args(work, "pairs.jsonl", out, "--beta", BETA)], tmp_path)
+    ours, library = _steps(out), _library_dpo(work)
+    keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+    diff = max(abs(a[k] - b[k]) / max(1.0, abs(b[k])) for a, b in zip(ours, library) for k in keys)
+    print(f"DPO command vs the library by hand, {STEPS} steps: {diff:.1e}; losses {[r['loss'] for r in ours]}")
+    assert diff < 3e-6  # measured 3.0e-7 (fp32)
+    assert ours[-1]["loss"] < ours[0]["loss"] and ours[-1]["rewards/margins"] > 0
+    assert (out / "hf" / "config.json").is_file() and not (out / "adapter").exists()
+
+
+def test_refusals_in_one_line(work, tmp_path):
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"conversation": CONVERSATIONS[0]}) + "\n")
+    (tmp_path / "same.jsonl").write_text(json.dumps({**PAIRS[0], "rejected": PAIRS[0]["chosen"]}) + "\n")
+    (tmp_path / "zero3.json").write_text(json.dumps({**DS, "zero_optimization": {"stage": 3}}))
+    plain = tmp_path / "plain_tokenizer"
+    tok = smollm2_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(plain)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    sft = "finetune.lm.job.sft"
+
+    def args(data, *extra, save=None):
+        return ["--base", work / "base", "--data", data, "--deepspeed_config", work / "ds.json", "--train-steps", 1,
+                "--save", save or tmp_path / "out", *extra]
+
+    cases = {
+        "no messages field": (sft, args(tmp_path / "bad.jsonl"), "no 'messages' field"),
+        "no chat template": (sft, args(work / "chats.jsonl", "--tokenizer", plain), "has no chat template"),
+        "unknown target": (sft, args(work / "chats.jsonl", "--lora-target-modules", "q_projx"),
+                           "'q_projx' names no linear"),
+        "identical pair": ("finetune.lm.job.dpo", args(tmp_path / "same.jsonl"), "are the same"),
+        "ZeRO-3": (sft, args(work / "chats.jsonl", "--deepspeed_config", tmp_path / "zero3.json"),
+                   "SFT with ZeRO stage 3"),
+        "tiled MLP": ("finetune.lm.job.dpo", args(work / "pairs.jsonl", "--tiled-mlp", 2), "DPO with --tiled-mlp"),
+        "--save not empty": (sft, args(work / "chats.jsonl", save=tmp_path / "full"), "not empty"),
+    }
+    results = run_forked([(m, a) for m, a, _ in cases.values()], tmp_path)
+    for (name, (_, _, expected)), (code, _, err) in zip(cases.items(), results):
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(errors) == 1 and expected in errors[0], (name, err[-1500:])
+        assert "Traceback" not in err, name
+
+
+def test_the_layout_rule_refuses_what_the_packed_forward_does_not_do_and_nothing_else():
+    sp = Layout(tensor=2, sequence_parallel=True)
+    assert "SFT with --sequence-parallel" in refusal(LayoutCheck(sp, extras={POST_TRAINING: "SFT", "world": 2}))
+    assert "DPO with --context-parallel" in refusal(LayoutCheck(Layout(context=2), extras={POST_TRAINING: "DPO",
+                                                                                          "world": 2}))
+    assert refusal(LayoutCheck(sp, extras={"world": 2})) is None  # pretraining's layout, untouched
+    assert refusal(LayoutCheck(Layout(tensor=2), extras={POST_TRAINING: "SFT", "world": 4})) is None
