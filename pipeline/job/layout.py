@@ -379,6 +379,28 @@ def context_parallel_zero3_reduction(c: LayoutCheck) -> str | None:
 
 # -- what else the run does ------------------------------------------------------------------------------------------
 
+POST_TRAINING = "post_training"  # the extras key of the SFT and DPO commands: what they train ("SFT", "DPO")
+
+
+@rule
+def post_training_layout(c: LayoutCheck) -> str | None:
+    """SFT's packed rows attend within their conversations through ``models.documents``, which needs the whole
+    sequence and the whole model on each rank; DPO's forward is the model's own, tested at TP only: both run at
+    TP x DP with ZeRO 0-2 (finetune/lm/job)."""
+    what = c.extras.get(POST_TRAINING)
+    if what is None:
+        return None
+    L = c.layout
+    for refused, flag in ((L.sequence_parallel, "--sequence-parallel"), (L.context > 1, "--context-parallel"),
+                          (L.pipeline > 1, "--pipeline-parallel"), (L.tiled_mlp > 1, "--tiled-mlp"),
+                          (L.tiled_loss > 1, "--tiled-loss"), (L.zero_stage == 3, "ZeRO stage 3"),
+                          (L.expert > 1, "--expert-parallel")):
+        if refused:
+            return (f"{what} with {flag}: the {what} forward runs at tensor and data parallelism with ZeRO 0-2 "
+                    f"only today; drop {flag}")
+    return None
+
+
 @rule
 def samples_during_training(c: LayoutCheck) -> str | None:
     if c.extras.get("sample_interval") is None:

@@ -18,7 +18,7 @@ from test_dpo import PAIRS
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from finetune.lm.dpo import collate_pairs, completion_logps, dpo_loss, reference_logps, tokenize_pairs
-from finetune.lm.job.layout import POST_TRAINING
+from pipeline.job.layout import POST_TRAINING
 from finetune.lm.job.providers import RowIndices
 from models import GPT
 from models.parallel import Layout

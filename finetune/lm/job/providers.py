@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from finetune.job.loop import full_fp32_state
 from finetune.job.resume import CHECKPOINT_DIR, continue_interrupted, remove_state, save_state_hook, saved_state
-from finetune.lm.job.layout import POST_TRAINING
+from pipeline.job.layout import POST_TRAINING
 from finetune.lm.job.options import lora_from_args, lora_settings
 from finetune.saved import load_full_gpt_state
 from models.lora import LoRAConfig, add_lora, is_lora_parameter
@@ -218,7 +218,7 @@ def train(args, name: str, engine, layout: dict, loader, batches, forward: Calla
 
 def start(args, what: str, *, dropout: bool = True) -> tuple[Base, Job]:
     """--save checked, the base and LoRA read, then ``setup``: the layout validated with every rule (this
-    command's: ``finetune.lm.job.layout``), the process groups built."""
+    command's: ``pipeline.job.layout.post_training_layout``), the process groups built."""
     check_save(args, [("--base", args.base), ("--data", args.data), ("--tokenizer", args.tokenizer)])
     base = provide_base(args, lora_from_args(args, args.base, task_type="CAUSAL_LM"), dropout=dropout)
     job = setup(EngineOptions.from_args(args), config=base.config, family=base.family, extras={POST_TRAINING: what})
