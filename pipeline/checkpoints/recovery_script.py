@@ -17,6 +17,7 @@ from pipeline.job.errors import ArgumentParser, command, is_rank0
 from pipeline.job.files import atomic_write_text
 
 SCRIPT_NAME = "zero_to_fp32.py"
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout that wrote the run: the script reads with it
 SCRIPT = '''#!/usr/bin/env python
 """The full weights of this run at any layout (TP, PP, ZeRO), written by the project that trained it over
 DeepSpeed's zero_to_fp32.py (which merges one data-parallel group only):
@@ -25,25 +26,34 @@ DeepSpeed's zero_to_fp32.py (which merges one data-parallel group only):
 
 OUT_DIR: config.json + model.safetensors + tokenizer, a project model directory; for Hugging Face,
 python -m pipeline.export_hf --checkpoint RUN_DIR --out HF_DIR."""
+import os
 import sys
 
+if os.path.isdir(os.path.join({root!r}, "pipeline")):
+    sys.path.insert(0, {root!r})  # the checkout that wrote this run reads it (else the installed project)
 try:
     from pipeline.checkpoints.recovery_script import main
 except ImportError as e:
-    sys.exit(f"error: {e}: this run was written by the pipeline project; install it (pip install -e <checkout>) "
-             f"and run this script again, or python -m pipeline.export_hf --checkpoint RUN_DIR --out HF_DIR")
+    print(f"error: {{e}}: this run was written by the pipeline project; install it (pip install -e <checkout>) and "
+          f"run this script again, or python -m pipeline.export_hf --checkpoint RUN_DIR --out HF_DIR", file=sys.stderr)
+    sys.exit(2)
 sys.exit(main(sys.argv[1:]))
 '''
+
+
+def script_text() -> str:
+    """The run's zero_to_fp32.py, naming this checkout as the fallback place of the project."""
+    return SCRIPT.format(root=str(PROJECT_ROOT))
 
 
 def write_recovery_script(save_dir: Path | None) -> None:
     """Replace (rank 0) the zero_to_fp32.py DeepSpeed copied into ``save_dir`` by the project's, executable."""
     if save_dir is None or not is_rank0():
         return
-    script = Path(save_dir) / SCRIPT_NAME
-    if script.is_file() and script.read_text() == SCRIPT:
+    script, text = Path(save_dir) / SCRIPT_NAME, script_text()
+    if script.is_file() and script.read_text() == text:
         return
-    atomic_write_text(script, SCRIPT)
+    atomic_write_text(script, text)
     os.chmod(script, script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 

@@ -9,7 +9,7 @@ from run_utils import TINY_GPT2, NO_DROPOUT, write_corpus, write_job_files
 
 from pipeline.checkpoints.checkpoint import read_full_checkpoint
 from pipeline.checkpoints.model_dir import read_model_dir
-from pipeline.checkpoints.recovery_script import SCRIPT
+from pipeline.checkpoints.recovery_script import script_text
 
 
 def test_zero_to_fp32_of_a_tp2_run_is_the_projects_full_weights(tmp_path):
@@ -20,7 +20,7 @@ def test_zero_to_fp32_of_a_tp2_run_is_the_projects_full_weights(tmp_path):
              "--tokenizer", "bytes", "--seq-length", "16", "--tensor-parallel", "2", "--train-steps", "2",
              "--save", run], tmp_path)
     script = run / "zero_to_fp32.py"
-    assert script.read_text() == SCRIPT  # DeepSpeed's copy replaced
+    assert script.read_text() == script_text()  # DeepSpeed's copy replaced
     proc = run_cli([sys.executable, script, run, tmp_path / "out"], tmp_path)
     assert "wrote the full weights" in proc.stdout
     _, theirs, _ = read_model_dir(tmp_path / "out")
