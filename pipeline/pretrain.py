@@ -16,8 +16,7 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torc
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from models.compile import compile_transformer_layers
-from pipeline.checkpoints import checkpoint
-from pipeline.checkpoints.recovery_script import write_recovery_script
+from pipeline.checkpoints import checkpoint, recovery_script
 from pipeline.checkpoints.resume import StartPoint, plan_start, restore
 from pipeline.data import DistributedBatchLoader, StreamBatchLoader, build_pretraining_data, main_process_first
 from pipeline.data.build import run_tokenizer
@@ -131,8 +130,7 @@ def main(argv=None) -> dict:
         last.update(record)
 
     def save(r: StepResult) -> None:
-        checkpoint.save(engine, save_dir, r.step, data_state=train.state_dict(), layout=layout)
-        write_recovery_script(save_dir)  # the project's zero_to_fp32.py over DeepSpeed's (any layout)
+        recovery_script.install(checkpoint.save(engine, save_dir, r.step, data_state=train.state_dict(), layout=layout))
 
     hooks = [straggler_hook(args.straggler_interval, metrics, threshold=args.straggler_threshold),  # every rank
              every(args.log_interval, log), *sample_hooks(args, engine, m.config, m.tokenizer, job, save_dir),

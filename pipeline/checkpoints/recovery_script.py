@@ -46,11 +46,12 @@ def script_text() -> str:
     return SCRIPT.format(root=str(PROJECT_ROOT))
 
 
-def write_recovery_script(save_dir: Path | None) -> None:
-    """Replace (rank 0) the zero_to_fp32.py DeepSpeed copied into ``save_dir`` by the project's, executable."""
-    if save_dir is None or not is_rank0():
+def install(tag_dir: Path) -> None:
+    """Replace (rank 0) the zero_to_fp32.py DeepSpeed copied beside the tag ``checkpoint.save`` wrote by the
+    project's, executable."""
+    if not is_rank0():
         return
-    script, text = Path(save_dir) / SCRIPT_NAME, script_text()
+    script, text = Path(tag_dir).parent / SCRIPT_NAME, script_text()
     if script.is_file() and script.read_text() == text:
         return
     atomic_write_text(script, text)
