@@ -9,7 +9,7 @@ A run saved at any layout generates at ``--tensor-parallel T`` (launch T ranks, 
 decoded together in batches (left-padded), each until the end-of-text token, ``--max-new-tokens`` or the model's
 last position; a single prompt's tokens stream to the terminal. Greedy decoding equals transformers'
 ``generate(do_sample=False)`` on the export; a seeded sample is the same text at any TP size (docs/generation.md).
-The output holds one JSON line per prompt (written atomically, on rank 0).
+The output holds one JSON line per prompt (written atomically, on rank 0; printed to stdout without ``--out``).
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="one prompt (its tokens stream to the terminal)")
     p.add_argument("--prompts", type=Path,
                    help="a file of prompts: one a line, or JSON lines {\"prompt\": ...} in a .jsonl file")
-    p.add_argument("--out", type=Path, required=True, help="the JSON lines to write, one per prompt")
+    p.add_argument("--out", type=Path,
+                   help="the JSON lines to write, one per prompt (default: print them to stdout; a single prompt's "
+                        "tokens then stream to stderr)")
     add_sampling_args(p)
     p.add_argument("--tensor-parallel", type=positive_int, default=1,
                    help="tensor-parallel size to generate at (launch that many ranks; default 1)")

@@ -1,5 +1,7 @@
 """The layout planner: for a model on N GPUs of a named server type, every feasible (TP, PP, DP, ZeRO stage,
-sequence parallelism, recomputation, micro-batch), its memory per GPU and predicted step time, fastest first.
+sequence parallelism, recomputation, micro-batch), its memory per GPU, headroom and predicted step time, fastest
+first (rows that print the same numbers folded into one); then which limit binds the first (memory, the pipeline
+bubble, communication) and the ``deepspeed`` command line of pipeline/pretrain.py that trains it.
 No GPU is needed (docs/performance.md: the model, its assumptions, its validation).
 
     python -m pipeline.plan --model-config llama-8b --gpus 64 --hardware h200-dgx --seq-length 4096 \\
@@ -38,21 +40,25 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--bucket", type=float_in(1, MAX_SIZE), default=DEFAULT_BUCKET,
                    help="DeepSpeed's reduce_bucket_size (elements)")
     g = p.add_argument_group("pin a part of the layout")
-    g.add_argument("--tp", type=int_in(1, MAX_GPUS))
-    g.add_argument("--pp", type=int_in(1, MAX_GPUS))
-    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
-    g.add_argument("--sp", choices=["on", "off"])
-    g.add_argument("--recompute", choices=POLICIES)
+    g.add_argument("--tp", type=int_in(1, MAX_GPUS),
+                   help="tensor-parallel size (a divisor of --gpus and of the heads; default: every one that fits)")
+    g.add_argument("--pp", type=int_in(1, MAX_GPUS),
+                   help="pipeline-parallel stages (at most the layers; default: every divisor of --gpus / TP)")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
+                   help="DeepSpeed's ZeRO stage (2 and 3 only without a pipeline; default: every one)")
+    g.add_argument("--sp", choices=["on", "off"], help="sequence parallelism (with TP > 1; default: both)")
+    g.add_argument("--recompute", choices=POLICIES, help="activation recomputation policy (default: each)")
     g.add_argument("--recompute-modules", type=recompute_modules_arg,
                    help="what selective recomputes: core_attn and/or mlp_act, layernorm (a comma list; the planner "
                         "tries core_attn alone and all three)")
-    g.add_argument("--micro-batch", type=int_in(1, MAX_SIZE))
+    g.add_argument("--micro-batch", type=int_in(1, MAX_SIZE),
+                   help="sequences per GPU per forward (default: every divisor of the batch per replica)")
     p.add_argument("--top", type=positive_int, default=10, help="how many layouts to print")
     p.add_argument("--json", help="also write the ranked predictions to this file")
     p.add_argument("--force", action="store_true", help="replace an existing --json or --plot file")
     p.add_argument("--validate", action="store_true", help="the table against the papers; exit 1 if a row is off")
     p.add_argument("--plot", help="with --validate: also draw the published and predicted scaling to this picture")
-    p.add_argument("--list-hardware", action="store_true")
+    p.add_argument("--list-hardware", action="store_true", help="the hardware profiles --hardware takes")
     return p
 
 
@@ -91,8 +97,8 @@ def main(argv=None):
         check_output_file(args.json, args.force, flag="--json")
     job = make_job(args.model_config, args.gpus, args.hardware, args.seq_length, args.global_batch_size,
                    args.precision, args.sustained_tflops, args.bucket)
-    feasible, tried = rank_layouts(job, pinned_fields(args))
-    print(format_plan(job, feasible, tried, args.top))
+    feasible, tried, excluded = rank_layouts(job, pinned_fields(args))
+    print(format_plan(job, feasible, tried, args.top, excluded, args.model_config))
     if args.json:
         atomic_write_json(args.json, [{"layout": p.layout.__dict__, "memory_bytes": p.memory, "times_s": p.times,
                                        "step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu}

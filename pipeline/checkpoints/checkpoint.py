@@ -9,7 +9,7 @@ Layout of a save directory::
         layout.json          TP / PP / DP sizes and the step
         COMPLETE.json        written last: every file of the tag with its size and sha256
     latest                   the newest complete tag, replaced atomically
-    zero_to_fp32.py          (ZeRO runs) DeepSpeed's recovery script, made weights-only
+    zero_to_fp32.py          the project's full weights at any layout (pipeline/checkpoints/recovery_script.py)
     universal/<tag>/         a tag converted for another layout (``pipeline.checkpoints.universal``), on demand
 
 A save killed at any point leaves at most a tag directory without COMPLETE.json,
@@ -43,7 +43,7 @@ from pipeline.job.files import (DiskFullError, OutputError, atomic_dir, atomic_w
                                 disk_full_cause, refuse_links_out, tree_size)
 from pipeline.checkpoints.model_dir import read_model_dir
 
-from pipeline.checkpoints import safe_load
+from pipeline.checkpoints import recovery_script, safe_load
 from pipeline.engine.pipe_model import pipe_to_gpt_name
 from pipeline.checkpoints.safe_load import CheckpointError
 from pipeline.checkpoints.universal import OPTIMIZER_PARAM_NAMES, optimizer_param_names
@@ -87,7 +87,7 @@ def _barrier():
 
 # what a pretraining run writes at the top of its --save (and the "." temporaries of its atomic writes)
 RUN_ENTRIES = ("config.json", "tokenizer", "latest", "metrics.jsonl", "samples.jsonl", ".run.lock", "universal",
-               safe_load.RECOVERY_SCRIPT, "zero_to_torch.py", "tensorboard", "csv_monitor", "wandb")
+               recovery_script.SCRIPT_NAME, "zero_to_torch.py", "tensorboard", "csv_monitor", "wandb")
 
 
 def check_save_dir(save, *, load=None, inputs=()) -> None:
@@ -224,14 +224,14 @@ def commit_tag(tag_dir: Path, step: int, digests: dict, layout_text: str) -> Non
     atomic_write_text(tag_dir / "layout.json", layout_text)
     digests = {**digests, str((tag_dir / "layout.json").resolve()): hashlib.sha256(layout_text.encode()).hexdigest()}
     write_complete(tag_dir, step, digests)
-    safe_load.make_recovery_script_safe(tag_dir.parent)
+    recovery_script.install(tag_dir.parent)  # the project's zero_to_fp32.py over the one DeepSpeed copied
     atomic_write_text(tag_dir.parent / "latest", tag_dir.name + "\n")
 
 
 def _unlink_linked_scripts(save_dir: Path) -> None:
     """DeepSpeed copies its recovery scripts over whatever is there: one made a link (or hard-linked) since the
     run started is removed first, so the copy never writes through it."""
-    for name in (safe_load.RECOVERY_SCRIPT, "zero_to_torch.py"):
+    for name in (recovery_script.SCRIPT_NAME, "zero_to_torch.py"):
         path = save_dir / name
         if path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1):
             path.unlink()

@@ -34,10 +34,8 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
-import deepspeed.utils.zero_to_fp32 as original
 
 from pipeline.job.errors import UserError
-from pipeline.job.files import atomic_write_text
 
 # What DeepSpeed 0.19.8 pickles besides tensors and containers (found with
 # torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 0-3, fp32/bf16/fp16, pipeline runs, and the
@@ -216,56 +214,3 @@ def install(engine) -> None:
                               f"this project saves and loads checkpoints only through its weights-only engine "
                               f"(DeepSpeed's torch format); remove the checkpoint writer / engine setting")
     engine.checkpoint_engine = SafeCheckpointEngine(zipfile_serialization=current.zipfile_serialization)
-
-
-# -- the recovery script DeepSpeed copies into every ZeRO run directory -----------------------------------------
-
-RECOVERY_SCRIPT = "zero_to_fp32.py"
-_PREAMBLE = r'''# Made safe by this project: every checkpoint file is loaded with weights_only=True (no code runs from a
-# pickle); the only non-tensor types allowed are those DeepSpeed itself writes.
-import os as _os
-_os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-_os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-import torch as _torch
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler as _DLS, LossScaler as _LS
-from deepspeed.runtime.zero.config import ZeroStageEnum as _ZSE
-from deepspeed.utils.tensor_fragment import fragment_address as _FA
-_torch.serialization.add_safe_globals([_ZSE, _LS, _DLS, _FA])
-_torch_load = _torch.load
-
-
-def _weights_only_load(f, *args, **kwargs):
-    import pickle as _pickle
-    import re as _re
-    try:
-        return _torch_load(f, *args, **kwargs)
-    except _pickle.UnpicklingError as e:
-        found = sorted(set(_re.findall(r"GLOBAL ([\w.]+)", str(e))))
-        found = [n if "." in n else "builtins." + n for n in found] or ["unknown"]
-        raise SystemExit(f"error: {f}: contains a pickled object of type {', '.join(found)}, not allowed; "
-                         f"do not load this checkpoint") from None
-
-
-_torch.load = _weights_only_load
-
-'''
-
-
-def safe_recovery_script() -> str:
-    """DeepSpeed's zero_to_fp32.py with the preamble above before its first import."""
-    lines = Path(original.__file__).read_text().splitlines(keepends=True)
-    first_import = next(i for i, line in enumerate(lines) if line.startswith(("import ", "from ")))
-    return "".join(lines[:first_import]) + _PREAMBLE + "".join(lines[first_import:])
-
-
-def make_recovery_script_safe(save_dir: str | Path) -> None:
-    """Replace the zero_to_fp32.py DeepSpeed copied into ``save_dir`` (if any) by the safe one, atomically."""
-    script = Path(save_dir) / RECOVERY_SCRIPT
-    if not script.is_file():
-        return
-    text = safe_recovery_script()
-    if script.read_text() == text:
-        return
-    mode = script.stat().st_mode
-    atomic_write_text(script, text)
-    os.chmod(script, mode)  # DeepSpeed made it executable

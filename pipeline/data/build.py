@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import os
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from pipeline.data.packing import PackedSequences, StreamingSequences, tokenize_dataset, work_dir
 from pipeline.data.sources import DataSourceError, explain_read_error, load_documents, resolve
 from pipeline.data.tokenizer import Tokenizer, check_same_tokenizer, load_saved_tokenizer, load_tokenizer
+from pipeline.job.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +183,24 @@ def main_process_first():
             datasets.enable_progress_bars()
 
 
+def tokenizer_for_bare_model(load_dir: Path, spec: str | None, *, corpus=None) -> Tokenizer:
+    """The tokenizer of a model saved without one (``pipeline.import_hf`` of a directory holding no tokenizer
+    files): ``spec``, when its vocabulary is the model's, else one line saying which tokenizer to pass."""
+    config = load_dir / "config.json"
+    model_vocab = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+    if spec is None:
+        raise InputError(f"--load {load_dir}: the model has no tokenizer (no tokenizer.json beside {config.name}); "
+                         f"pass --tokenizer DIR, its tokenizer's directory (vocabulary of {model_vocab} tokens), or "
+                         f"import a model directory that holds its tokenizer files")
+    with main_process_first():
+        tokenizer = load_tokenizer(spec, corpus=corpus)
+    if model_vocab is not None and tokenizer.vocab_size != model_vocab:
+        raise InputError(f"--tokenizer {spec}: {tokenizer.vocab_size} tokens, but the model in {load_dir} has "
+                         f"vocab_size {model_vocab} (it has no tokenizer of its own); pass the tokenizer it was "
+                         f"trained with, of {model_vocab} tokens")
+    return tokenizer
+
+
 def run_tokenizer(load_dir: Path | None, spec: str | None, default: str, *, corpus=None,
                   vocab_size: int | None = None) -> Tokenizer:
     """A training run's tokenizer: the one saved with ``load_dir`` (a resumed run keeps it), else ``spec`` (or
@@ -188,6 +208,8 @@ def run_tokenizer(load_dir: Path | None, spec: str | None, default: str, *, corp
     saved = None
     if load_dir is not None:
         saved = load_dir / "tokenizer" if (load_dir / "tokenizer").is_dir() else load_dir
+    if saved is not None and not (saved / "tokenizer.json").is_file():
+        return tokenizer_for_bare_model(load_dir, spec, corpus=corpus)
     if saved is not None and spec is None:
         return load_saved_tokenizer(saved)
     with main_process_first():

@@ -9,6 +9,8 @@ and the answers gathered, so every rank returns the full result.
 """
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -120,9 +122,24 @@ def run_harness(lm: ProjectLM, tasks: Sequence[str], *, include_path: Path | Non
         where = f" nor under --include-path {include_path}" if include_path else ""
         raise HarnessError(f"--harness: unknown task(s) {', '.join(unknown)}: not in lm-eval's registry{where}; "
                            f"give a folder of task YAML files with --include-path")
-    out = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                          log_samples=log_samples, batch_size=lm.batch_size, bootstrap_iters=0)
+    try:
+        out = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                              log_samples=log_samples, batch_size=lm.batch_size, bootstrap_iters=0)
+    except ConnectionError as e:  # datasets' "Couldn't reach 'org/name' on the Hub (OfflineModeIsEnabled)"
+        raise data_unreachable(tasks, e) from None
     return _from_rank0(_record(out, log_samples) if out is not None else None)
+
+
+def data_unreachable(tasks: Sequence[str], error: ConnectionError) -> HarnessError:
+    """One line for a task whose data set would have to be downloaded (offline, or no network)."""
+    found = re.search(r"reach '([^']+)'", str(error))
+    dataset = f"its data set {found.group(1)}" if found else "a data set it reads"
+    offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
+    why, remedy = ((f"downloads are off ({', '.join(f'{v}=1' for v in offline)})",
+                    f"unset {' and '.join(offline)} and run the command once online to cache it") if offline else
+                   ("the Hub cannot be reached", "run the command once with network access to cache it"))
+    return HarnessError(f"--harness {','.join(tasks)}: {dataset} is not in the local Hugging Face cache and {why}; "
+                        f"{remedy}, or give --include-path a folder of task YAML files that read local data files")
 
 
 def _task_manager(tasks: Sequence[str], include_path: Path | None) -> TaskManager:

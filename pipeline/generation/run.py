@@ -71,8 +71,9 @@ def check_args(args) -> None:
     if args.tensor_parallel < 1 or args.batch_size < 1:
         raise InputError(f"--tensor-parallel ({args.tensor_parallel}) and --batch-size ({args.batch_size}) "
                          f"must be >= 1")
-    refuse_overlap(args.out, [("--checkpoint", args.checkpoint), ("--hf", args.hf), ("--prompts", args.prompts)])
-    check_output_file(args.out, args.force)
+    if args.out is not None:
+        refuse_overlap(args.out, [("--checkpoint", args.checkpoint), ("--hf", args.hf), ("--prompts", args.prompts)])
+        check_output_file(args.out, args.force)
 
 
 def run_generation(args) -> list[dict]:
@@ -89,7 +90,9 @@ def run_generation(args) -> list[dict]:
     hf_tok = tokenizer.tokenizer
     eos = hf_tok.eos_token_id
     pad = next((t for t in (hf_tok.pad_token_id, eos, 0) if t is not None))
-    stream = Streamer(tokenizer) if len(ids) == 1 and is_main and not args.quiet else None
+    # without --out, stdout carries the JSON lines only: the streamed text goes to stderr
+    stream_to = sys.stdout if args.out is not None else sys.stderr
+    stream = Streamer(tokenizer, stream_to) if len(ids) == 1 and is_main and not args.quiet else None
     start, results = time.perf_counter(), []
     for first in range(0, len(ids), args.batch_size):
         results += generate(decoder, ids[first:first + args.batch_size], settings, eos_id=eos, pad_id=pad,
@@ -101,8 +104,13 @@ def run_generation(args) -> list[dict]:
                 "new_ids": g.new_ids, "finish_reason": g.finish_reason, "settings": settings.to_dict()}
                for i, (text, g) in enumerate(zip(prompts, results))]
     if is_main:
-        atomic_write_text(args.out, "".join(json.dumps(r) + "\n" for r in records))
+        lines = "".join(json.dumps(r) + "\n" for r in records)
+        if args.out is None:
+            sys.stdout.write(lines)
+            sys.stdout.flush()
+        else:
+            atomic_write_text(args.out, lines)
         new = sum(len(g.new_ids) for g in results)
         print(f"generate: {len(records)} prompts, {new} new tokens in {elapsed:.1f}s "
-              f"({new / max(elapsed, 1e-9):.1f} tokens/s) -> {args.out}", file=sys.stderr)
+              f"({new / max(elapsed, 1e-9):.1f} tokens/s) -> {args.out or 'stdout'}", file=sys.stderr)
     return records

@@ -28,6 +28,7 @@ from deepspeed.utils import logger as ds_logger
 from tqdm import tqdm
 
 from models.parallel import Layout, ParallelState, initialize_model_parallel, model_parallel_seed
+from pipeline.engine.cpu_features import warn_if_bf16_is_emulated
 from pipeline.engine.distributed import init_distributed, launched_world_size
 from pipeline.engine.ds_config import load_ds_config, precision, resolve_ds_config
 from pipeline.job.errors import is_rank0
@@ -92,6 +93,7 @@ def setup(options: EngineOptions, *, config=None, family=None, extras: dict | No
     faults.configure(options.save, exit_signal_handler=options.exit_signal_handler,
                      max_bad_steps=options.max_bad_steps, fp16=precision(ds) == "fp16")
     ds = place_monitor_outputs(ds, Path(options.save) if options.save else None)
+    warn_if_bf16_is_emulated(precision(ds))
     return Job(options, state, ds, source)
 
 

@@ -104,7 +104,7 @@ def add_model_args(p) -> None:
                    help="gpt (default) or mlstm (the character-level multiplicative LSTM, trained by truncated "
                         "BPTT on contiguous byte streams; default: the model config's model_type)")
     g.add_argument("--model-config", default=None,
-                   help=f"a JSON file, or a preset name from {PRESETS.name}/ ({', '.join(presets())}); default: "
+                   help=f"a JSON file, or a preset name from models/{PRESETS.name}/ ({', '.join(presets())}); default: "
                         f"the checkpoint's config with --load, else gpt2-tiny")
     g.add_argument("--seq-length", type=int, help="training sequence length (default: the config's seq_length)")
     g.add_argument("--recompute", choices=["none", "selective", "full"], default="none",

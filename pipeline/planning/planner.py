@@ -11,6 +11,7 @@ from pipeline.job.families import family_of_dict
 from pipeline.job.files import read_json_object
 from pipeline.job.model_configs import read_model_config
 
+from .explain import deepspeed_command, explanation, fold, folded_label, headroom_bytes
 from .hardware import hardware
 from .layouts import Job, Prediction, divisors, fits, iter_layouts, predict
 from .shapes import ModelShape, model_shape
@@ -67,8 +68,9 @@ def check_pinned(job: Job, pinned: dict) -> None:
                         f"replicas of TP {tp} x PP {pp} on {n} GPUs; choose a multiple of {dp}")
 
 
-def rank_layouts(job: Job, pinned: dict) -> tuple[list[Prediction], int]:
-    """(the predictions of the layouts that fit, fastest first; how many were tried)."""
+def rank_layouts(job: Job, pinned: dict) -> tuple[list[Prediction], int, list[Prediction]]:
+    """(the predictions of the layouts that fit, fastest first; how many were tried; the layouts faster than
+    the fastest that fits, left out for memory)."""
     check_pinned(job, pinned)
     candidates = list(itertools.islice(iter_layouts(job, pinned), MAX_LAYOUTS + 1))
     if len(candidates) > MAX_LAYOUTS:
@@ -84,23 +86,29 @@ def rank_layouts(job: Job, pinned: dict) -> tuple[list[Prediction], int]:
         raise PlanError(f"{job.model.name}: no layout fits in {job.hardware.hbm_bytes / GIB:.0f} GiB per GPU of "
                         f"{job.hardware.name} on {job.gpus} GPUs; the smallest, {least.layout.label()}, needs "
                         f"{least.memory_total / GIB:.1f} GiB; use more GPUs, a shorter sequence or a larger GPU")
-    return feasible, len(candidates)
+    excluded = [p for p in preds if not fits(job, p) and round(p.step_s, 6) < round(feasible[0].step_s, 6)]
+    return feasible, len(candidates), excluded
 
 
-def format_plan(job: Job, feasible: list[Prediction], tried: int, top: int) -> str:
+def format_plan(job: Job, feasible: list[Prediction], tried: int, top: int, excluded: list[Prediction],
+                model_config: str) -> str:
+    """The table (identical rows folded), why the first row, and the command line that trains it."""
     m, hw = job.model, job.hardware
     lines = [f"# {m.name}: {m.params / 1e9:.2f}B parameters, {m.seq} tokens x {job.global_batch} sequences per step, "
              f"{job.precision}, on {job.gpus} x {hw.name} ({hw.description}); {len(feasible)} of {tried} layouts fit",
              f"# matmuls at {hw.sustained_flops / 1e12:.0f} TFLOP/s per GPU (peak {hw.peak_flops / 1e12:.0f}); "
              f"memory: weights + gradients + optimizer + activations, GiB per GPU of the fullest stage",
-             "| rank | layout | memory GiB (w + g + o + act) | step s | compute | TP comm | PP comm | bubble | "
-             "DP exposed | tokens/s | MFU |", "| --- " * 11 + "|"]
-    for i, p in enumerate(feasible[:top], 1):
+             "| rank | layout | memory GiB (w + g + o + act) | headroom GiB | step s | compute | TP comm | PP comm | "
+             "bubble | DP exposed | tokens/s | MFU |", "| --- " * 12 + "|"]
+    for i, (p, same) in enumerate(fold(job, feasible)[:top], 1):
         mem, t = p.memory, p.times
-        lines.append(f"| {i} | {p.layout.label()} | {p.memory_total / GIB:.1f} ({mem['weights'] / GIB:.1f} + "
+        lines.append(f"| {i} | {folded_label(p, same)} | {p.memory_total / GIB:.1f} ({mem['weights'] / GIB:.1f} + "
                      f"{mem['gradients'] / GIB:.1f} + {mem['optimizer'] / GIB:.1f} + {mem['activations'] / GIB:.1f}) "
-                     f"| {p.step_s:.3f} | {t['compute']:.3f} | {t['tp_comm']:.3f} | {t['pp_comm']:.3f} | "
-                     f"{t['bubble']:.3f} | {t['dp_exposed']:.3f} | {p.tokens_per_s:,.0f} | {100 * p.mfu:.1f}% |")
+                     f"| {headroom_bytes(job, p) / GIB:.1f} | {p.step_s:.3f} | {t['compute']:.3f} | {t['tp_comm']:.3f} "
+                     f"| {t['pp_comm']:.3f} | {t['bubble']:.3f} | {t['dp_exposed']:.3f} | {p.tokens_per_s:,.0f} | "
+                     f"{100 * p.mfu:.1f}% |")
+    lines += explanation(job, feasible[0], excluded)
+    lines += ["# train rank 1:", deepspeed_command(job, feasible[0], model_config)]
     return "\n".join(lines)
 
 

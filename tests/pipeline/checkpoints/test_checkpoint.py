@@ -266,7 +266,8 @@ def test_export_from_tp2_pp2_checkpoint(setup, sources, tmp_path, variant):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_checkpoints_stay_deepspeed_checkpoints(setup, tmp_path, stage):
-    """DeepSpeed's own zero_to_fp32 recovers the weights of a ZeRO-2/3 run (DP=2), equal to ours."""
+    """DeepSpeed's own zero_to_fp32 (its module: the run's zero_to_fp32.py is the project's) recovers the weights of
+    a ZeRO-2/3 run (DP=2), equal to ours."""
     ds = {**DS, "zero_optimization": {"stage": stage}}
     (setup / f"ds_z{stage}.json").write_text(json.dumps(ds))
     save = tmp_path / "run"
@@ -274,7 +275,7 @@ def test_zero_checkpoints_stay_deepspeed_checkpoints(setup, tmp_path, stage):
     argv[argv.index("--deepspeed_config") + 1] = str(setup / f"ds_z{stage}.json")
     run_distributed(_pretrain, 2, argv)
     out = tmp_path / "fp32"
-    subprocess.run([sys.executable, str(save / "zero_to_fp32.py"), str(save), str(out), "--tag", "global_step2"],
+    subprocess.run([sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(save), str(out), "--tag", "global_step2"],
                    check=True, capture_output=True)
     theirs = dict(read_state_dict(next(out.glob("*.safetensors")) if list(out.glob("*.safetensors"))
                                   else next(out.glob("*.bin"))))

@@ -17,7 +17,7 @@ from cli import run_cli
 from conftest import shared_data
 from dist import run_distributed
 
-from pipeline.checkpoints import checkpoint, safe_load, universal
+from pipeline.checkpoints import checkpoint, recovery_script, safe_load, universal
 from pipeline.pretrain import main
 from pipeline.checkpoints.reshard import reshard
 
@@ -135,12 +135,13 @@ def test_malicious_checkpoint_never_runs(runs, tmp_path, command, stage, victim)
 
 
 def test_copied_recovery_script_is_safe(runs, tmp_path):
-    """The zero_to_fp32.py in a run directory loads weights only; on a clean run it still recovers the weights."""
-    script = runs / "z3" / safe_load.RECOVERY_SCRIPT
-    assert script.read_text() == safe_load.safe_recovery_script()
+    """The zero_to_fp32.py in a run directory (the project's: pipeline/checkpoints/recovery_script.py) refuses a
+    doctored file without running it; on a clean run it recovers the weights."""
+    script = runs / "z3" / recovery_script.SCRIPT_NAME
+    assert script.read_text() == recovery_script.script_text()
     marker = tmp_path / "marker"
     doctored_copy(runs / "z3", tmp_path / "run", "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
-    proc = run_cmd([str(tmp_path / "run" / safe_load.RECOVERY_SCRIPT), str(tmp_path / "run"), str(tmp_path / "o")],
+    proc = run_cmd([str(tmp_path / "run" / recovery_script.SCRIPT_NAME), str(tmp_path / "run"), str(tmp_path / "o")],
                    tmp_path)
     assert proc.returncode != 0 and not marker.exists()
     assert "builtins.exec" in proc.stderr

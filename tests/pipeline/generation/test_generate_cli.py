@@ -95,3 +95,14 @@ def test_refusals_are_one_line(dirs, tmp_path, case, message):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "o.jsonl").exists()
+
+
+def test_without_out_the_json_lines_go_to_stdout(dirs, tmp_path):
+    """No --out: stdout holds exactly the JSON lines (one prompt's streamed text goes to stderr), nothing written."""
+    proc = run_cli([*GENERATE, "--checkpoint", dirs["mlstm"], "--prompt", "The ", "--greedy", "--max-new-tokens",
+                    "12"], tmp_path)
+    # DeepSpeed's accelerator line goes to stdout at import (issue 45's configuration part silences it)
+    records = [json.loads(line) for line in proc.stdout.splitlines() if "[real_accelerator.py" not in line]
+    assert len(records) == 1 and records[0]["new_ids"] == _library(dirs["mlstm"], ["The "], SampleSettings(12))[0]
+    assert records[0]["completion"] in proc.stderr and "-> stdout" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
