@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -61,15 +60,14 @@ def leftovers(root) -> list[str]:
 def test_enospc(work):
     d = work
     tag_bytes = tree_size(d / "run" / "global_step1")
-    run_bytes = tree_size(d / "run")
     with contextlib.ExitStack() as mounts:
         save = mounts.enter_context(tmpfs(d / "m_save", int(1.6 * tag_bytes))) / "run"  # one tag fits, not two
         async_save = mounts.enter_context(tmpfs(d / "m_async", int(1.6 * tag_bytes))) / "run"
         small = {name: mounts.enter_context(tmpfs(d / f"m_{name}", 64 * 1024)) for name in ("export", "import",
                                                                                               "reshard")}
-        universal = mounts.enter_context(tmpfs(d / "m_universal", run_bytes + 64 * 1024))
-        shutil.copytree(d / "run", universal / "run")  # room for the run, not for its universal conversion
-        tag = (universal / "run" / "latest").read_text().strip()
+        # the conversion goes into the resuming run's --save (never into the run it reads): no room for it there
+        universal = mounts.enter_context(tmpfs(d / "m_universal", 64 * 1024))
+        tag = (d / "run" / "latest").read_text().strip()
         cases = [
             ("save", ("pipeline.pretrain", pretrain(d, save, 2, "--save-interval", "1")),
              f"error: {save}/global_step2: no space left on the device while writing the checkpoint of step 2 (it "
@@ -84,9 +82,9 @@ def test_enospc(work):
              f"error: {small['import']}/model: no space left on the device while writing the output directory"),
             ("reshard", ("pipeline.reshard", ["--checkpoint", d / "run", "--out", small["reshard"] / "tp2"]),
              f"error: {small['reshard']}/tp2: no space left on the device while writing the output directory"),
-            ("universal", ("pipeline.pretrain", [*pretrain(d, d / "zero2", 3, "--load", universal / "run"),
+            ("universal", ("pipeline.pretrain", [*pretrain(d, universal / "zero2", 3, "--load", d / "run"),
                                                  "--deepspeed_config", d / "ds_z2.json"]),
-             f"error: {universal}/run/universal/{tag}: no space left on the device while writing"),
+             f"error: {universal}/zero2/universal/{tag}: no space left on the device while writing"),
         ]
         results = run_forked([argv for _, argv, _ in cases], d)
         for (name, _, start), (code, _, err) in zip(cases, results):
@@ -99,6 +97,6 @@ def test_enospc(work):
             assert (run / "latest").read_text() == "global_step1\n" and not (run / "global_step2").exists()
             assert not (run / "global_step3").exists()
         assert all(not any(m.iterdir()) for m in small.values())  # nothing of the outputs, no temporary
-        assert not (universal / "run" / "universal" / tag).exists()
+        assert not (universal / "zero2" / "universal" / tag).exists()
         for root in (save, async_save, universal):
             assert not leftovers(root), leftovers(root)

@@ -156,7 +156,8 @@ def test_half_precision_run_resumes_at_another_layout_with_its_optimizer_state(m
     the half precision's rounding at another layout."""
     run = _save(moe, f"EP2 TP2 {precision}")
     _, saved, _ = read_full_model_state(run, "global_step2")
-    cache = run / "universal" / "global_step2" / "zero"
+    # (converted into the resumed run's --save, never into the run it reads)
+    cache = _save(moe, f"resumed EP1 TP1 {precision}") / "universal" / "global_step2" / "zero"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     experts = [name for name in saved if EXPERT_INDEX.search(name)]
     assert len(experts) == 2 * 4 * 2  # 2 MoE layers x 4 experts x (fc_in, fc_out)
