@@ -79,12 +79,12 @@ SYSTEMS = {  # name -> (model, ranks, extra flags)
     # balancing (issue 43): the sequence-wise auxiliary loss, DeepSeek-V3's bias (no auxiliary loss), neither
     "v3 aux loss": ({**V3, "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-2}, 1, []),
     "v3 aux-loss-free": ({**V3, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3}, 1, []),
-    "v3 aux-loss-free, rate 1e-2": ({**V3, "moe_router_enable_expert_bias": True,
+    "v3 aux-loss-free rate 1e-2": ({**V3, "moe_router_enable_expert_bias": True,
                                      "moe_router_bias_update_rate": 1e-2}, 1, []),
     "v3 unbalanced": (V3, 1, []),
 }
 DEFAULT_SYSTEMS = ("dense", "moe", "moe without balancing loss", "dense DP2", "moe EP2", "dense micro 4", "moe micro 4")
-BALANCING = ("v3 aux loss", "v3 aux-loss-free", "v3 aux-loss-free, rate 1e-2", "v3 unbalanced")
+BALANCING = ("v3 aux loss", "v3 aux-loss-free", "v3 aux-loss-free rate 1e-2", "v3 unbalanced")
 DEEPSEEK_STYLE = {"variant": "llama", "hidden_size": 256, "num_layers": 1, "num_heads": 4, "ffn_hidden_size": 512,
                   "max_position_embeddings": 128, "hidden_dropout": 0.0, "attention_dropout": 0.0,
                   "num_experts": 64, "moe_top_k": 8, "moe_ffn_hidden_size": 128, "moe_router_score_function": "sigmoid",
