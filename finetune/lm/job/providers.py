@@ -1,7 +1,8 @@
 """The providers of the language-model finetuning commands (``finetune/lm/job/sft.py``, ``dpo.py``) over the
 job layer: the base model and its tokenizer, LoRA, the DP-sharded resumable batches, the engine, the training
 loop with its hooks (log, the state saved at a stop signal or every --save-interval steps, continued by the same
-command run again: ``finetune.job.resume``), and the exports at the end.
+command run again at any TP x DP layout: ``finetune.lm.job.resume``; the command's own, e.g. samples), and the
+exports at the end.
 
 Outputs in --save: metrics.jsonl; checkpoint/ while the run is unfinished; at the end model/ (the project's
 model directory, a base for the next command), hf/ (the Hugging Face export, adapters merged) and, with LoRA,
