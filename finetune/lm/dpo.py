@@ -7,6 +7,9 @@ under the same names.
 A pair is ``prompt``, ``chosen``, ``rejected``: conversations (lists of messages, the prompt rendered with the
 generation prompt) or plain text (an end-of-sequence token appended to each completion, as TRL does). The
 completion starts where the tokenized prompt and prompt + completion part (TRL's ``common_prefix_length``).
+
+The reference's log-probabilities may come precomputed, as TRL's ``precompute_ref_log_probs`` adds them: a pair's
+``ref_chosen_logps`` and ``ref_rejected_logps`` (TRL's column names) are then used instead of a reference forward.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from models.lora import lora_adapters, lora_disabled
 from pipeline.job.errors import UserError
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
+REFERENCE_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")  # TRL's columns of precomputed reference logps
 
 
 class PreferenceDataError(UserError, ValueError):
@@ -47,7 +51,18 @@ def tokenize_pair(tokenizer, pair: dict, where: str = "pair") -> dict:
     if out["chosen_ids"] == out["rejected_ids"]:
         raise PreferenceDataError(f"{where}: the chosen and the rejected completion are the same; DPO learns "
                                   f"nothing from it, drop the pair")
-    return out
+    return {**out, **_stored_reference(pair, where)}
+
+
+def _stored_reference(pair: dict, where: str) -> dict:
+    """The pair's precomputed reference log-probabilities, if it carries them (both, as numbers)."""
+    present = [f for f in REFERENCE_FIELDS if pair.get(f) is not None]
+    if not present:
+        return {}
+    if len(present) < len(REFERENCE_FIELDS) or not all(isinstance(pair[f], (int, float)) for f in present):
+        raise PreferenceDataError(f"{where}: {' and '.join(repr(f) for f in REFERENCE_FIELDS)} must both be numbers "
+                                  f"(the reference's summed log-probabilities); give both, or neither")
+    return {f: float(pair[f]) for f in REFERENCE_FIELDS}
 
 
 def _render(tokenizer, messages: list[dict], **kwargs) -> list[int]:
@@ -79,6 +94,29 @@ def collate_pairs(rows: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Te
         ids[i, :len(seq)] = torch.tensor(seq)
         targets[i, prompt:len(seq)] = ids[i, prompt:len(seq)]
     return ids, targets[:, 1:]
+
+
+def stored_reference_logps(rows: list[dict]) -> torch.Tensor | None:
+    """The precomputed reference log-probabilities of a batch, ordered as ``collate_pairs``'s rows (chosen, then
+    rejected), or None when the rows carry none."""
+    if REFERENCE_FIELDS[0] not in rows[0]:
+        return None
+    return torch.tensor([r[f] for f in REFERENCE_FIELDS for r in rows], dtype=torch.float32)
+
+
+@torch.no_grad()
+def precompute_reference_logps(model, rows: list[dict], batch_size: int, pad_id: int, reference=None,
+                               device=None) -> list[dict]:
+    """``rows`` with each pair's ``ref_chosen_logps`` and ``ref_rejected_logps`` (TRL's ``precompute_ref_log_probs``):
+    ``reference`` (or ``model`` with its LoRA adapters off) over ``batch_size`` pairs at a time."""
+    out = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        ids, targets = collate_pairs(chunk, pad_id)
+        chosen, rejected = reference_logps(model, ids.to(device), targets.to(device), reference).float().cpu().chunk(2)
+        out += [{**r, REFERENCE_FIELDS[0]: c, REFERENCE_FIELDS[1]: j}
+                for r, c, j in zip(chunk, chosen.tolist(), rejected.tolist())]
+    return out
 
 
 def completion_logps(model, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -508,7 +508,8 @@ def _optimizer_state_for_every_stage(zero: Path) -> None:
     state = torch.load(path, map_location="cpu", weights_only=True)
     params = sorted(p for p in zero.iterdir() if p.is_dir())
     if OPTIMIZER_STATE_DICT not in state:  # from ZeRO-1/2
-        step = torch.load(params[0] / "step.pt", weights_only=True)
+        # (a frozen parameter's folder, e.g. a LoRA run's base, has its weight only)
+        step = torch.load(next(p for p in params if (p / "step.pt").exists()) / "step.pt", weights_only=True)
         state[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, "param_groups": state[PARAM_GROUPS]}
         torch.save(state, path)
         return

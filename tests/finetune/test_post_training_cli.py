@@ -1,7 +1,9 @@
 """The sft and dpo commands as a user runs them (python -m, torchrun): LoRA SFT at TP2 equals TP1, step for step,
-through a stop signal and the rerun that continues it; its PEFT adapter, loaded by PEFT on the base's Hugging
+through a stop signal and the rerun that continues it at TP1, samples written as it trains; its PEFT adapter, loaded by PEFT on the base's Hugging
 Face model, gives the project's logits, and so does the merged export; full DPO equals the library's DPO trained
-by hand on the same batches; the refusals, one line each."""
+by hand on the same batches, and with the reference's log-probabilities precomputed; LoRA DPO at TP2, and from
+stored reference log-probabilities, equals the library's with the base as the reference; the refusals, one line
+each."""
 import json
 import sys
 from pathlib import Path
@@ -13,11 +15,11 @@ from cli import cli_env, run_cli
 from conftest import ROOT
 from forked_cli import run_forked
 from lm_utils import CONVERSATIONS, smollm2_tokenizer
-from peft import PeftModel
+from peft import LoraConfig, PeftModel
 from test_dpo import PAIRS
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from finetune.lm.dpo import collate_pairs, completion_logps, dpo_loss, reference_logps, tokenize_pairs
+from finetune.lm.dpo import collate_pairs, completion_logps, dpo_loss, reference_logps, tokenize_pair, tokenize_pairs
 from pipeline.job.layout import POST_TRAINING
 from finetune.lm.job.providers import RowIndices
 from models import GPT
@@ -32,6 +34,7 @@ from pipeline.job.layout import LayoutCheck, refusal
 
 BIN = Path(sys.executable).parent
 STEPS, LR, BETA = 4, 1e-2, 0.1
+DPO_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 LORA = ["--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules", "q_proj", "v_proj", "o_proj", "down_proj"]
 # fp32, two micro-batches of 2 per step, DeepSpeed's torch AdamW and clipping (the DPO reference below does the same)
 DS = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 1.0,
@@ -86,24 +89,35 @@ def _project_logits(work, out, ids):
     return model(ids)
 
 
-def test_lora_sft_tp2_equals_tp1_through_a_stop_and_peft_loads_the_adapter(work, tmp_path):
+def test_lora_sft_tp2_equals_tp1_through_a_stop_continued_at_tp1_and_peft_loads_the_adapter(work, tmp_path):
+    """TP1 samples as it trains (which leaves its losses alone); TP2, stopped after step 2, is continued at TP1
+    through a universal checkpoint with its Adam state, and every step equals TP1's."""
     tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
-    run_cli([sys.executable, "-m", "finetune.lm.job.sft", *_args(work, "chats.jsonl", tp1, "--seq-length", 64, *LORA)],
-            tmp_path)
+    (tmp_path / "prompts.txt").write_text("Capital of France?\nSay hello.\n")
+    samples = ["--sample-interval", 2, "--sample-prompts", tmp_path / "prompts.txt", "--sample-new-tokens", 3]
+    run_cli([sys.executable, "-m", "finetune.lm.job.sft", *_args(work, "chats.jsonl", tp1, "--seq-length", 64, *LORA,
+                                                                  *samples)], tmp_path)
     torchrun = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
                 ROOT / "finetune" / "lm" / "job" / "sft.py",
                 *_args(work, "chats.jsonl", tp2, "--seq-length", 64, "--tensor-parallel", 2, *LORA)]
     stopped = run_cli(torchrun, tmp_path, env=cli_env(PIPELINE_SIGNAL_AT="2"))  # SIGTERM at step 2: saved, exit 0
     assert not (tp2 / "adapter").exists(), stopped.stderr[-2000:]
     assert json.loads((tp2 / "checkpoint" / "global_step2" / "layout.json").read_text())["tensor_parallel"] == 2
-    torchrun[4] = str(free_port())
-    run_cli(torchrun, tmp_path)  # the same command continues after step 2
+    continued = run_cli([sys.executable, "-m", "finetune.lm.job.sft",
+                         *_args(work, "chats.jsonl", tp2, "--seq-length", 64, *LORA)], tmp_path)  # at TP1 now
+    assert "(saved at TP 2, PP 1, DP 1" in continued.stderr and ") at TP 1, " in continued.stderr, continued.stderr[-2000:]
+    assert not (tp2 / "checkpoint").exists()
     first, second = _steps(tp1), _steps(tp2)
     assert [r["step"] for r in second] == [r["step"] for r in first] == list(range(1, STEPS + 1))
     diff = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(first, second))
-    print(f"LoRA SFT TP2 (stopped at step 2, continued) vs TP1: losses within {diff:.1e} (relative)")
-    assert diff < 1e-6  # measured 0.0 (this CPU sums the two halves as TP1 does); rounding would be ~1e-7
+    print(f"LoRA SFT TP2 (stopped at step 2, continued at TP1) vs TP1 (sampling): losses within {diff:.1e} "
+          f"(relative)")
+    assert diff < 1e-6  # measured 0.0 (this CPU sums the two halves as TP1 does); rounding would be ~1e-7; a
+    # restarted Adam would change step 4's loss
     assert first[-1]["loss"] < first[0]["loss"]
+    written = [json.loads(line) for line in (tp1 / "samples.jsonl").read_text().splitlines()]
+    assert sorted({(r["step"], r["kind"]) for r in written}) == [(s, k) for s in (2, 4) for k in ("greedy", "sampled")]
+    assert all(len(r["new_ids"]) <= 3 and r["prompt"] in ("Capital of France?", "Say hello.") for r in written)
 
     tok = AutoTokenizer.from_pretrained(work / "base")
     ids = torch.tensor([tok.apply_chat_template(CONVERSATIONS[0], tokenize=True, return_dict=True)["input_ids"]])
@@ -123,16 +137,23 @@ def test_lora_sft_tp2_equals_tp1_through_a_stop_and_peft_loads_the_adapter(work,
     assert torch.equal(trained["embedding.word_embeddings.weight"], base["embedding.word_embeddings.weight"])
 
 
-def _library_dpo(work):
-    """The library's DPO trained by hand: the command's batches (its loader, --seed 1234), plain AdamW."""
+def _library_dpo(work, lora: LoraConfig | None = None):
+    """The library's DPO trained by hand: the command's batches (its loader, --seed 1234), plain AdamW; with LoRA
+    the command's adapters (A drawn from --seed after the base is loaded) and the base as the reference."""
     tok = AutoTokenizer.from_pretrained(work / "base")
     rows = list(tokenize_pairs(datasets.load_dataset("json", data_files=str(work / "pairs.jsonl"), split="train"),
                                tok))
     config, sd, _ = read_model_dir(work / "base")
-    policy, reference = GPT(config), GPT(config).eval()
+    policy, reference = GPT(config), None
     load_full_state_dict(policy, sd)
-    load_full_state_dict(reference, sd)
-    opt = torch.optim.AdamW(policy.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+    if lora is None:
+        reference = GPT(config).eval()
+        load_full_state_dict(reference, sd)
+    else:
+        torch.manual_seed(1234)
+        add_peft_lora(policy, config, lora)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
     loader = DistributedBatchLoader(RowIndices(len(rows), "pairs"), 2, 0, 1, seed=1234)
     steps = []
     for _ in range(STEPS):
@@ -144,23 +165,83 @@ def _library_dpo(work):
             (loss / 2).backward()
             for k, v in {"loss": loss.item(), **metrics}.items():
                 record[k] = record.get(k, 0.0) + v / 2
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         opt.zero_grad()
         steps.append(record)
     return steps
 
 
-def test_dpo_command_equals_the_library_trained_by_hand(work, tmp_path):
-    out = tmp_path / "dpo"
-    run_cli([sys.executable, "-m", "finetune.lm.job.dpo", *_args(work, "pairs.jsonl", out, "--beta", BETA)], tmp_path)
+def _dpo_diff(ours, theirs):
+    """The largest difference of the logged loss and rewards, step by step (relative above 1)."""
+    assert [r["step"] for r in ours] == list(range(1, STEPS + 1)) and len(theirs) == STEPS
+    return max(abs(a[k] - b[k]) / max(1.0, abs(b[k])) for a, b in zip(ours, theirs) for k in DPO_KEYS)
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(work, tmp_path_factory):
+    """Full DPO through the command: at TP1 with its reference live (a frozen copy of the base), and over two
+    data-parallel ranks with the reference's log-probabilities precomputed (each rank its share, gathered)."""
+    d = tmp_path_factory.mktemp("dpo")
+    run_cli([sys.executable, "-m", "finetune.lm.job.dpo", *_args(work, "pairs.jsonl", d / "live", "--beta", BETA)], d)
+    run_cli([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
+             ROOT / "finetune" / "lm" / "job" / "dpo.py",
+             *_args(work, "pairs.jsonl", d / "precomputed", "--beta", BETA, "--precompute-ref-log-probs")], d)
+    return d
+
+
+def test_dpo_command_equals_the_library_trained_by_hand(work, dpo_runs):
+    out = dpo_runs / "live"
     ours, library = _steps(out), _library_dpo(work)
-    keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
-    diff = max(abs(a[k] - b[k]) / max(1.0, abs(b[k])) for a, b in zip(ours, library) for k in keys)
+    diff = _dpo_diff(ours, library)
     print(f"DPO command vs the library by hand, {STEPS} steps: {diff:.1e}; losses {[r['loss'] for r in ours]}")
     assert diff < 3e-6  # measured 3.0e-7 (fp32)
     assert ours[-1]["loss"] < ours[0]["loss"] and ours[-1]["rewards/margins"] > 0
     assert (out / "hf" / "config.json").is_file() and not (out / "adapter").exists()
+    assert not (out / "reference_logps.jsonl").exists()
+
+
+def test_dpo_precomputed_reference_equals_the_live_one(work, dpo_runs):
+    live, precomputed = _steps(dpo_runs / "live"), _steps(dpo_runs / "precomputed")
+    diff = _dpo_diff(precomputed, live)
+    print(f"DPO at DP2 with the reference's log-probabilities precomputed vs live at TP1, {STEPS} steps: {diff:.1e}")
+    assert diff < 1e-6  # measured 0.0 (DP2 sums the two micro-batches' gradients as one process accumulates them)
+    written = [json.loads(line) for line in (dpo_runs / "precomputed" / "reference_logps.jsonl").read_text()
+               .splitlines()]
+    assert [{k: r[k] for k in PAIRS[0]} for r in written] == PAIRS * 4  # the pairs as given, with two columns
+    tok = AutoTokenizer.from_pretrained(work / "base")
+    config, sd, _ = read_model_dir(work / "base")
+    base = GPT(config).eval()
+    load_full_state_dict(base, sd)
+    with torch.no_grad():  # each pair alone through the base
+        by_hand = [completion_logps(base, *collate_pairs([tokenize_pair(tok, pair)], tok.pad_token_id))
+                   for pair in PAIRS * 4]
+    ours = torch.tensor([[r["ref_chosen_logps"], r["ref_rejected_logps"]] for r in written])
+    logps = ((ours - torch.stack(by_hand)).abs() / torch.stack(by_hand).abs()).max().item()
+    print(f"the written reference log-probabilities vs the base's, pair by pair: {logps:.1e} (relative)")
+    assert logps < 1e-6  # measured 0.0 (a pair alone or beside another, right-padded: the same sums)
+
+
+def test_lora_dpo_at_tp2_and_from_precomputed_logps_equals_the_library(work, dpo_runs, tmp_path):
+    """With LoRA the reference is the base with the adapters off: the library by hand (live reference, TP1) and
+    the command at TP2 (live) agree; at TP1 from the full run's reference_logps.jsonl (the same base), each
+    reference log-probability raised by 1 (which the loss cancels), only the rewards move, by -beta."""
+    tp2, stored = tmp_path / "tp2", tmp_path / "stored"
+    shifted = [{**r, "ref_chosen_logps": r["ref_chosen_logps"] + 1, "ref_rejected_logps": r["ref_rejected_logps"] + 1}
+               for r in map(json.loads, (dpo_runs / "precomputed" / "reference_logps.jsonl").read_text().splitlines())]
+    (tmp_path / "shifted.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shifted))
+    run_cli([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
+             ROOT / "finetune" / "lm" / "job" / "dpo.py",
+             *_args(work, "pairs.jsonl", tp2, "--beta", BETA, "--tensor-parallel", 2, *LORA)], tmp_path)
+    run_cli([sys.executable, "-m", "finetune.lm.job.dpo",
+             *_args(work, tmp_path / "shifted.jsonl", stored, "--beta", BETA, *LORA)], tmp_path)
+    library = _library_dpo(work, LoraConfig(r=4, lora_alpha=8, target_modules=LORA[5:]))
+    moved = [{**r, "rewards/chosen": r["rewards/chosen"] - BETA, "rewards/rejected": r["rewards/rejected"] - BETA}
+             for r in library]
+    diffs = {"TP2, live": _dpo_diff(_steps(tp2), library), "TP1, stored + 1": _dpo_diff(_steps(stored), moved)}
+    print(f"LoRA DPO through the command vs the library by hand (base as reference), {STEPS} steps: {diffs}")
+    assert max(diffs.values()) < 2e-6  # measured TP2 1.9e-7, stored + 1 1.9e-7 (fp32)
+    assert library[-1]["loss"] < library[0]["loss"] and (tp2 / "adapter" / "adapter_config.json").is_file()
 
 
 def test_refusals_in_one_line(work, tmp_path):

@@ -19,10 +19,10 @@ if __package__ in (None, ""):  # run as a file (deepspeed launcher, torchrun): t
 
 import datasets
 
-from finetune.lm.chat import IGNORE_INDEX
-from finetune.lm.dpo import collate_pairs, completion_logps, dpo_loss, reference_logps, tokenize_pairs
-from finetune.lm.job.providers import PostTrainingError, frozen_copy, run, start
-from finetune.lm.job.options import post_training_parser
+from finetune.lm.dpo import tokenize_pairs
+from finetune.lm.job.preference import collate, provide_forward
+from finetune.lm.job.providers import PostTrainingError, run, start
+from finetune.lm.job.options import add_reference_args, post_training_parser
 from pipeline.data.build import main_process_first
 from pipeline.job.errors import command, console_script
 from pipeline.job.numbers import positive_float
@@ -34,6 +34,7 @@ def parse_args(argv=None):
     p, g = post_training_parser(__doc__, "preference pairs: JSON lines with 'prompt', 'chosen' and 'rejected'")
     g.add_argument("--beta", type=positive_float, default=0.1, help="DPO's beta: how far from the reference the "
                                                                      "policy may move (TRL's default 0.1)")
+    add_reference_args(g)
     return p.parse_args(argv)
 
 
@@ -51,28 +52,14 @@ def provide_pairs(args, base) -> list[dict]:
     return rows
 
 
-def dpo_forward(beta: float, reference):
-    """The step's forward: the policy's and the reference's completion log-probabilities, TRL's loss and metrics
-    (``reference`` None: the policy with its adapters off)."""
-    def forward(engine, batch) -> dict:
-        ids, targets = (t.to(engine.device) for t in batch)
-        loss, metrics = dpo_loss(completion_logps(engine, ids, targets),
-                                 reference_logps(engine.module, ids, targets, reference), beta)
-        return {"loss": loss, **metrics, "tokens": int((targets != IGNORE_INDEX).sum())}
-    return forward
-
-
 @command
 def main(argv=None) -> dict:
     """The job (a user error is one line ``error: ...`` and exit code 2)."""
     args = parse_args(argv)
     base, job = start(args, "DPO", dropout=False)
-
-    def make_forward(engine):  # with LoRA the reference is the policy with its adapters off
-        return dpo_forward(args.beta, frozen_copy(base, engine) if base.lora is None else None)
-
-    return run(args, "dpo", base, job, provide_pairs(args, base), lambda rows: collate_pairs(rows, base.pad_id),
-               make_forward, beta=args.beta)
+    rows = provide_pairs(args, base)  # with LoRA the reference is the policy with its adapters off
+    return run(args, "dpo", base, job, rows, collate(base.pad_id),
+               lambda engine: provide_forward(args, base, job, engine, rows), beta=args.beta)
 
 
 cli = console_script(main)  # the console script (pyproject.toml)

@@ -74,6 +74,15 @@ def add_post_training_args(parser: argparse.ArgumentParser, data_help: str):
     return g
 
 
+def add_reference_args(group) -> None:
+    """DPO's reference flags, in the model/data/output group."""
+    group.add_argument("--precompute-ref-log-probs", action="store_true",
+                       help="compute the reference's log-probabilities of every pair once before training (TRL's "
+                            "precompute_ref_log_probs): no reference model in memory while the policy trains; "
+                            "written with the pairs to SAVE/reference_logps.jsonl, a --data that needs no reference "
+                            "pass (pairs with ref_chosen_logps and ref_rejected_logps use them as given)")
+
+
 def post_training_parser(description: str, data_help: str) -> tuple[ArgumentParser, argparse._ArgumentGroup]:
     """The parser of a language-model finetuning command and its model/data/output group (for its own flags)."""
     p = ArgumentParser(description=description)

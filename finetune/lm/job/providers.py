@@ -1,7 +1,8 @@
 """The providers of the language-model finetuning commands (``finetune/lm/job/sft.py``, ``dpo.py``) over the
 job layer: the base model and its tokenizer, LoRA, the DP-sharded resumable batches, the engine, the training
 loop with its hooks (log, the state saved at a stop signal or every --save-interval steps, continued by the same
-command run again: ``finetune.job.resume``), and the exports at the end.
+command run again at any TP x DP layout: ``finetune.lm.job.resume``; the command's own, e.g. samples), and the
+exports at the end.
 
 Outputs in --save: metrics.jsonl; checkpoint/ while the run is unfinished; at the end model/ (the project's
 model directory, a base for the next command), hf/ (the Hugging Face export, adapters merged) and, with LoRA,
@@ -21,13 +22,16 @@ from peft import LoraConfig
 from transformers import AutoTokenizer
 
 from finetune.job.loop import full_fp32_state
-from finetune.job.resume import CHECKPOINT_DIR, continue_interrupted, remove_state, save_state_hook, saved_state
+from finetune.job.resume import CHECKPOINT_DIR, remove_state, save_state_hook, saved_state
 from pipeline.job.layout import POST_TRAINING
 from finetune.lm.job.options import lora_from_args, lora_settings
+from finetune.lm.job.resume import continue_from, plan_continuation
 from finetune.saved import load_full_gpt_state
 from models.lora import LoRAConfig, add_lora, is_lora_parameter
+from models.parallel import tp_world_size
 from pipeline.checkpoints.model_dir import write_model_dir
 from pipeline.checkpoints.state_dicts import load_full_state_dict
+from pipeline.checkpoints.universal import checkpoint_info
 from pipeline.data.loaders import DistributedBatchLoader
 from pipeline.engine.build import build_engine
 from pipeline.engine.schedules import schedule_from_args
@@ -79,7 +83,8 @@ def check_save(args, inputs) -> None:
             raise OutputError(f"--save {save}: not empty; choose a new directory, rerun the interrupted command "
                               f"that wrote it, or pass --force to replace its outputs")
         shutil.rmtree(save / CHECKPOINT_DIR, ignore_errors=True)
-        (save / "metrics.jsonl").unlink(missing_ok=True)
+        for log in ("metrics.jsonl", "samples.jsonl"):  # (appended to by the run)
+            (save / log).unlink(missing_ok=True)
 
 
 def provide_base(args, lora: LoraConfig | None, *, dropout: bool = True) -> Base:
@@ -144,9 +149,10 @@ def train_steps(args, loader: DistributedBatchLoader, job: Job) -> int:
 
 # -- engine ------------------------------------------------------------------------------------------------------------
 
-def provide_engine(args, base: Base, job: Job):
+def provide_engine(args, base: Base, job: Job, ds: dict | None = None):
     """The engine over the base weights; with LoRA the base frozen and adapters added (their A drawn from --seed,
-    the same at every layout), so the optimizer, and ZeRO's partitions, hold the adapters only."""
+    the same at every layout), so the optimizer, and ZeRO's partitions, hold the adapters only. ``ds``: the
+    DeepSpeed config, if not the job's."""
     def builder(config, init_seed):
         model = base.family.build(config, init_seed)
         load_full_state_dict(model, base.state, source=str(args.base))
@@ -157,8 +163,13 @@ def provide_engine(args, base: Base, job: Job):
                          LoRAConfig(base.lora.r, base.lora.lora_alpha, base.lora.lora_dropout))
         return model
 
-    return build_engine(base.config, job.ds, job.state, init_seed=args.seed, model_builder=builder,
-                        schedule=schedule_from_args(args, job.ds))
+    engine = build_engine(base.config, ds or job.ds, job.state, init_seed=args.seed, model_builder=builder,
+                          schedule=schedule_from_args(args, job.ds))
+    if base.lora is not None:  # the universal checkpoint holds what the optimizer holds: the adapters (the base
+        # is read from --base again)
+        trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+        engine.module.universal_checkpoint_info = checkpoint_info(trained, base.config.vocab_size, tp_world_size())
+    return engine
 
 
 def frozen_copy(base: Base, engine) -> torch.nn.Module:
@@ -187,11 +198,13 @@ class Trained:
     finished: bool
 
 
-def train(args, name: str, engine, layout: dict, loader, batches, forward: Callable, settings: dict) -> Trained:
-    """``train_loop`` over ``optimizer_step(engine, batches, forward)`` from where an interrupted run stopped;
-    logs every --log-interval steps to SAVE/metrics.jsonl (the step's loss and what ``forward`` returns)."""
+def train(args, name: str, engine, layout: dict, loader, batches, forward: Callable, settings: dict,
+          resumed: tuple[int, list], extra_hooks: list) -> Trained:
+    """``train_loop`` over ``optimizer_step(engine, batches, forward)`` from where an interrupted run stopped
+    (``resumed``: the steps done and their losses); logs every --log-interval steps to SAVE/metrics.jsonl (the
+    step's loss and what ``forward`` returns)."""
     save = Path(args.save) if args.save else None
-    done, losses = continue_interrupted(engine, save, settings, layout, loader)
+    done, losses = resumed
     metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None, monitor=engine.monitor,
                             prefix=name)
     if not done:
@@ -209,7 +222,8 @@ def train(args, name: str, engine, layout: dict, loader, batches, forward: Calla
         r.bar.set_postfix(loss=f"{r.out['loss']:.4f}", lr=f"{last['lr']:.2e}")
 
     hooks = [keep, every(args.log_interval, log),
-             save_state_hook(engine, save, loader, losses, settings, layout, args.train_steps, args.save_interval)]
+             save_state_hook(engine, save, loader, losses, settings, layout, args.train_steps, args.save_interval),
+             *extra_hooks]
     steps = train_loop(lambda: optimizer_step(engine, batches, forward, counts=("tokens",)), first=done + 1,
                        last=args.train_steps, desc=name, hooks=hooks)
     metrics.close()
@@ -221,21 +235,27 @@ def start(args, what: str, *, dropout: bool = True) -> tuple[Base, Job]:
     command's: ``pipeline.job.layout.post_training_layout``), the process groups built."""
     check_save(args, [("--base", args.base), ("--data", args.data), ("--tokenizer", args.tokenizer)])
     base = provide_base(args, lora_from_args(args, args.base, task_type="CAUSAL_LM"), dropout=dropout)
-    job = setup(EngineOptions.from_args(args), config=base.config, family=base.family, extras={POST_TRAINING: what})
+    job = setup(EngineOptions.from_args(args), config=base.config, family=base.family,
+                extras={POST_TRAINING: what, "sample_interval": getattr(args, "sample_interval", None)})
     return base, job
 
 
 def run(args, name: str, base: Base, job: Job, rows: list, collate: Callable, make_forward: Callable,
-        **settings) -> dict:
-    """Batches of ``rows``, the engine, the loop over ``make_forward(engine)``'s forward, then the exports (or
-    where a stop signal ended the run)."""
+        make_hooks: Callable = lambda engine: [], **settings) -> dict:
+    """Batches of ``rows``, the engine (an interrupted run's state loaded into it, from any layout), the loop over
+    ``make_forward(engine)``'s forward with ``make_hooks(engine)``'s hooks, then the exports (or where a stop
+    signal ended the run)."""
     loader = row_loader(rows, job, args.seed, str(args.data))
     train_steps(args, loader, job)
-    engine = provide_engine(args, base, job)
+    settings = run_settings(args, base, job, command=name, **settings)
+    layout = job.record(base.family.name)
+    plan = plan_continuation(Path(args.save) if args.save else None, settings, layout, base.config)
+    engine = provide_engine(args, base, job, plan.ds(job.ds) if plan else None)
     forward = make_forward(engine)
     base.state = None  # the engine (and a reference model) hold the weights now
-    trained = train(args, name, engine, job.record(base.family.name), loader, row_batches(loader, rows, collate),
-                    forward, run_settings(args, base, job, command=name, **settings))
+    resumed = continue_from(engine, plan, base.config, loader)
+    trained = train(args, name, engine, layout, loader, row_batches(loader, rows, collate), forward, settings,
+                    resumed, make_hooks(engine))
     if not trained.finished:
         return {"stopped_after": trained.steps, "losses": trained.losses}
     return {"steps": trained.steps, "losses": trained.losses, **trained.last, **export(args, base, engine)}

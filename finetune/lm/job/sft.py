@@ -9,7 +9,8 @@ Also runs under ``torchrun``, as ``python -m finetune.lm.job.sft`` and ``mds-sft
 loss on the assistant's tokens only (TRL's ``assistant_only_loss``), packed into rows of --seq-length tokens
 with each conversation attending only to itself (docs/post_training.md). Runs at TP x DP with ZeRO 0-2.
 Writes metrics.jsonl and, at the end, model/, hf/ and with LoRA adapter/ into --save; a stop signal or
---save-interval saves the state into SAVE/checkpoint, and the same command run again continues from it.
+--save-interval saves the state into SAVE/checkpoint, and the same command run again continues from it (at any
+TP x DP layout: finetune/lm/job/resume.py). --sample-interval writes replies to --sample-prompts as it trains.
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ if __package__ in (None, ""):  # run as a file (deepspeed launcher, torchrun): t
 
 from finetune.lm.chat import load_conversations, tokenize_conversations, training_chat_template
 from finetune.lm.job.providers import run, start
+from finetune.lm.job.samples import chat_sample_hooks
 from finetune.lm.job.options import post_training_parser
 from finetune.lm.packing import collate, pack_conversations
 from finetune.lm.sft import sft_loss
 from pipeline.data.build import main_process_first
+from pipeline.generation.training import add_sample_args
 from pipeline.job.errors import command, console_script
 
 __all__ = ["main", "parse_args"]
@@ -33,6 +36,7 @@ __all__ = ["main", "parse_args"]
 def parse_args(argv=None):
     p, _ = post_training_parser(__doc__, "conversations: JSON lines with a 'messages' list of {'role', 'content'} "
                                          "per record")
+    add_sample_args(p)
     return p.parse_args(argv)
 
 
@@ -57,7 +61,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     base, job = start(args, "SFT")
     return run(args, "sft", base, job, provide_rows(args, base),
-               lambda rows: collate(rows, base.config.seq_length, base.pad_id), lambda engine: sft_forward)
+               lambda rows: collate(rows, base.config.seq_length, base.pad_id), lambda engine: sft_forward,
+               lambda engine: chat_sample_hooks(args, engine, base, job))
 
 
 cli = console_script(main)  # the console script (pyproject.toml)

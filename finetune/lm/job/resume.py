@@ -1,0 +1,63 @@
+"""An interrupted SFT / DPO run continued by its command at the layout it was saved at (``finetune.job.resume``)
+or at another one: the saved state goes through DeepSpeed's universal checkpoint (``pipeline.checkpoints.universal``,
+written inside SAVE/checkpoint, removed with it), which carries the weights, Adam's moments and step and the
+learning-rate schedule to the new TP x DP layout; the batches continue from the saved position and the losses so
+far are kept. RNG streams start afresh (they belong to the old layout's ranks). A move the universal checkpoint
+cannot make (``universal.unsupported_reason``) is refused in one line, as before."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.job.resume import _keep_metrics_until, check_resumable, restore_state, saved_state
+from pipeline.checkpoints import checkpoint, safe_load, universal
+from pipeline.job.files import atomic_write_json
+from pipeline.job.loop import is_rank0
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Where an interrupted run continues from; ``cache``: its universal checkpoint (another layout)."""
+    state_dir: Path
+    tag: str
+    cache: Path | None
+
+    def ds(self, ds: dict) -> dict:
+        """The DeepSpeed config the engine is built with (a universal load needs it said)."""
+        return universal.enable(ds) if self.cache is not None else ds
+
+
+def plan_continuation(save: Path | None, settings: dict, layout: dict, config) -> Continuation | None:
+    """Collective. None for a new run; the saved state's tag (and at another layout its universal checkpoint,
+    converted now) for an interrupted one, whose settings must be the same. ``config``: the model's."""
+    state_dir = saved_state(save)
+    if state_dir is None:
+        return None
+    tag = checkpoint.resolve_tag(state_dir)
+    saved = checkpoint.saved_layout(state_dir, tag)
+    if checkpoint.same_layout(saved, layout) or universal.unsupported_reason(saved, layout) is not None:
+        return Continuation(state_dir, check_resumable(state_dir, settings, layout), None)  # (refuses the latter)
+    check_resumable(state_dir, settings, saved)  # the settings only
+    if is_rank0():
+        print(f"note: continuing the interrupted run in {state_dir.parent} (saved at "
+              f"{checkpoint.layout_text(saved)}) at {checkpoint.layout_text(layout)}: through a universal "
+              f"checkpoint", file=sys.stderr)
+        atomic_write_json(state_dir / "config.json", config.to_dict())  # what the conversion reads the model from
+    return Continuation(state_dir, tag, universal.prepare(state_dir, tag, saved, layout, cache_root=state_dir))
+
+
+def continue_from(engine, plan: Continuation | None, config, batches) -> tuple[int, list]:
+    """Collective. (steps done, losses so far): the saved state loaded into the engine and the batches, or
+    (0, []) for a new run."""
+    if plan is None:
+        return 0, []
+    if plan.cache is None:
+        return restore_state(engine, plan.state_dir, plan.tag, batches)
+    universal.load(engine, plan.cache, config)
+    step, _ = checkpoint.restore_after_reshard(engine, plan.state_dir, plan.tag)  # the step, the LR schedule
+    data = safe_load.safe_torch_load(plan.state_dir / plan.tag / "rank0_state.pt")["data"]  # (layout-free)
+    batches.load_state_dict(data["batches"])
+    if is_rank0():
+        _keep_metrics_until(plan.state_dir.parent / "metrics.jsonl", step)
+    return step, list(data["losses"])
