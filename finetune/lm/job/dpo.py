@@ -1,6 +1,6 @@
 """Direct preference optimisation of a language model on chosen / rejected pairs, in full or with LoRA.
 
-    deepspeed --num_gpus N finetune/lm/job/dpo.py --base runs/sft/model --data pairs.jsonl --beta 0.1 \
+    deepspeed --num_gpus N finetune/lm/job/dpo.py --base runs/sft/model --data pairs.jsonl --beta 0.1 \\
         --deepspeed_config ds_configs/bf16_zero2.json --tensor-parallel 2 --train-steps 200 --lr 5e-7 --save runs/dpo
 
 Also runs under ``torchrun``, as ``python -m finetune.lm.job.dpo`` and ``mds-dpo``. ``--data`` is JSON lines of
@@ -17,13 +17,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file (deepspeed launcher, torchrun): the project root, not this folder
     sys.path[0] = str(Path(__file__).resolve().parents[3])
 
-import datasets
 
-from finetune.lm.chat import IGNORE_INDEX
-from finetune.lm.dpo import collate_pairs, completion_logps, dpo_loss, reference_logps, tokenize_pairs
-from finetune.lm.job.providers import PostTrainingError, frozen_copy, run, start
-from finetune.lm.job.options import post_training_parser
-from pipeline.data.build import main_process_first
+from finetune.lm.job.arguments import post_training_parser
 from pipeline.job.errors import command, console_script
 from pipeline.job.numbers import positive_float
 
@@ -31,48 +26,19 @@ __all__ = ["main", "parse_args"]
 
 
 def parse_args(argv=None):
-    p, g = post_training_parser(__doc__, "preference pairs: JSON lines with 'prompt', 'chosen' and 'rejected'")
+    p, g = post_training_parser(__doc__, "preference pairs: JSON lines with 'prompt', 'chosen' and 'rejected'",
+                                prog="mds-dpo")
     g.add_argument("--beta", type=positive_float, default=0.1, help="DPO's beta: how far from the reference the "
                                                                      "policy may move (TRL's default 0.1)")
     return p.parse_args(argv)
-
-
-def provide_pairs(args, base) -> list[dict]:
-    """The pairs tokenized (prompt, chosen and rejected ids); a pair longer than --seq-length is refused."""
-    with main_process_first():
-        pairs = tokenize_pairs(datasets.load_dataset("json", data_files=str(args.data), split="train"),
-                               base.tokenizer)
-    rows = list(pairs)
-    for i, r in enumerate(rows):
-        length = len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"]))
-        if length > base.config.seq_length:
-            raise PostTrainingError(f"{args.data}: pair {i} has {length} tokens, more than --seq-length "
-                                    f"{base.config.seq_length}; shorten it or raise --seq-length")
-    return rows
-
-
-def dpo_forward(beta: float, reference):
-    """The step's forward: the policy's and the reference's completion log-probabilities, TRL's loss and metrics
-    (``reference`` None: the policy with its adapters off)."""
-    def forward(engine, batch) -> dict:
-        ids, targets = (t.to(engine.device) for t in batch)
-        loss, metrics = dpo_loss(completion_logps(engine, ids, targets),
-                                 reference_logps(engine.module, ids, targets, reference), beta)
-        return {"loss": loss, **metrics, "tokens": int((targets != IGNORE_INDEX).sum())}
-    return forward
 
 
 @command
 def main(argv=None) -> dict:
     """The job (a user error is one line ``error: ...`` and exit code 2)."""
     args = parse_args(argv)
-    base, job = start(args, "DPO", dropout=False)
-
-    def make_forward(engine):  # with LoRA the reference is the policy with its adapters off
-        return dpo_forward(args.beta, frozen_copy(base, engine) if base.lora is None else None)
-
-    return run(args, "dpo", base, job, provide_pairs(args, base), lambda rows: collate_pairs(rows, base.pad_id),
-               make_forward, beta=args.beta)
+    from finetune.lm.job.jobs import run_dpo  # noqa: PLC0415  (deferred: --help must not load torch)
+    return run_dpo(args)
 
 
 cli = console_script(main)  # the console script (pyproject.toml)
