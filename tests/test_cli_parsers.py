@@ -65,10 +65,10 @@ def test_every_parser_builds_without_heavy_libraries_and_explains_every_flag():
         r = report[module]
         assert r["loaded"] == [], f"{module}: building its parser imported {r['loaded']}"
         assert r["cli"], module
-        if module not in TORCH_PARSERS:  # torchrun's parser and help are torch's own
+        assert r["usage"].startswith(f"usage: {name} "), f"{module}: {r['usage']}"
+        if module not in TORCH_PARSERS:  # torchrun's flags and their help are torch's own
             assert r["no_help"] == [], f"{module}: flags without a help line: {r['no_help']}"
             assert r["default_unshown"] == [], f"{module}: defaults not shown: {r['default_unshown']}"
-            assert r["usage"].startswith(f"usage: {name} "), f"{module}: {r['usage']}"
 
 
 def test_the_parsers_copies_of_the_model_layers_values_agree():

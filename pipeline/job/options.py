@@ -44,7 +44,7 @@ class EngineOptions:
     exit_signal_handler: bool = True  # add_fault_args
     max_bad_steps: int = 1
     distributed_timeout_minutes: float | None = None
-    recompute: str = "none"  # the model group's (job.model_configs.add_model_args)
+    recompute: str = "none"  # the model group's (job.arguments.add_model_args)
     recompute_modules: tuple[str, ...] = ()
     compile: bool = False
     fp8: str | None = None
