@@ -33,7 +33,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--global-batch-size", type=int_in(1, MAX_SIZE),
                    help="sequences per optimizer step (default: max(gpus, 8))")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS,
-                   help="weights and gradients (fp32: 4 bytes each; bf16, fp16: 2) with fp32 optimizer states")
+                   help="training precision: weights and gradients in it (2 bytes each in bf16/fp16, 4 in fp32), "
+                        "Adam's moments in fp32 (and fp32 master weights with bf16/fp16)")
     p.add_argument("--sustained-tflops", type=positive_float, help="the matmul rate per GPU (default: the profile's)")
     p.add_argument("--bucket", type=float_in(1, MAX_SIZE), default=DEFAULT_BUCKET,
                    help="DeepSpeed's reduce_bucket_size (elements)")
