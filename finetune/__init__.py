@@ -21,4 +21,4 @@ Library, each module importable on its own (data, normalize, scoring without tor
   job/         - the finetuning job's arguments, inputs, providers, loop hooks and final scoring
 """
 
-import pipeline  # noqa: F401  (first: its process settings and quiet loggers before torch and transformers load)
+import pipeline  # noqa: F401  (first: its quiet loggers before torch and transformers load)

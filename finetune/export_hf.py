@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import sys
 
-from finetune.hf_export import compare_with_project, export_classifier
-from pipeline.hf.convert import add_dtype_arg
+from pipeline.job.arguments import add_dtype_arg
 from pipeline.job.errors import ArgumentParser, command, console_script
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(prog="python -m finetune.export_hf", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="mds-export-classifier", description=__doc__)
     p.add_argument("--model", required=True, help="classifier directory (what finetune/train.py --save wrote)")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
     add_dtype_arg(p, help="dtype of the exported weights")
@@ -40,6 +39,7 @@ def parse_args(argv=None):
 @command
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from finetune.hf_export import compare_with_project, export_classifier  # noqa: PLC0415  (deferred: --help must not load torch)
     out = export_classifier(args.model, args.out, dtype=args.dtype, force=args.force)
     print(f"exported {args.model} to {out}")
     if args.verify:

@@ -37,5 +37,7 @@ LINEAR_PROBE = ["--freeze-encoder", "--encoder-layers", "16", "--pooling", "mean
                 "--global-batch-size", "32", "--max-length", "64", "--threshold-objective", "micro",
                 "--holdout", "0.1"]
 
+# the held-out split of train an ensemble tunes its thresholds on, when its members do not say (the recipes' own)
+DEFAULT_HOLDOUT, DEFAULT_HOLDOUT_SEED = 0.1, 1234
 RECIPES = {"last": EC_RECIPE, "labels": EC_LABEL_RECIPE}  # the names python -m finetune.ensemble --recipe takes
 EC_ENSEMBLE = ["--recipe", "labels:1234", "--recipe", "labels:7", "--recipe", "last:1234", "--tfidf"]

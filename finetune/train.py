@@ -1,7 +1,7 @@
 """The finetuning job: a text classifier (multilabel emotions, or single-label) on a pretrained project model.
 
-    deepspeed --num_gpus N finetune/train.py --base runs/gpt2 --train E-c-train.tsv --dev E-c-dev.tsv \
-        --deepspeed_config ds_configs/bf16_zero1.json --tensor-parallel 2 --global-batch-size 32 \
+    deepspeed --num_gpus N finetune/train.py --base runs/gpt2 --train E-c-train.tsv --dev E-c-dev.tsv \\
+        --deepspeed_config ds_configs/bf16_zero1.json --tensor-parallel 2 --global-batch-size 32 \\
         --epochs 3 --lr 3e-5 --save runs/ec [--test E-c-test.tsv] [--labels plutchik]
 
 Also runs under ``torchrun`` and as ``python -m finetune.train`` (one process). ``--base`` is a pretraining
@@ -25,15 +25,20 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torchrun: the project root, not finetune/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from finetune.job.args import parse_args
-from finetune.job.run import run
+from finetune.job import args as job_args
 from pipeline.job.errors import command, console_script
+
+
+def parse_args(argv=None):
+    return job_args.parse_args(argv, description=__doc__)
 
 
 @command
 def main(argv=None) -> dict:
     """Run the job; a bad argument or input is one line ``error: <what and where>`` and exit code 2."""
-    return run(parse_args(argv))
+    args = parse_args(argv)
+    from finetune.job.run import run  # noqa: PLC0415  (deferred: --help must not load torch)
+    return run(args)
 
 
 cli = console_script(main)  # the console script (pyproject.toml)

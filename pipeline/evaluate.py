@@ -13,27 +13,17 @@ holds the numbers, the counts they come from, and every setting.
 from __future__ import annotations
 
 import argparse
-import datetime
-import sys
-import time
 from pathlib import Path
 
-import torch
-import transformers
-
-from pipeline.job.errors import ArgumentParser, InputError, command, console_script
-from pipeline.job.files import atomic_write_json
+from pipeline.job.arguments import EVALUATION_TASKS, MEGATRON_STRIDE, add_dtype_arg
+from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.numbers import non_negative_int, positive_int
-from pipeline.hf.convert import add_dtype_arg, short_dtype_name
-from pipeline.evaluation.lm_scoring import evaluate_bpc, evaluate_lambada, evaluate_wikitext
-from pipeline.evaluation.tasks import (MEGATRON_STRIDE, TASKS, check_outputs, harness_main, load_data, load_model,
-                                       plot_loss_by_context, sha256, summary)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="mds-evaluate", description=__doc__)
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--task", choices=TASKS, help="the project's own evaluations (with --data)")
+    what.add_argument("--task", choices=EVALUATION_TASKS, help="the project's own evaluations (with --data)")
     what.add_argument("--harness", metavar="TASKS",
                       help="lm-evaluation-harness tasks, comma-separated (e.g. lambada_openai,hellaswag): the "
                            "harness's own task definitions and metrics on this model, no export needed")
@@ -83,57 +73,8 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> dict:
     """Score and write the result (a user error raises; ``python -m`` reports it in one line, exit 2)."""
     args = build_parser().parse_args(argv)
-    args.dtype = short_dtype_name(args.dtype)
-    check_outputs(args)
-    for name in ("context_length", "stride", "batch_size", "max_examples", "tensor_parallel", "context_parallel"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.task is not None and args.data is None:
-        raise InputError(f"--task {args.task} needs --data (the file to score)")
-    if args.harness is not None:
-        return harness_main(args)
-    data = load_data(args.task, args.data, args.max_examples)  # bad data fails before the model loads
-    scorer, tokenizer, shard, is_main, parallel, model_info = load_model(args)
-
-    context_length = args.context_length or scorer.max_positions
-    if context_length is None:
-        raise InputError(f"{args.hf or args.checkpoint}: the model does not say how many positions it reads; "
-                         f"pass --context-length")
-    stride = args.stride or min(MEGATRON_STRIDE, context_length)
-    settings = {"context_length": context_length, "batch_size": args.batch_size, "dtype": args.dtype,
-                "max_examples": args.max_examples, **parallel}
-    common = dict(context_length=context_length, batch_size=args.batch_size, shard=shard,
-                  progress=is_main and not args.no_progress)
-
-    start = time.perf_counter()
-    if args.task == "wikitext":
-        results = evaluate_wikitext(scorer, tokenizer, data, stride=stride, **common)
-    elif args.task == "lambada":
-        results = evaluate_lambada(scorer, tokenizer, data, **common)
-    else:
-        results = evaluate_bpc(scorer, tokenizer, data, stride=stride, **common)
-    elapsed = time.perf_counter() - start
-    if args.task != "lambada":
-        settings["stride"] = stride
-
-    record = {
-        "task": args.task,
-        "results": results,
-        "settings": settings,
-        "model": model_info,
-        "tokenizer": tokenizer.name,
-        "data": {"path": str(args.data), "sha256": sha256(args.data)},
-        "elapsed_s": round(elapsed, 3),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-    }
-    if is_main:
-        atomic_write_json(args.out, record)
-        if args.plot is not None and "loss_by_context" in results:
-            plot_loss_by_context(record, args.plot)
-        print(summary(record), file=sys.stderr)
-    return record
+    from pipeline.evaluation.run import run_evaluation  # noqa: PLC0415  (deferred: --help must not load torch)
+    return run_evaluation(args)
 
 
 cli = console_script(main)  # the console script (pyproject.toml)

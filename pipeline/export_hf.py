@@ -16,19 +16,14 @@ from __future__ import annotations
 
 import sys
 
-
-from models.config import GPTConfig
+from pipeline.job.arguments import add_dtype_arg
 from pipeline.job.errors import ArgumentParser, command, console_script
-from pipeline.hf.convert import add_dtype_arg, dtype_name, hf_family, num_parameters_message, parse_dtype
-from pipeline.checkpoints.checkpoint import read_full_checkpoint
-from pipeline.job.files import check_output_dir, refuse_overlap
-from pipeline.hf.export import compare_with_hf, export_hf
 
 
 # -- command line ------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None):
-    p = ArgumentParser(prog="python -m pipeline.export_hf", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="mds-export-hf", description=__doc__)
     p.add_argument("--checkpoint", required=True, help="checkpoint directory to export")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
     add_dtype_arg(p, help="dtype of the exported weights")
@@ -42,21 +37,8 @@ def parse_args(argv: list[str] | None = None):
 @command
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    refuse_overlap(args.out, [("--checkpoint", args.checkpoint), ("--tokenizer", args.tokenizer)])
-    check_output_dir(args.out, args.force)  # before reading the checkpoint
-    config, full_sd, tokenizer_dir = read_full_checkpoint(args.checkpoint, lazy=True)
-    tokenizer_dir = args.tokenizer or tokenizer_dir
-    out = export_hf(config, full_sd, args.out, dtype=args.dtype, tokenizer_dir=tokenizer_dir, force=args.force)
-    arch = hf_family(config).architecture if isinstance(config, GPTConfig) else type(config).__name__
-    print(f"exported {arch} ({num_parameters_message(config)}, {dtype_name(parse_dtype(args.dtype))}) to {out}"
-          + ("" if tokenizer_dir else " (no tokenizer: pass --tokenizer DIR to include one)"))
-    if args.verify:
-        diff = compare_with_hf(config, full_sd, out)
-        print(f"verify: max relative logit difference {diff:.2e}")
-        if diff > 1e-4:
-            print("verify: FAILED (more than 1e-4)", file=sys.stderr)
-            return 1
-    return 0
+    from pipeline.hf.run import export_checkpoint  # noqa: PLC0415  (deferred: --help must not load torch)
+    return export_checkpoint(args)
 
 
 cli = console_script(main)  # the console script (pyproject.toml)

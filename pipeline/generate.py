@@ -2,7 +2,7 @@
 
     python -m pipeline.generate --checkpoint runs/gpt2 --prompt "Once upon a time" --out samples.jsonl
     python -m pipeline.generate --hf exported/ --prompts prompts.txt --greedy --max-new-tokens 32 --out out.jsonl
-    torchrun --nproc_per_node 2 -m pipeline.generate --checkpoint runs/gpt2 --tensor-parallel 2 --prompts p.jsonl \
+    torchrun --nproc_per_node 2 -m pipeline.generate --checkpoint runs/gpt2 --tensor-parallel 2 --prompts p.jsonl \\
         --temperature 0.8 --top-k 50 --top-p 0.95 --seed 1 --out out.jsonl
 
 A run saved at any layout generates at ``--tensor-parallel T`` (launch T ranks, like the evaluation). Prompts are
@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.generation.run import add_sampling_args, run_generation
+from pipeline.job.arguments import add_sampling_args
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.numbers import positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m pipeline.generate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="mds-generate", description=__doc__)
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--checkpoint", type=Path,
                        help="a pretraining run (any saved layout), one of its global_step tags, or a project model "
@@ -55,7 +55,9 @@ def parse_args(argv: list[str] | None = None):
 @command
 def main(argv: list[str] | None = None) -> list[dict]:
     """Generate and write the records (a user error raises; ``command`` reports it in one line, exit 2)."""
-    return run_generation(parse_args(argv))
+    args = parse_args(argv)
+    from pipeline.generation.run import run_generation  # noqa: PLC0415  (deferred: --help must not load torch)
+    return run_generation(args)
 
 
 cli = console_script(main)  # the console script (pyproject.toml)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import sys
 
 
+from pipeline.job.arguments import add_dtype_arg
 from pipeline.job.errors import ArgumentParser, command, console_script
 from pipeline.job.numbers import positive_int
-from pipeline.hf.convert import add_dtype_arg, num_parameters_message
-from pipeline.hf.importer import import_hf
 
 
 def parse_args(argv: list[str] | None = None):
-    p = ArgumentParser(prog="python -m pipeline.import_hf", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="mds-import-hf", description=__doc__)
     p.add_argument("--model", required=True, help="Hugging Face model directory, or a .gguf file")
     p.add_argument("--gguf-file", help="name of the .gguf file inside --model (when it is a directory)")
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
@@ -38,13 +37,8 @@ def parse_args(argv: list[str] | None = None):
 @command
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config, out = import_hf(args.model, args.out, tensor_parallel=args.tensor_parallel,
-                            pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
-                            gguf_file=args.gguf_file, force=args.force)
-    print(f"imported {config.hf_model_type} model ({num_parameters_message(config)}, {config.num_layers} layers, "
-          f"{config.num_heads} heads / {config.num_kv_heads} KV heads) to {out}; "
-          f"fits --tensor-parallel {args.tensor_parallel} --pipeline-parallel {args.pipeline_parallel}")
-    return 0
+    from pipeline.hf.run import import_model  # noqa: PLC0415  (deferred: --help must not load torch)
+    return import_model(args)
 
 
 cli = console_script(main)  # the console script (pyproject.toml)

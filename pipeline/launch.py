@@ -43,7 +43,7 @@ def summary(error: ChildFailedError) -> tuple[str, int]:
     return line, failure.exitcode if failure.exitcode > 0 else 1
 
 
-PROG = "python -m pipeline.launch"
+PROG = "mds-launch"  # the one program name of this command, as its console script
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 MAX_NPROC = 1024
 

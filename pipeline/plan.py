@@ -13,29 +13,28 @@ No GPU is needed (docs/performance.md: the model, its assumptions, its validatio
 """
 from __future__ import annotations
 
+from pipeline.job.arguments import RECOMPUTE_POLICIES, recompute_modules_arg
 from pipeline.job.errors import ArgumentParser, command, console_script
-from pipeline.job.files import atomic_write_json, check_output_file
-from pipeline.job.model_configs import recompute_modules_arg
 from pipeline.job.numbers import float_in, int_in, positive_float, positive_int
-from pipeline.planning.hardware import profiles
-from pipeline.planning.layouts import DEFAULT_BUCKET
-from pipeline.planning.memory import POLICIES, PRECISION_BYTES
-from pipeline.planning.planner import PlanError, format_plan, format_validation, make_job, rank_layouts
-from pipeline.planning.validation import plot_validation, validation_rows
 
+# the planner's own values (pipeline.planning.memory / layouts load torch; tests/test_cli_parsers.py checks these)
+PRECISIONS = ("bf16", "fp16", "fp32")
+DEFAULT_BUCKET = 5e8  # DeepSpeed's reduce_bucket_size (elements)
 MAX_GPUS = 2**20  # beyond any cluster: the search enumerates the divisors of the GPU count and of the batch
 MAX_SIZE = 2**30
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="python -m pipeline.plan", description=__doc__)
+    p = ArgumentParser(prog="mds-plan", description=__doc__)
     p.add_argument("--model-config", help="a JSON file or a preset of models/configs/ (gpt or mlstm)")
     p.add_argument("--gpus", type=int_in(1, MAX_GPUS), help=f"how many GPUs (at most {MAX_GPUS})")
     p.add_argument("--hardware", default="h100-dgx", help="a profile of pipeline/planning/hardware.json")
     p.add_argument("--seq-length", type=int_in(1, MAX_SIZE), help="tokens per sequence (default: the config's)")
     p.add_argument("--global-batch-size", type=int_in(1, MAX_SIZE),
                    help="sequences per optimizer step (default: max(gpus, 8))")
-    p.add_argument("--precision", default="bf16", choices=sorted(PRECISION_BYTES))
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                   help="training precision: weights and gradients in it (2 bytes each in bf16/fp16, 4 in fp32), "
+                        "Adam's moments in fp32 (and fp32 master weights with bf16/fp16)")
     p.add_argument("--sustained-tflops", type=positive_float, help="the matmul rate per GPU (default: the profile's)")
     p.add_argument("--bucket", type=float_in(1, MAX_SIZE), default=DEFAULT_BUCKET,
                    help="DeepSpeed's reduce_bucket_size (elements)")
@@ -47,7 +46,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
                    help="DeepSpeed's ZeRO stage (2 and 3 only without a pipeline; default: every one)")
     g.add_argument("--sp", choices=["on", "off"], help="sequence parallelism (with TP > 1; default: both)")
-    g.add_argument("--recompute", choices=POLICIES, help="activation recomputation policy (default: each)")
+    g.add_argument("--recompute", choices=RECOMPUTE_POLICIES, help="activation recomputation policy (default: each)")
     g.add_argument("--recompute-modules", type=recompute_modules_arg,
                    help="what selective recomputes: core_attn and/or mlp_act, layernorm (a comma list; the planner "
                         "tries core_attn alone and all three)")
@@ -66,44 +65,11 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
-def pinned_fields(args) -> dict:
-    pinned = {k: getattr(args, k) for k in ("tp", "pp", "zero", "recompute", "recompute_modules", "micro_batch")
-              if getattr(args, k) is not None}
-    if args.sp is not None:
-        pinned["sp"] = args.sp == "on"
-    return pinned
-
-
 @command
 def main(argv=None):
     args = parse_args(argv)
-    if args.list_hardware:
-        for name, d in profiles().items():
-            print(f"{name}: {d['description']}")
-        return 0
-    if args.plot and not args.validate:
-        raise PlanError("--plot draws the validation; add --validate")
-    if args.validate:
-        if args.plot:
-            check_output_file(args.plot, args.force, flag="--plot")
-        rows = validation_rows()
-        print(format_validation(rows))
-        if args.plot:
-            print(f"wrote {plot_validation(args.plot)}")
-        return 0 if all(r.ok for r in rows) else 1
-    if args.model_config is None or args.gpus is None:
-        raise PlanError("--model-config and --gpus are required (or --validate, --list-hardware); see --help")
-    if args.json:
-        check_output_file(args.json, args.force, flag="--json")
-    job = make_job(args.model_config, args.gpus, args.hardware, args.seq_length, args.global_batch_size,
-                   args.precision, args.sustained_tflops, args.bucket)
-    feasible, tried, excluded = rank_layouts(job, pinned_fields(args))
-    print(format_plan(job, feasible, tried, args.top, excluded, args.model_config))
-    if args.json:
-        atomic_write_json(args.json, [{"layout": p.layout.__dict__, "memory_bytes": p.memory, "times_s": p.times,
-                                       "step_s": p.step_s, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu}
-                                      for p in feasible[:args.top]], indent=1)
-    return 0
+    from pipeline.planning.run import run_plan  # noqa: PLC0415  (deferred: --help must not load torch)
+    return run_plan(args)
 
 
 cli = console_script(main)  # the console script (pyproject.toml)

@@ -17,11 +17,11 @@ from pipeline.tracking.plot import plot_runs
 
 
 def parse_args(argv=None):
-    parser = ArgumentParser(prog="python -m pipeline.plot", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="mds-plot", description=__doc__)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or their metrics.jsonl)")
     parser.add_argument("--out", required=True, help="the picture to write (.png, .svg, .pdf)")
     parser.add_argument("--label", action="append", help="a legend name per run (default: the run's folder name)")
-    parser.add_argument("--dpi", type=int_in(1, 2400), default=80)
+    parser.add_argument("--dpi", type=int_in(1, 2400), default=80, help="resolution of a .png (dots per inch)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     return parser.parse_args(argv)
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import sys
 
 from pipeline.job.errors import ArgumentParser, command, console_script
-from pipeline.checkpoints.reshard import reshard
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(prog="python -m pipeline.reshard", description=__doc__)
+    p = ArgumentParser(prog="mds-reshard", description=__doc__)
     p.add_argument("--checkpoint", required=True, help="a pretraining run directory")
     p.add_argument("--out", required=True, help="the new run directory (must not exist or be empty)")
     p.add_argument("--tag", default=None, help="the tag to convert (default: the run's latest)")
@@ -29,6 +28,7 @@ def parse_args(argv=None):
 @command
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from pipeline.checkpoints.reshard import reshard  # noqa: PLC0415  (deferred: --help must not load torch)
     out = reshard(args.checkpoint, args.out, args.tag, force=args.force)
     print(f"wrote {out}: resume it at any layout with --load {out}")
     return 0

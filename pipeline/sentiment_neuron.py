@@ -16,54 +16,31 @@ and 0/1 labels (binary SST-2 as distributed with sentiment-discovery).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-import torch
-
-from models.mlstm import MLSTM, load_mlstm
-from pipeline.checkpoints.checkpoint import is_deepspeed_run_dir, read_full_checkpoint
 from pipeline.job.errors import ArgumentParser, command
 from pipeline.job.numbers import positive_int
-from pipeline.evaluation.sentiment_neuron import DEFAULT_CS, run_sentiment_neuron
 
 
 def parse_args(argv=None):
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="mds-sentiment-neuron", description=__doc__)
     ap.add_argument("--model", required=True, help="directory with config.json + model.safetensors (save_mlstm)")
     ap.add_argument("--data-dir", required=True, help="directory with train.tsv, val.tsv, test.tsv")
     ap.add_argument("--out", required=True, help="output directory (results.json, unit_<i>.png)")
-    ap.add_argument("--batch-size", type=positive_int, default=64)
+    ap.add_argument("--batch-size", type=positive_int, default=64, help="texts read together")
     ap.add_argument("--max-length", type=positive_int, default=None, help="truncate texts to this many bytes")
     ap.add_argument("--limit", type=positive_int, default=None,
                     help="use only the first N examples of each split (smoke runs)")
-    ap.add_argument("--Cs", default=",".join(f"{c:g}" for c in DEFAULT_CS),
-                    help="comma-separated C grid for the L1 probe")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--Cs", default=None, help="comma-separated C grid for the L1 probe (default: 2^-6 ... 2^3)")
+    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... or auto: cuda if there is one")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
 
 
 @command
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if is_deepspeed_run_dir(args.model):  # a pretraining run of the main job (--model-type mlstm)
-        config, state, _ = read_full_checkpoint(args.model)
-        model = MLSTM(config)
-        model.load_state_dict(state)
-        model.to(args.device)
-    else:
-        model = load_mlstm(args.model, map_location=args.device)
-    Cs = [float(c) for c in args.Cs.split(",")]
-    r = run_sentiment_neuron(model, args.data_dir, args.out, args.batch_size, args.max_length, args.limit, Cs,
-                             progress=not args.no_progress, model_name=str(args.model))
-    p, u = r["l1_probe"], r["single_unit"]
-    print(f"L1 probe (C={p['C']:g}, {p['nonzero_units']} of {r['hidden_size']} units): "
-          f"test accuracy {p['test_accuracy']:.4f} (val {p['val_accuracy']:.4f})")
-    print(f"single unit {u['unit']} (polarity {u['polarity']:+d}, threshold {u['threshold']:.4g}): "
-          f"test accuracy {u['test_accuracy']:.4f} (val {u['val_accuracy']:.4f}); "
-          f"majority class {r['majority_class_test_accuracy']:.4f}")
-    print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / r['plot']}")
-    return r
+    from pipeline.evaluation.run import probe_sentiment_neuron  # noqa: PLC0415  (deferred: --help must not load torch)
+    return probe_sentiment_neuron(args)
 
 
 

@@ -20,6 +20,18 @@ import traceback
 from cli import run_cli
 
 
+# the work each command imports once its arguments are parsed (its modules load no torch, for a fast --help): loaded
+# here before the forks too, or every child would pay for the imports
+WORK = {"pipeline.pretrain": "pipeline.pretraining", "pipeline.export_hf": "pipeline.hf.run",
+        "pipeline.import_hf": "pipeline.hf.run", "pipeline.evaluate": "pipeline.evaluation.run",
+        "pipeline.sentiment_neuron": "pipeline.evaluation.run", "pipeline.generate": "pipeline.generation.run",
+        "pipeline.reshard": "pipeline.checkpoints.reshard", "pipeline.plan": "pipeline.planning.run",
+        "finetune.train": "finetune.job.run", "finetune.predict": "finetune.scoring.classify",
+        "finetune.export_hf": "finetune.hf_export", "finetune.ensemble.build": "finetune.ensemble.assemble",
+        "finetune.ensemble": "finetune.ensemble.assemble", "finetune.lm.job.sft": "finetune.lm.job.jobs",
+        "finetune.lm.job.dpo": "finetune.lm.job.jobs"}
+
+
 def run_forked(cases, cwd, *, timeout: float = 120, env: dict | None = None) -> list[tuple[int, str, str]]:
     """Each (module, argv) case's (exit code, stdout, stderr); a case running past ``timeout`` is killed (-9)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -72,6 +84,8 @@ def _main(spec_file: str) -> None:
     spec = json.load(open(spec_file))
     for module in dict.fromkeys(m for m, _ in spec["cases"]):
         importlib.import_module(module)  # once, before the forks
+        if module in WORK:
+            importlib.import_module(WORK[module])
     results = [_run_one(m, argv, spec["timeout"]) for m, argv in spec["cases"]]
     sys.stdout.flush()
     print(json.dumps(results))

@@ -7,18 +7,59 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 
 from finetune.data import load_data
-from finetune.ensemble import Ensemble, check_labels, load_member, save_ensemble_dir
-from finetune.ensemble.members import common_split, fit_tfidf
+from finetune.ensemble.predictor import ENSEMBLE_FILE, Ensemble, check_labels, load_member, save_ensemble_dir
+from finetune.ensemble.members import MEMBERS_DIR, common_split, fit_tfidf, train_members
 from finetune.ensemble.tfidf import TfidfClassifier
 from finetune.job.inputs import holdout_split
 from finetune.normalize import TweetNormalizer
 from finetune.saved import LoadedClassifier
 from finetune.scoring.metrics import evaluate_probabilities, format_comparison, plot_dev_per_class_f1, write_eval_json
 from finetune.scoring.predictions import write_predictions
-from finetune.scoring.thresholds import apply_thresholds, thresholds_for
+from finetune.scoring.thresholds import THRESHOLDS_FILE, apply_thresholds, thresholds_for
 from pipeline.hf.convert import parse_dtype
+from pipeline.job.files import OutputError, refuse_overlap
+
+OUTPUTS = {ENSEMBLE_FILE, THRESHOLDS_FILE, "eval.json", "dev_predictions.txt", "test_predictions.txt",
+           "per_class_f1.png", MEMBERS_DIR}
+
+
+def run_ensemble(args) -> dict | None:
+    """``finetune.ensemble``: the members trained or gathered, the ensemble built on rank 0 (None on the other ranks
+    and after a stop signal)."""
+    save = check_save(args)
+    trained = train_members(args, save)
+    if trained is None:  # stopped by a signal
+        return None
+    dirs = trained + [Path(m) for m in args.member]
+    if dist.is_initialized() and dist.get_rank() != 0:  # the members are trained; rank 0 builds the ensemble
+        dist.barrier()
+        return None
+    result = build(args, save, dirs)
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+def check_save(args) -> Path:
+    """--save holds nothing but this command's outputs; an earlier ensemble is rebuilt only with --force
+    (its members are kept and reused)."""
+    save = Path(args.save)
+    refuse_overlap(save, [("--base", args.base), ("--train", args.train), ("--dev", args.dev), ("--test", args.test),
+                          *(("--member", m) for m in args.member)], "--save")
+    if save.exists() and not save.is_dir():
+        raise OutputError(f"--save {save} is a file; give a directory")
+    if save.is_dir():
+        foreign = sorted(p.name for p in save.iterdir() if p.name not in OUTPUTS and not p.name.startswith("."))
+        if foreign:
+            raise OutputError(f"--save {save} holds {', '.join(foreign[:5])}, which this command did not write; "
+                              f"choose a new directory")
+        if (save / ENSEMBLE_FILE).is_file() and not args.force:
+            raise OutputError(f"--save {save} already holds an ensemble; pass --force to rebuild it (its members "
+                              f"are reused) or choose a new directory")
+    return save
 
 
 def build(args, save: Path, dirs: list[Path]) -> dict:

@@ -29,27 +29,17 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torchrun: the project root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-import torch.distributed as dist
-
-from finetune.ensemble import ENSEMBLE_FILE
-from finetune.ensemble.assemble import build
-from finetune.ensemble.members import DEFAULT_HOLDOUT, DEFAULT_HOLDOUT_SEED, MEMBERS_DIR, train_members
-from finetune.recipes import RECIPES
-from finetune.scoring.thresholds import THRESHOLDS_FILE
-from pipeline.hf.convert import add_dtype_arg
+from finetune.recipes import DEFAULT_HOLDOUT, DEFAULT_HOLDOUT_SEED, RECIPES
+from pipeline.job.arguments import add_dtype_arg
 from pipeline.job.errors import ArgumentParser, command, console_script
-from pipeline.job.files import OutputError, refuse_overlap
 from pipeline.job.numbers import non_negative_int, positive_int, probability
-
-OUTPUTS = {ENSEMBLE_FILE, THRESHOLDS_FILE, "eval.json", "dev_predictions.txt", "test_predictions.txt",
-           "per_class_f1.png", MEMBERS_DIR}
 
 
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = ArgumentParser(prog="python -m finetune.ensemble", description=__doc__)
+    p = ArgumentParser(prog="mds-ensemble", description=__doc__)
     p.add_argument("--save", required=True, help="ensemble directory to write (new, or one this command wrote)")
     p.add_argument("--recipe", action="append", default=[], metavar="NAME:SEED",
                    help=f"train a member: recipe NAME ({', '.join(RECIPES)}) at --seed SEED (repeatable)")
@@ -64,10 +54,11 @@ def parse_args(argv=None):
                    help=f"held-out fraction of train (default: the members', else {DEFAULT_HOLDOUT})")
     p.add_argument("--holdout-seed", type=non_negative_int, default=None,
                    help=f"seed of the held-out split (default: the members', else {DEFAULT_HOLDOUT_SEED})")
-    p.add_argument("--threshold-objective", choices=["micro", "macro", "balanced", "mean"], default="mean")
+    p.add_argument("--threshold-objective", choices=["micro", "macro", "balanced", "mean"], default="mean",
+                   help="what the per-class thresholds maximise (finetune.train --help says each)")
     p.add_argument("--threshold-bagging", type=non_negative_int, default=100, metavar="N",
                    help="average the thresholds over N bootstrap resamples of the held-out tweets (0: no bagging)")
-    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward of a member")
     add_dtype_arg(p, default="bfloat16", help="dtype the members compute their probabilities in")
     p.add_argument("--force", action="store_true", help="rebuild an ensemble this command wrote in --save")
     args = p.parse_args(argv)
@@ -91,40 +82,11 @@ def _recipe(p, spec: str) -> tuple[str, int]:
     return name, int(seed)
 
 
-def check_save(args) -> Path:
-    """--save holds nothing but this command's outputs; an earlier ensemble is rebuilt only with --force
-    (its members are kept and reused)."""
-    save = Path(args.save)
-    refuse_overlap(save, [("--base", args.base), ("--train", args.train), ("--dev", args.dev), ("--test", args.test),
-                          *(("--member", m) for m in args.member)], "--save")
-    if save.exists() and not save.is_dir():
-        raise OutputError(f"--save {save} is a file; give a directory")
-    if save.is_dir():
-        foreign = sorted(p.name for p in save.iterdir() if p.name not in OUTPUTS and not p.name.startswith("."))
-        if foreign:
-            raise OutputError(f"--save {save} holds {', '.join(foreign[:5])}, which this command did not write; "
-                              f"choose a new directory")
-        if (save / ENSEMBLE_FILE).is_file() and not args.force:
-            raise OutputError(f"--save {save} already holds an ensemble; pass --force to rebuild it (its members "
-                              f"are reused) or choose a new directory")
-    return save
-
-
 @command
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
-    save = check_save(args)
-    trained = train_members(args, save)
-    if trained is None:  # stopped by a signal
-        return None
-    dirs = trained + [Path(m) for m in args.member]
-    if dist.is_initialized() and dist.get_rank() != 0:  # the members are trained; rank 0 builds the ensemble
-        dist.barrier()
-        return None
-    result = build(args, save, dirs)
-    if dist.is_initialized():
-        dist.barrier()
-    return result
+    from finetune.ensemble.assemble import run_ensemble  # noqa: PLC0415  (deferred: --help must not load torch)
+    return run_ensemble(args)
 
 
 cli = console_script(main)

@@ -7,15 +7,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from finetune.ensemble import EnsembleError
+from finetune.ensemble.predictor import EnsembleError
 from finetune.ensemble.tfidf import TFIDF_FILE, TfidfClassifier
 from finetune.job.args import parse_args as parse_finetune_args
 from finetune.job.run import run as train_classifier
-from finetune.recipes import RECIPES
+from finetune.recipes import DEFAULT_HOLDOUT, DEFAULT_HOLDOUT_SEED, RECIPES
 from finetune.saved import CLASSIFIER_FILE, LoadedClassifier
 
 MEMBERS_DIR = "members"
-DEFAULT_HOLDOUT, DEFAULT_HOLDOUT_SEED = 0.1, 1234
 
 
 def train_members(args, save: Path) -> list[Path] | None:

@@ -1,22 +1,24 @@
 """The finetuning job's arguments (model, data, optimization, output) and their checks, each bad value
-named before any work.
+named before any work (no torch: ``mds-finetune --help`` loads none).
+
+    mds-finetune --base runs/gpt2 --train E-c-train.tsv --dev E-c-dev.tsv --save runs/ec [--labels plutchik]
 """
 from __future__ import annotations
 
 import argparse
 
-from finetune.lm.job.options import add_lora_args
+from finetune.lm.job.arguments import add_lora_args
+from pipeline.job.arguments import add_engine_args, add_run_args
 from pipeline.job.errors import ArgumentParser, UserError
 from pipeline.job.numbers import non_negative_float, non_negative_int, positive_float, positive_int, probability
-from pipeline.job.options import add_engine_args, add_run_args
 
 
 class FinetuneError(UserError, ValueError):
     """Arguments or inputs the job cannot work with (the message says which and why)."""
 
 
-def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__)
+def parse_args(argv=None, description: str = __doc__):
+    p = ArgumentParser(prog="mds-finetune", description=description)
     _add_model_args(p.add_argument_group("model"))
     _add_data_args(p, p.add_argument_group("data"))
     _add_optimization_args(p.add_argument_group("optimization"))
@@ -77,15 +79,15 @@ def _add_data_args(p, g) -> None:
                                                 "predictions only)")
     g.add_argument("--labels", default=None,
                    help="label subset: 'ec' (the 11 E-c emotions), 'plutchik' (8), or comma-separated names")
-    g.add_argument("--text-column", default="text")
-    g.add_argument("--id-column", default=None)
+    g.add_argument("--text-column", default="text", help="text column of a CSV/TSV/JSON(L) file")
+    g.add_argument("--id-column", default=None, help="ID column of a CSV/TSV/JSON(L) file (default: row numbers)")
     g.add_argument("--label-columns", default=None, help="comma-separated 0/1 label columns (multilabel)")
     g.add_argument("--label-list-column", default=None, help="column with each row's list of labels (multilabel)")
     g.add_argument("--label-column", default=None, help="column with one class per row (single-label)")
     g.add_argument("--label-names", default=None, help="comma-separated label names and order")
-    g.add_argument("--label-separator", default=",")
+    g.add_argument("--label-separator", default=",", help="separator of --label-list-column's labels")
     g.add_argument("--no-normalize", action="store_true", help="keep texts as written (no tweet normalisation)")
-    g.add_argument("--lowercase", action="store_true")
+    g.add_argument("--lowercase", action="store_true", help="lowercase the texts")
     g.add_argument("--holdout", type=probability(open_high=True), default=0.0,
                    help="fraction of train held out to tune thresholds on (0: tune on dev, which makes the dev "
                         "scores at tuned thresholds optimistic)")
@@ -100,20 +102,21 @@ def _add_data_args(p, g) -> None:
                    help="average the thresholds tuned "
                    "on N bootstrap resamples of the tuning set (less variance from a small tuning set; 0: tune once)")
     add_engine_args(p, pipeline_parallel=False)  # without --micro-batch-size: chosen from the data (providers)
-    g.add_argument("--eval-batch-size", type=positive_int, default=64)
+    g.add_argument("--eval-batch-size", type=positive_int, default=64, help="texts per forward when scoring")
     g.add_argument("--group-by-length", type=non_negative_int, default=0, metavar="N",
                    help="batch training texts of similar length together (pools of N global batches sorted by "
                         "length, the batches shuffled), so little of a batch is padding; 0: random batches")
 
 
 def _add_optimization_args(g) -> None:
-    g.add_argument("--epochs", type=positive_float, default=3.0)
+    g.add_argument("--epochs", type=positive_float, default=3.0, help="passes over the training texts")
     g.add_argument("--train-steps", type=positive_int, default=None, help="optimizer steps (overrides --epochs)")
     g.add_argument("--lr", type=positive_float, default=5e-5, help="peak learning rate")
-    g.add_argument("--min-lr", type=non_negative_float, default=0.0)
+    g.add_argument("--min-lr", type=non_negative_float, default=0.0, help="the learning rate the decay ends at")
     g.add_argument("--warmup", type=probability(), default=0.1,
                    help="warmup steps, as a fraction of the training steps")
-    g.add_argument("--lr-decay-style", choices=["linear", "cosine", "constant"], default="linear")
+    g.add_argument("--lr-decay-style", choices=["linear", "cosine", "constant"], default="linear",
+                   help="the decay after warmup")
     g.add_argument("--weight-decay", type=non_negative_float, default=None, help="default: the DeepSpeed config's")
     g.add_argument("--layer-lr-decay", type=positive_float, default=1.0,
                    help="learning-rate factor per encoder layer from the top (e.g. 0.9); 1 = none")

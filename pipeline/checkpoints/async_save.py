@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.checkpoints import checkpoint, safe_load
+from pipeline.job.arguments import add_async_save_args  # noqa: F401 (re-exported)
 from pipeline.job.files import DiskFullError, crash_point, disk_full_cause
 
 if typing.TYPE_CHECKING:
@@ -57,15 +58,6 @@ if typing.TYPE_CHECKING:
 __all__ = ["AsyncSaver", "SyncSaver", "StagingCheckpointEngine", "add_async_save_args", "make_saver"]
 
 DELAY_ENV = "PIPELINE_ASYNC_SAVE_DELAY_S"
-
-
-def add_async_save_args(group):
-    """--async-save, in the checkpoint arguments' group (returned, for the groups that add to it)."""
-    group.add_argument("--async-save", action="store_true",
-                       help="write checkpoints in the background: the step's state is copied to host memory and "
-                            "training goes on while it is written (latest moves once it is complete; "
-                            "docs/checkpoints.md)")
-    return group
 
 
 def make_saver(engine, save_dir, layout: dict, asynchronous: bool):

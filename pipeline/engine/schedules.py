@@ -143,11 +143,11 @@ class Scheduler:
 def add_lr_args(parser) -> None:
     """The learning-rate arguments of a training command (its "optimization" group)."""
     g = parser.add_argument_group("optimization")
-    g.add_argument("--train-steps", type=int, default=100)
+    g.add_argument("--train-steps", type=int, default=100, help="optimizer steps of the run")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the DS config's optimizer lr)")
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--min-lr", type=float, default=0.0, help="the learning rate the decay ends at")
     g.add_argument("--lr-warmup-steps", type=int, default=None, help="default: 1%% of --train-steps")
-    g.add_argument("--lr-decay-style", choices=list(STYLES), default="cosine")
+    g.add_argument("--lr-decay-style", choices=list(STYLES), default="cosine", help="the decay after warmup")
     g.add_argument("--lr-scale-base-batch", type=int, default=None,
                    help="large-batch recipe: the lr is --lr x global batch / this batch, capped at --lr-max")
     g.add_argument("--lr-max", type=float, default=None, help="cap of the batch-scaled learning rate")

@@ -19,14 +19,13 @@ import matplotlib.pyplot as plt
 
 from models.parallel import get_parallel_state
 from pipeline.engine.distributed import init_distributed
+from pipeline.job.arguments import EVALUATION_TASKS as TASKS, MEGATRON_STRIDE  # noqa: F401 (re-exported)
 from pipeline.job.errors import InputError
 from pipeline.job.files import atomic_path, atomic_write_json, check_output_file, refuse_overlap
 from pipeline.evaluation.lm_scoring import (DataShard, load_hf_model, load_hf_tokenizer, load_lambada,
                                             load_project_model, load_text, load_wikitext, project_scorer)
 from pipeline.evaluation.harness import ProjectLM, run_harness
 
-TASKS = ("wikitext", "lambada", "bpc")
-MEGATRON_STRIDE = 32  # Megatron-LM's --overlapping-eval default
 
 
 def load_data(task: str, path: Path, max_examples: int | None):

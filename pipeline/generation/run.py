@@ -15,22 +15,9 @@ from pipeline.generation.decoders import decoder_for
 from pipeline.generation.loading import load_generation_model
 from pipeline.generation.prompts import encode_prompts, read_prompts
 from pipeline.generation.sampling import SampleSettings
+from pipeline.job.arguments import add_sampling_args  # noqa: F401 (re-exported)
 from pipeline.job.errors import InputError
 from pipeline.job.files import atomic_write_text, check_output_file, refuse_overlap
-from pipeline.job.numbers import non_negative_int, positive_float, positive_int, probability
-
-
-def add_sampling_args(p, *, max_new_tokens: int = 64) -> None:
-    """--max-new-tokens, --greedy, --temperature, --top-k, --top-p, --seed (generation and pretraining samples)."""
-    p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
-                   help=f"tokens to add to each prompt at most (default: {max_new_tokens})")
-    p.add_argument("--greedy", action="store_true", help="the most likely token at every step (no sampling)")
-    p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature (default: 1.0)")
-    p.add_argument("--top-k", type=positive_int, help="sample among the k most likely tokens only")
-    p.add_argument("--top-p", type=probability(open_low=True),
-                   help="sample among the most likely tokens holding this probability")
-    p.add_argument("--seed", type=non_negative_int, default=0,
-                   help="seed of the sampling (default: 0; the same at any TP)")
 
 
 def settings_from_args(args, greedy: bool | None = None) -> SampleSettings:

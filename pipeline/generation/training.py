@@ -12,20 +12,9 @@ from pipeline.generation.decode import generate
 from pipeline.generation.decoders import decoder_for
 from pipeline.generation.prompts import PromptError, encode_prompts, read_prompts
 from pipeline.generation.sampling import SampleSettings
+from pipeline.job.arguments import add_sample_args  # noqa: F401 (re-exported)
 from pipeline.job.files import open_append
 from pipeline.job.loop import every, is_rank0
-from pipeline.job.numbers import positive_float, positive_int
-
-
-def add_sample_args(p) -> None:
-    g = p.add_argument_group("samples during training")
-    g.add_argument("--sample-interval", type=positive_int,
-                   help="every N steps (and at the last), continue --sample-prompts greedily and sampled; written to "
-                        "samples.jsonl in the run and to DeepSpeed's monitor (rank 0)")
-    g.add_argument("--sample-prompts", type=Path, help="prompts file: one a line, or .jsonl {\"prompt\": ...}")
-    g.add_argument("--sample-new-tokens", type=positive_int, default=32, help="tokens per sample (default 32)")
-    g.add_argument("--sample-temperature", type=positive_float, default=1.0, help="temperature of the sampled one")
-    g.add_argument("--sample-top-k", type=positive_int, help="top-k of the sampled one (default: the whole vocabulary)")
 
 
 class _RunTokenizer:

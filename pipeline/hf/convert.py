@@ -50,6 +50,7 @@ import torch
 
 from models.config import ConfigError, GPTConfig
 from models.deepseek import deinterleave_rope_rows, interleave_rope_rows
+from pipeline.job.arguments import DTYPE_CHOICES, add_dtype_arg  # noqa: F401 (re-exported)
 from pipeline.job.errors import UserError
 from pipeline.hf.experts import (DEEPSEEK_V3_EXPERTS, MIXTRAL_EXPERTS, QWEN2_MOE_EXPERTS, QWEN3_MOE_EXPERTS,
                                  ExpertNames, is_fused, unfuse_experts)
@@ -74,13 +75,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def add_dtype_arg(parser, *, default: str = "float32", help: str = "dtype of the weights") -> None:
-    """``--dtype``, the same names for every command: float32/bfloat16/float16 or fp32/bf16/fp16."""
-    parser.add_argument("--dtype", default=default, choices=DTYPE_CHOICES, help=f"{help} (default {default})")
 
 
 def short_dtype_name(name: str) -> str:

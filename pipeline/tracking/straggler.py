@@ -31,23 +31,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pipeline.job.arguments import STRAGGLER_THRESHOLD, add_straggler_args  # noqa: F401 (re-exported)
 from pipeline.job.errors import InputError
-from pipeline.job.numbers import float_in, positive_int
 
 __all__ = ["StragglerDetector", "straggler_hook", "add_straggler_args", "DELAY_ENV", "debug_delay"]
 
 DELAY_ENV = "PIPELINE_DELAY_RANK"
-DEFAULT_THRESHOLD = 1.5
-
-
-def add_straggler_args(parser) -> None:
-    g = parser.add_argument_group("straggler detection")
-    g.add_argument("--straggler-interval", type=positive_int, default=None, metavar="N",
-                   help="every N steps, name the rank with the most compute time over those steps and its ratio to "
-                        "the median (metrics.jsonl, the monitor; default: off)")
-    g.add_argument("--straggler-threshold", type=float_in(1), default=DEFAULT_THRESHOLD, metavar="RATIO",
-                   help=f"print a warning when the slowest rank's ratio to the median is above this "
-                        f"(default {DEFAULT_THRESHOLD})")
+DEFAULT_THRESHOLD = STRAGGLER_THRESHOLD
 
 
 def debug_delay(rank: int) -> float:

@@ -19,7 +19,7 @@ from test_finetune_train import FP32_DS, ec_slice, run, write_base
 from transformers import pipeline
 
 from finetune.data import load_semeval_ec
-from finetune.ensemble import load_member
+from finetune.ensemble.predictor import load_member
 from finetune.ensemble.build import main as ensemble_main
 from finetune.job.inputs import holdout_split
 from finetune.normalize import TweetNormalizer

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli import run_cli
+from cli import cli_env, run_cli
 from conftest import shared_data
 from dist import run_distributed
 
@@ -148,6 +148,20 @@ def test_copied_recovery_script_is_safe(runs, tmp_path):
     proc = run_cmd([str(script), str(runs / "z3"), str(tmp_path / "clean")], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert list((tmp_path / "clean").iterdir())
+
+
+def test_importing_the_library_sets_no_environment_variable(tmp_path):
+    """models, pipeline and finetune (every package and the job modules a command defers to) leave ``os.environ``
+    as they found it: what a command sets for its process (``THP_MEM_ALLOC_ENABLE``) is set when it starts. The
+    libraries they use are imported first: torch and scikit-learn set OpenMP and inductor variables of their own."""
+    code = ("import torch, torch._inductor.config, deepspeed, transformers, datasets, peft, trl, sklearn, os\n"
+            "before = dict(os.environ)\n"
+            "import models, pipeline, finetune, pipeline.pretraining, pipeline.checkpoints.checkpoint, finetune.job.run\n"
+            "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))\n"
+            "assert not changed, f'the import changed {changed}'")
+    env = {k: v for k, v in cli_env().items() if k != "THP_MEM_ALLOC_ENABLE"}
+    proc = run_cli([sys.executable, "-c", code], tmp_path, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_library_loads_are_weights_only(runs, tmp_path):

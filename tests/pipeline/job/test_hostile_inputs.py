@@ -273,7 +273,7 @@ FILES = [
                                                                        "--tag", "../run/global_step1"]),
      "--tag tag '../run/global_step1', which is not a checkpoint directory inside {d}/run"),
     ("launch with no arguments", lambda d: ("pipeline.launch", []),
-     "python -m pipeline.launch: give the script to run and its arguments"),
+     "mds-launch: give the script to run and its arguments"),
 ]
 
 

@@ -109,7 +109,7 @@ def test_no_resume_and_unknown_config_keys_are_refused_in_one_line(runs):
     assert code == 2 and len(error_lines(err)) == 1, err[-2000:]
     assert error_lines(err)[0].startswith(f"error: --save {d / 'run'} holds args.json, config.json")
     assert "--no-resume starts a new run in a new or empty directory only" in err
-    for (code, _, err), prog in zip(results[3:5], ("pretrain", "export_hf")):
+    for (code, _, err), prog in zip(results[3:5], ("mds-pretrain", "mds-export-hf")):
         assert code == 2 and len(error_lines(err)) == 1, err[-2000:]
         assert error_lines(err)[0].startswith(f"error: {d / 'typo.toml'}: key 'train_stepz' is not a flag of ")
         assert prog in error_lines(err)[0]
