@@ -165,9 +165,10 @@ def summary(args, *, first: int, last: int, train_loss: float | None, dev: dict,
     return [summary_line(first, last, results, where), *next_lines(commands)]
 
 
-def finished_before(args) -> list[str] | None:
+def finished_before(args) -> tuple[list[str], dict] | None:
     """When --save holds the classifier this very command finished (its args.json, no setting changed): the
-    lines that say so and its summary, read back from metrics.jsonl; else None (the job runs)."""
+    lines that say so and its summary, and the job's result (steps, losses, dev scores), read back from
+    metrics.jsonl and eval.json; else None (the job runs)."""
     save = Path(args.save) if args.save else None
     if save is None or args.force or args.no_resume or not (save / CLASSIFIER_FILE).is_file() \
             or changed_settings(save, args) != []:
@@ -178,10 +179,14 @@ def finished_before(args) -> list[str] | None:
     train = [r["loss"] for r in records if r.get("loss") is not None]
     dev = next((r for r in reversed(records) if r.get("step") == steps and "dev_loss" in r), {})
     hf = save / "hf"
-    return [f"{save} holds the classifier this command finished at step {steps}: nothing to run (--force trains "
-            f"it again)",
-            *summary(args, first=steps + 1, last=steps, train_loss=train[-1] if train else None, dev=dev,
-                     exported=str(hf) if (hf / "config.json").is_file() else None)]
+    exported = str(hf) if (hf / "config.json").is_file() else None
+    lines = [f"{save} holds the classifier this command finished at step {steps}: nothing to run (--force trains "
+             f"it again)",
+             *summary(args, first=steps + 1, last=steps, train_loss=train[-1] if train else None, dev=dev,
+                      exported=exported)]
+    scores = json.loads((save / "eval.json").read_text()).get("dev") if (save / "eval.json").is_file() else None
+    return lines, {"finished_before": True, "steps": steps, "losses": train, "dev": scores, "dev_record": dev,
+                   "hf_export": exported}
 
 
 def _export(save: Path):

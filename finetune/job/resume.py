@@ -17,6 +17,7 @@ from pathlib import Path
 from finetune.job.args import FinetuneError
 from pipeline.checkpoints import checkpoint
 from pipeline.job.loop import StepResult, barrier, is_rank0, when
+from pipeline.tracking.metrics import drop_records_after
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -74,7 +75,8 @@ def restore_state(engine, state_dir: Path, tag: str, batches) -> tuple[int, list
     """The saved state loaded into the built engine and the batches; returns (step, losses so far)."""
     step, data = checkpoint.load(engine, state_dir, tag)
     batches.load_state_dict(data["batches"])
-    if is_rank0():  # metrics.jsonl is cut back to this step by the job's RunReport (one series)
+    if is_rank0():  # the log as it was at the saved step: one series (a run killed later logged steps run again)
+        drop_records_after(state_dir.parent / "metrics.jsonl", step)
         print(f"note: continuing the interrupted run in {state_dir.parent} after step {step}, from its last "
               f"complete checkpoint {state_dir / tag} (--force starts it afresh)", file=sys.stderr)
     return step, list(data["losses"])

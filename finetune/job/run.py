@@ -27,9 +27,9 @@ from pipeline.job.run_dir import RunReport, say, warn_without_save
 def run(args) -> dict:
     finished = finished_before(args)  # the same command again after it finished: nothing to run
     if finished is not None:
-        for line in finished:
+        for line in finished[0]:
             say(line)
-        return {"finished_before": True}
+        return finished[1]
     check_save(args)
     warn_without_save(args, "finetune", "no classifier, no metrics.jsonl")
     if not args.verbose:
