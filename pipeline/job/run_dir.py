@@ -24,7 +24,7 @@ from pipeline.tracking.metrics import MetricsWriter
 ARGS_FILE = "args.json"
 DS_CONFIG_FILE = "ds_config.json"
 # what may differ between two commands of one run without changing the run
-NOT_SETTINGS = {"load", "load_tag", "no_resume", "force", "debug", "local_rank", "verbose", "config_file"}
+NOT_SETTINGS = {"load", "load_tag", "save", "no_resume", "force", "debug", "local_rank", "verbose", "config_file"}
 
 
 def say(line: str) -> None:
@@ -192,7 +192,8 @@ def summary_lines(save_dir: Path | None, *, first: int, last: int, record: dict,
         results.append(f"{tokens_per_s:,.0f} tokens/s")
     latest = save_dir / "latest" if save_dir is not None else None
     if latest is None or not latest.is_file():
-        return [summary_line(first, last, results, "no checkpoint saved (no --save)")]
+        where = "no checkpoint saved (no --save)" if save_dir is None else f"no checkpoint in {save_dir}"
+        return [summary_line(first, last, results, where)]
     run, stem = run_paths(save_dir)
     return [summary_line(first, last, results, f"last checkpoint {save_dir / latest.read_text().strip()}"),
             *next_lines([f"python -m pipeline.export_hf --checkpoint {run} --out {stem}-hf",

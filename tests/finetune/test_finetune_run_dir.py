@@ -6,7 +6,7 @@ The base is such a model (config.json + model.safetensors, 300 embedding rows, n
 metrics.jsonl series, args.json / ds_config.json saved, the summary and next commands at the end); the same
 command again has nothing to run; another --lr is refused naming it; --no-resume refuses the directory; a run
 without --save warns. pretrain --load of the same base takes --tokenizer bytes (the unused rows said) and refuses
-the GPT-2 tokenizer (50257 tokens) with what to pass, as finetune does."""
+the GPT-2 tokenizer (50257 tokens) with what to pass, as finetune does; a --load of that run names what changed."""
 import json
 import re
 from pathlib import Path
@@ -66,6 +66,8 @@ def runs(tmp_path_factory):
         ("pipeline.pretrain", [*pretrain, "--tokenizer", "bytes", "--save", d / "continued"]),
         ("pipeline.pretrain", [*pretrain, "--tokenizer", gpt2]),
         ("finetune.train", [*finetune(None)[1], "--tokenizer", gpt2]),
+        ("pipeline.pretrain", [*pretrain[2:], "--load", d / "continued", "--save", d / "other", "--tokenizer", "bytes",
+                               "--lr", "2e-3"]),
     ]
     return d, run_forked(cases, d, env=cli_env(PIPELINE_CRASH_AT="after-deepspeed-files:3"))
 
@@ -136,3 +138,13 @@ def test_a_model_without_tokenizer_takes_one_that_fits(runs):
     code, _, err = results[8]
     assert code == 2 and len(error_lines(err)) == 1, err[-3000:]
     assert "50257 tokens, but the model in" in error_lines(err)[0] and "(300 tokens at most)" in err
+
+
+def test_a_load_run_names_its_changed_settings_and_saves_nothing_past_its_end(runs):
+    """--load of the continued run (at step 1) into another --save, --train-steps 1: nothing to run, said so, and
+    the one setting that differs named (not --save, which differs by design)."""
+    d, results = runs
+    code, out, err = results[9]
+    assert code == 0, err[-3000:]
+    assert f"settings changed since {d / 'continued' / 'args.json'}: --lr (unset) -> 0.002\n" in out
+    assert f"done: no steps to run (at step 1), no checkpoint in {d / 'other'}" in out
