@@ -35,6 +35,9 @@ def parse_args(argv=None, description: str = __doc__):
                    help="auto: write the Hugging Face classifier to SAVE/hf when the head allows it")
     g.add_argument("--eval-interval", type=positive_int, default=None, help="steps between dev evaluations "
                                                                    "(default: each epoch)")
+    g.add_argument("--no-resume", action="store_true",
+                   help="start a new run: refused when --save already holds files (choose a new directory). Without "
+                        "it, the same command again continues the run in --save (docs/runs.md)")
     add_run_args(p, g, log_interval=10)
     args = p.parse_args(argv)
     check_args(p, args)

@@ -5,6 +5,8 @@ export.
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,11 +15,11 @@ import numpy as np
 import torch.distributed as dist
 
 from finetune.hf_export import ExportError, export_classifier
-from finetune.job.loop import full_fp32_state
+from finetune.job.loop import dev_loss, full_fp32_state
 from finetune.job.providers import Base, Head, Splits
 from finetune.model import ENCODER_PREFIX, encoder_type_of
 from finetune.job.inputs import first_layers
-from finetune.saved import load_base_state, save_classifier_dir
+from finetune.saved import CLASSIFIER_FILE, load_base_state, save_classifier_dir
 from finetune.scoring.metrics import (
     evaluate_probabilities,
     format_comparison,
@@ -30,6 +32,7 @@ from finetune.scoring.thresholds import apply_thresholds, thresholds_for
 from models.lora import is_lora_parameter
 from pipeline.hf.peft_adapter import export_peft_adapter, merged_state_dict
 from pipeline.job.loop import is_rank0
+from pipeline.job.run_dir import changed_settings, next_lines, run_paths, summary_line
 from pipeline.tracking.metrics import MetricsWriter
 
 
@@ -73,9 +76,12 @@ def finish(r: FinetuneRun) -> dict:
     results["dev"] = scores(dev, dev_probs)
     if test is not None and test.labels is not None:
         results["test"] = scores(test, test_probs)
-    metrics.write({"step": settings["steps"], **final_dev_record(results["dev"], multilabel)})
+    out_record = {"step": settings["steps"], "dev_loss": dev_loss(r.data, dev_probs),
+                  **final_dev_record(results["dev"], multilabel)}
+    metrics.write(out_record)
     state, adapter = split_lora(full_fp32_state(engine), r.base, args)  # collective: every rank takes part
-    out = {"dev": results["dev"], "thresholds": None if thresholds is None else thresholds.tolist(),
+    out = {"dev": results["dev"], "dev_record": out_record,
+           "thresholds": None if thresholds is None else thresholds.tolist(),
            "dev_probabilities": dev_probs, "test_probabilities": test_probs,
            "tune_probabilities": tune_probs, "tune_labels": tune_on.labels}
     if save is None or not is_rank0():
@@ -132,6 +138,55 @@ def final_dev_record(dev: dict, multilabel: bool) -> dict:
         return {"dev_accuracy": s["accuracy"], "dev_macro_f1": s["macro_f1"]}
     return {f"dev{tag}_{k}": dev[key][k] for tag, key in (("", "at_0.5"), ("_tuned", "tuned"))
             for k in ("micro_f1", "macro_f1", "jaccard")}
+
+
+def summary(args, *, first: int, last: int, train_loss: float | None, dev: dict, exported: str | None) -> list[str]:
+    """The job's one summary line (steps, the last step's train loss, dev's loss and scores, where the classifier
+    is) and the commands that use the classifier next."""
+    results = [] if train_loss is None else [f"train loss {train_loss:.4f}"]
+    if dev.get("dev_loss") is not None:
+        results.append(f"dev loss {dev['dev_loss']:.4f}")
+    tuned = "dev_tuned_micro_f1" in dev
+    names = (("micro_f1", "micro-F1"), ("macro_f1", "macro-F1"), ("jaccard", "Jaccard")) if tuned else \
+        (("accuracy", "accuracy"), ("macro_f1", "macro-F1"))
+    prefix = "dev_tuned_" if tuned else "dev_"
+    scores = [f"{label} {dev[prefix + key]:.4f}" for key, label in names if prefix + key in dev]
+    if scores:
+        results.append("dev " + ", ".join(scores) + (" (tuned thresholds)" if tuned else ""))
+    if args.save is None:
+        return [summary_line(first, last, results, "no classifier saved (no --save)")]
+    save = Path(args.save)
+    where = f"classifier {save}" + (f", Hugging Face classifier {exported}" if exported else "")
+    run, stem = run_paths(save)
+    data = shlex.quote(str(args.test or args.dev))
+    commands = [f"python -m finetune.predict --model {run} --data {data} --out {stem}-predictions.txt"]
+    if args.hf_export == "no":
+        commands.append(f"python -m finetune.export_hf --model {run} --out {stem}-hf --verify")
+    return [summary_line(first, last, results, where), *next_lines(commands)]
+
+
+def finished_before(args) -> tuple[list[str], dict] | None:
+    """When --save holds the classifier this very command finished (its args.json, no setting changed): the
+    lines that say so and its summary, and the job's result (steps, losses, dev scores), read back from
+    metrics.jsonl and eval.json; else None (the job runs)."""
+    save = Path(args.save) if args.save else None
+    if save is None or args.force or args.no_resume or not (save / CLASSIFIER_FILE).is_file() \
+            or changed_settings(save, args) != []:
+        return None
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()] \
+        if (save / "metrics.jsonl").is_file() else []
+    steps = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+    train = [r["loss"] for r in records if r.get("loss") is not None]
+    dev = next((r for r in reversed(records) if r.get("step") == steps and "dev_loss" in r), {})
+    hf = save / "hf"
+    exported = str(hf) if (hf / "config.json").is_file() else None
+    lines = [f"{save} holds the classifier this command finished at step {steps}: nothing to run (--force trains "
+             f"it again)",
+             *summary(args, first=steps + 1, last=steps, train_loss=train[-1] if train else None, dev=dev,
+                      exported=exported)]
+    scores = json.loads((save / "eval.json").read_text()).get("dev") if (save / "eval.json").is_file() else None
+    return lines, {"finished_before": True, "steps": steps, "losses": train, "dev": scores, "dev_record": dev,
+                   "hf_export": exported}
 
 
 def _export(save: Path):

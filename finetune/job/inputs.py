@@ -19,6 +19,7 @@ from finetune.job.resume import CHECKPOINT_DIR
 from finetune.saved import CLASSIFIER_FILE
 from pipeline.job.faults import LOCK_FILE
 from pipeline.job.files import OutputError, refuse_overlap
+from pipeline.job.run_dir import ARGS_FILE, DS_CONFIG_FILE, changed_settings, refuse_non_empty
 
 LABEL_SETS = {"ec": "SEMEVAL_EC_LABELS", "plutchik": "PLUTCHIK_LABELS"}
 
@@ -118,13 +119,19 @@ def holdout_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
 
 
 def check_save(args) -> None:
-    """--save never is, or holds, an input (the base run would be written into); an existing non-empty one
-    is used only with --force, and only when it holds a classifier this job wrote."""
+    """--save never is, or holds, an input (the base run would be written into); an interrupted run in it is
+    continued (``finetune.job.resume``); --no-resume takes a new or empty one only; a classifier this job wrote
+    is replaced only with --force (the refusal names the settings that changed since, from its args.json)."""
     if args.save is None:
         return
     refuse_overlap(args.save, [("--base", args.base), ("--train", args.train), ("--dev", args.dev),
                                ("--test", args.test), ("--tokenizer", args.tokenizer)], "--save")
     save = Path(args.save)
+    if save.exists() and not save.is_dir():
+        raise OutputError(f"--save {save} is a file; give a directory")
+    if args.no_resume:
+        refuse_non_empty(save)
+        return
     if (save / CHECKPOINT_DIR).is_dir() and _interrupted(save):
         if not args.force:  # a stopped run's saved state: the job continues it (finetune.job.resume)
             return
@@ -136,24 +143,25 @@ def check_save(args) -> None:
               f"replacing them", file=sys.stderr)
         (save / "metrics.jsonl").unlink(missing_ok=True)
     elif save.is_dir() and any(p.name != LOCK_FILE for p in save.iterdir()):  # a crashed run's lock: not content
-        if not args.force:
-            raise OutputError(f"--save {save} is not empty; choose a new directory or pass --force to replace "
-                              f"the classifier in it")
         if not (save / CLASSIFIER_FILE).is_file():
             raise OutputError(f"--save {save} holds no {CLASSIFIER_FILE}: it is not a classifier directory of this "
                               f"job, and --force replaces only those; choose a new or empty directory")
+        if not args.force:
+            changed = changed_settings(save, args)
+            what = f"a classifier trained with other settings ({', '.join(changed)})" if changed else "a classifier"
+            raise OutputError(f"--save {save} holds {what}; choose a new directory, or pass --force to replace it")
         (save / "metrics.jsonl").unlink(missing_ok=True)  # this job's own log of the run it replaces
-    elif save.exists() and not save.is_dir():
-        raise OutputError(f"--save {save} is a file; give a directory")
 
 
 # what this job writes into --save (finish.py, saved.py), a temporary of pipeline.job.files starting with "."
-_JOB_OUTPUTS = {CHECKPOINT_DIR, "metrics.jsonl", "eval.json", "per_class_f1.png", "dev_predictions.txt",
-                "test_predictions.txt", "thresholds.json", "model.safetensors", "tokenizer", "hf", "adapter", LOCK_FILE}
+_JOB_OUTPUTS = {CHECKPOINT_DIR, "metrics.jsonl", ARGS_FILE, DS_CONFIG_FILE, "eval.json", "per_class_f1.png",
+                "dev_predictions.txt", "test_predictions.txt", "thresholds.json", "model.safetensors", "tokenizer",
+                "hf", "adapter", LOCK_FILE}
 
 
 def _interrupted(save: Path) -> bool:
     if not save.is_dir() or (save / CLASSIFIER_FILE).exists():
         return False
     names = [p.name for p in save.iterdir()]
-    return "metrics.jsonl" in names and all(n in _JOB_OUTPUTS or n.startswith(".") for n in names)
+    started = "metrics.jsonl" in names or ARGS_FILE in names  # the first files a run writes
+    return started and all(n in _JOB_OUTPUTS or n.startswith(".") for n in names)

@@ -4,6 +4,7 @@ and the full fp32 weights gathered over TP at the end.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from deepspeed.utils import safe_get_full_fp32_param
 
 from finetune.job.providers import Splits
@@ -78,8 +79,20 @@ def loop_hooks(args, engine, data: Splits, predict, metrics, schedule, steps_per
 
 def dev_scores(data: Splits, probs) -> dict:
     dev = data.dev
+    loss = {"dev_loss": dev_loss(data, probs)}
     if data.multilabel:
         s = evaluate_probabilities(dev.labels, probs, dev.label_names)["at_0.5"]
-        return {"dev_micro_f1": s["micro_f1"], "dev_macro_f1": s["macro_f1"], "dev_jaccard": s["jaccard"]}
+        return {**loss, "dev_micro_f1": s["micro_f1"], "dev_macro_f1": s["macro_f1"], "dev_jaccard": s["jaccard"]}
     s = single_label_scores(dev.class_indices(), probs.argmax(1), dev.label_names)
-    return {"dev_accuracy": s["accuracy"], "dev_macro_f1": s["macro_f1"]}
+    return {**loss, "dev_accuracy": s["accuracy"], "dev_macro_f1": s["macro_f1"]}
+
+
+def dev_loss(data: Splits, probs) -> float:
+    """Dev's loss from its probabilities: the mean binary cross-entropy over texts and labels (multilabel) or the
+    cross-entropy of the true class, without the training loss's extras (positive weights, label correlation,
+    the auxiliary LM loss)."""
+    p = torch.as_tensor(probs, dtype=torch.float64)
+    if data.multilabel:
+        return float(F.binary_cross_entropy(p, torch.as_tensor(data.dev.labels, dtype=torch.float64)))
+    log_p = p.clamp_min(torch.finfo(torch.float64).tiny).log()
+    return float(F.nll_loss(log_p, torch.as_tensor(data.dev.class_indices(), dtype=torch.long)))

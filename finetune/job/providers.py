@@ -35,7 +35,7 @@ from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import precision, resolve_ds_config, zero_stage
 from pipeline.engine.schedules import LRSchedule
 from pipeline.job.families import ModelFamily, family_of
-from pipeline.job.loop import Job
+from pipeline.job.loop import Job, is_rank0
 from pipeline.planning.memory import activations, model_states
 from pipeline.planning.shapes import model_shape
 
@@ -59,15 +59,7 @@ def provide_base(args) -> Base:
     config, base_state, tokenizer_dir = load_base_state(args.base)
     family = family_of(config)
     check_encoder_options(args, family)
-    if args.tokenizer is None and tokenizer_dir is None:
-        raise FinetuneError(f"{args.base} holds no tokenizer; pass --tokenizer")
-    try:
-        tokenizer = load_tokenizer(args.tokenizer or str(tokenizer_dir))
-    except ValueError as e:
-        raise FinetuneError(f"tokenizer: {e}") from None
-    if tokenizer.vocab_size > config.vocab_size:
-        raise FinetuneError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model in {args.base} only "
-                            f"{config.vocab_size}: it is not this model's tokenizer")
+    tokenizer = provide_tokenizer(args, config, tokenizer_dir)
     if args.encoder_dropout is not None:
         for name in ("hidden_dropout", "attention_dropout", "dropout"):  # the GPT's two, the mLSTM's one
             if hasattr(config, name):
@@ -80,6 +72,27 @@ def provide_base(args) -> Base:
     pad_id = tokenizer.backend.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else None
     pad_id = tokenizer.eod_id if pad_id is None or pad_id >= config.vocab_size else pad_id
     return Base(family, config, base_state, tokenizer, max_length, pad_id, lora, targets)
+
+
+def provide_tokenizer(args, config, tokenizer_dir):
+    """The base's tokenizer, or --tokenizer: any whose ids fit the model's embedding (rows left over are unused,
+    said in one line)."""
+    if args.tokenizer is None and tokenizer_dir is None:
+        raise FinetuneError(f"{args.base} holds no tokenizer (no tokenizer.json beside its config.json); pass "
+                            f"--tokenizer DIR, the tokenizer it was trained with ({config.vocab_size} tokens at most)")
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or str(tokenizer_dir))
+    except ValueError as e:
+        raise FinetuneError(f"tokenizer: {e}") from None
+    if tokenizer.vocab_size > config.vocab_size:
+        raise FinetuneError(f"--tokenizer {args.tokenizer or tokenizer_dir}: {tokenizer.vocab_size} tokens, but the "
+                            f"model in {args.base} has {config.vocab_size} embedding rows: it is not this model's "
+                            f"tokenizer; pass the one it was trained with ({config.vocab_size} tokens at most)")
+    if args.tokenizer is not None and tokenizer.vocab_size < config.vocab_size and is_rank0():
+        print(f"note: --tokenizer {args.tokenizer} has {tokenizer.vocab_size} tokens for the {config.vocab_size} "
+              f"embedding rows of {args.base}: rows {tokenizer.vocab_size}-{config.vocab_size - 1} are unused",
+              flush=True)
+    return tokenizer
 
 
 def provide_lora(args, config, family: ModelFamily) -> tuple[LoraConfig | None, list[LoRATarget] | None]:

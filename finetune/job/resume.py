@@ -16,8 +16,8 @@ from pathlib import Path
 
 from finetune.job.args import FinetuneError
 from pipeline.checkpoints import checkpoint
-from pipeline.job.files import atomic_write_text
 from pipeline.job.loop import StepResult, barrier, is_rank0, when
+from pipeline.tracking.metrics import drop_records_after
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -75,18 +75,11 @@ def restore_state(engine, state_dir: Path, tag: str, batches) -> tuple[int, list
     """The saved state loaded into the built engine and the batches; returns (step, losses so far)."""
     step, data = checkpoint.load(engine, state_dir, tag)
     batches.load_state_dict(data["batches"])
-    if is_rank0():
-        _keep_metrics_until(state_dir.parent / "metrics.jsonl", step)
-        print(f"note: continuing the interrupted run in {state_dir.parent} after step {step}", file=sys.stderr)
+    if is_rank0():  # the log as it was at the saved step: one series (a run killed later logged steps run again)
+        drop_records_after(state_dir.parent / "metrics.jsonl", step)
+        print(f"note: continuing the interrupted run in {state_dir.parent} after step {step}, from its last "
+              f"complete checkpoint {state_dir / tag} (--force starts it afresh)", file=sys.stderr)
     return step, list(data["losses"])
-
-
-def _keep_metrics_until(path: Path, step: int) -> None:
-    """The run's log as it was at the saved step (a run killed later logged steps that will run again)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
-    atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def remove_state(save: Path | None) -> None:

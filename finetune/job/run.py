@@ -13,7 +13,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from finetune.batching import TrainBatches, pooled_features, predict_encoded, predict_pooled
-from finetune.job.finish import FinetuneRun, finish
+from finetune.job.finish import FinetuneRun, finish, finished_before, summary
 from finetune.job.inputs import check_save
 from finetune.job.loop import finetune_step, loop_hooks
 from finetune.job.providers import (fit_ds_config, provide_base, provide_data, provide_engine, provide_head,
@@ -21,11 +21,17 @@ from finetune.job.providers import (fit_ds_config, provide_base, provide_data, p
 from finetune.job.resume import continue_interrupted, remove_state, save_state_hook
 from pipeline.job.loop import is_rank0, quiet_deepspeed, setup, train_loop
 from pipeline.job.options import EngineOptions
-from pipeline.tracking.metrics import MetricsWriter
+from pipeline.job.run_dir import RunReport, say, warn_without_save
 
 
 def run(args) -> dict:
+    finished = finished_before(args)  # the same command again after it finished: nothing to run
+    if finished is not None:
+        for line in finished[0]:
+            say(line)
+        return finished[1]
     check_save(args)
+    warn_without_save(args, "finetune", "no classifier, no metrics.jsonl")
     if not args.verbose:
         quiet_deepspeed(False)
     base = provide_base(args)
@@ -40,13 +46,13 @@ def run(args) -> dict:
     settings = run_settings(args, base, data, head, job, (steps_per_epoch, total_steps), inputs.cached)
     layout = job.record(base.family.name)
     done, losses = continue_interrupted(engine, save, settings, layout, inputs.batches)
-    metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None, monitor=engine.monitor,
-                            prefix="finetune")
+    # args.json, ds_config.json, the settings to the monitor, metrics.jsonl as one series up to step `done`
+    report = RunReport(args, job.ds, engine.monitor, start_step=done, prefix="finetune")
     if not done:
-        metrics.write({"settings": settings})
+        report.metrics.write({"settings": settings})
     t0 = time.perf_counter()
-    hooks = [*loop_hooks(args, engine, data, inputs.predict, metrics, schedule, steps_per_epoch, job.global_batch,
-                         losses),
+    hooks = [*loop_hooks(args, engine, data, inputs.predict, report.metrics, schedule, steps_per_epoch,
+                         job.global_batch, losses),
              save_state_hook(engine, save, inputs.batches, losses, settings, layout, total_steps, args.save_interval)]
     steps = train_loop(lambda: finetune_step(engine, inputs.batches), first=done + 1, last=total_steps,
                        desc="finetune", hooks=hooks)
@@ -54,16 +60,17 @@ def run(args) -> dict:
     if steps < total_steps:  # a stop signal ended it: its state is saved, the same command continues it
         if save is not None and is_rank0():
             print(f"rerun the same command to continue after step {steps} of {total_steps}", file=sys.stderr)
-        metrics.close()
+        report.end([])
         return {"stopped_after": steps, "losses": losses, "train_seconds": train_seconds}
 
     # thresholds, scores, predictions
-    result = finish(FinetuneRun(args, base, data, head, engine, inputs.predict, save, metrics, settings))
+    result = finish(FinetuneRun(args, base, data, head, engine, inputs.predict, save, report.metrics, settings))
     remove_state(save)
     result.update(losses=losses, train_seconds=train_seconds, feature_seconds=inputs.feature_seconds, steps=steps,
                   sequence_parallel=settings["sequence_parallel"],
                   group_lrs=[(g.get("lr_mult", 1.0), g["lr"]) for g in engine.optimizer.param_groups])
-    metrics.close()
+    report.end(summary(args, first=done + 1, last=steps, train_loss=losses[-1] if losses else None,
+                       dev=result["dev_record"], exported=result.get("hf_export")))
     return result
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pipeline.data.packing import PackedSequences, StreamingSequences, tokenize_dataset, work_dir
 from pipeline.data.sources import DataSourceError, explain_read_error, load_documents, resolve
 from pipeline.data.tokenizer import Tokenizer, check_same_tokenizer, load_saved_tokenizer, load_tokenizer
-from pipeline.job.errors import InputError
+from pipeline.job.errors import InputError, is_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,8 @@ def main_process_first():
 
 def tokenizer_for_bare_model(load_dir: Path, spec: str | None, *, corpus=None) -> Tokenizer:
     """The tokenizer of a model saved without one (``pipeline.import_hf`` of a directory holding no tokenizer
-    files): ``spec``, when its vocabulary is the model's, else one line saying which tokenizer to pass."""
+    files): ``spec``, when its ids fit the model's embedding (a smaller vocabulary leaves the last rows unused, as
+    a padded vocabulary does; said in one line), else one line saying which tokenizer to pass."""
     config = load_dir / "config.json"
     model_vocab = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
     if spec is None:
@@ -194,10 +195,13 @@ def tokenizer_for_bare_model(load_dir: Path, spec: str | None, *, corpus=None) -
                          f"import a model directory that holds its tokenizer files")
     with main_process_first():
         tokenizer = load_tokenizer(spec, corpus=corpus)
-    if model_vocab is not None and tokenizer.vocab_size != model_vocab:
+    if model_vocab is not None and tokenizer.vocab_size > model_vocab:
         raise InputError(f"--tokenizer {spec}: {tokenizer.vocab_size} tokens, but the model in {load_dir} has "
                          f"vocab_size {model_vocab} (it has no tokenizer of its own); pass the tokenizer it was "
-                         f"trained with, of {model_vocab} tokens")
+                         f"trained with, of at most {model_vocab} tokens")
+    if model_vocab is not None and tokenizer.vocab_size < model_vocab and is_rank0():
+        print(f"note: --tokenizer {spec} has {tokenizer.vocab_size} tokens for the {model_vocab} embedding rows of "
+              f"{load_dir}: rows {tokenizer.vocab_size}-{model_vocab - 1} are unused", flush=True)
     return tokenizer
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,9 @@ class Job:
 
 def quiet_deepspeed(verbose: bool) -> None:
     ds_logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    if not verbose:  # ZeRO's gathers call a collective torch deprecates: a FutureWarning per rank, nothing to act on
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                                category=FutureWarning)
 
 
 def setup(options: EngineOptions, *, config=None, family=None, extras: dict | None = None) -> Job:

@@ -12,6 +12,7 @@ from pipeline.job.families import family_named, family_of_dict
 from pipeline.job.files import read_json_object
 
 PRESETS = Path(__file__).resolve().parents[2] / "models" / "configs"
+_EMBEDDING_ROWS = "_vocab_size_of_the_weights"  # a raw config's mark: read from the --load directory
 
 
 def presets() -> list[str]:
@@ -36,10 +37,13 @@ def choose_model_config(spec: str | None, model_type: str | None, load_dir: Path
         raise UserError(f"--load {load_dir}: not a run directory (no config.json, latest or global_step*/ in it); "
                         f"give the --save directory of an earlier run, or a model directory (config.json + "
                         f"model.safetensors, e.g. from pipeline.import_hf)")
+    weights_config = spec is None and load_dir is not None
     if spec is None:
         spec = (str(load_dir / "config.json") if load_dir is not None
                 else family_named(model_type or "gpt").default_preset)
     raw = read_model_config(spec)
+    if weights_config:  # the loaded weights' embedding fixes vocab_size: a tokenizer whose ids fit it will do
+        raw[_EMBEDDING_ROWS] = True
     family = family_of_dict(raw, raw["_source"])
     if model_type is not None and model_type != family.name:
         raise UserError(f"--model-type {model_type} but {raw['_source']} is a {family.name} config; "
@@ -51,7 +55,10 @@ def make_model_config(raw: dict, vocab_size: int, seq_length: int | None):
     """The family's config class (by the config's model_type), its vocabulary following the tokenizer."""
     raw = dict(raw)
     source = raw.pop("_source", "model config")
+    fixed_rows = raw.pop(_EMBEDDING_ROWS, False) and raw.get("vocab_size", 0) >= vocab_size
     family = family_of_dict(raw, source)
+    if fixed_rows:  # the loaded model's embedding (tokenizer_for_bare_model said which rows go unused)
+        vocab_size = raw["vocab_size"]
     if raw.get("vocab_size", vocab_size) != vocab_size:
         raise ConfigError(f"{source}: vocab_size {raw['vocab_size']} differs from the tokenizer's {vocab_size}; "
                           f"drop vocab_size from the config (it follows the tokenizer) or use the matching tokenizer")
@@ -65,7 +72,7 @@ def preview_model_config(raw: dict, seq_length: int | None):
     """The model config as far as it is known before the tokenizer is (its own vocabulary, or the class
     default): what the layout rules read (heads, sequence, layers, experts) before any work starts."""
     source = raw.get("_source", "model config")
-    raw = {k: v for k, v in raw.items() if k != "_source"}
+    raw = {k: v for k, v in raw.items() if k not in ("_source", _EMBEDDING_ROWS)}
     family = family_of_dict(raw, source)
     if seq_length is not None:
         raw["seq_length"] = seq_length
