@@ -25,7 +25,8 @@ def parse_args(argv=None, description: str = __doc__):
     add_lora_args(p, switch=True)
     g = p.add_argument_group("output")
     g.add_argument("--save", default=None, help="output directory (the classifier, eval.json, predictions, ...); "
-                                                "new or empty unless --force")
+                                                "the same command again continues an interrupted run in it "
+                                                "(docs/runs.md)")
     g.add_argument("--force", action="store_true", help="write into an existing --save that holds an earlier "
                                                         "classifier of this job, or start an interrupted run afresh")
     g.add_argument("--save-interval", type=positive_int, default=None, metavar="N",

@@ -6,7 +6,8 @@ from __future__ import annotations
 from .layouts import Job, Prediction
 
 GIB = 2**30
-COMPUTE_BOUND = 0.95  # a step whose compute is at least this share of it is bound by the matmul rate
+COMPUTE_BOUND = 0.95  # a step whose compute is at least this share of it is bound by the matmul rate,
+MINOR_OVERHEAD = 0.10  # as is one whose largest overhead is under this share of it (that overhead binds nothing)
 # the ds_configs/ file of a (precision, ZeRO stage) without a pipeline; a pipeline takes pipeline_bf16_zero1.json
 DS_CONFIGS = {("bf16", 1): "bf16_zero1.json", ("bf16", 2): "bf16_zero2.json", ("bf16", 3): "zero3.json",
               ("fp16", 1): "fp16_zero1.json"}
@@ -53,13 +54,14 @@ def overheads(p: Prediction) -> dict:
 
 
 def binding_limit(best: Prediction, excluded: list[Prediction]) -> str:
-    """``memory`` when a faster layout did not fit, ``compute`` when the step is almost all compute, else the
-    largest of the step's overheads."""
+    """``memory`` when a faster layout did not fit, ``compute`` when the step is almost all compute or no overhead
+    is a noticeable share of it, else the largest of the step's overheads."""
     if excluded:
         return "memory"
-    if best.times["compute"] >= COMPUTE_BOUND * best.step_s:
+    name, seconds = max(overheads(best).items(), key=lambda kv: kv[1])
+    if best.times["compute"] >= COMPUTE_BOUND * best.step_s or seconds < MINOR_OVERHEAD * best.step_s:
         return "compute"
-    return max(overheads(best).items(), key=lambda kv: kv[1])[0]
+    return name
 
 
 def explanation(job: Job, best: Prediction, excluded: list[Prediction]) -> list[str]:

@@ -47,7 +47,7 @@ def read_series(run: str | Path) -> dict[str, list[tuple[int, float]]]:
     return {key: sorted(points.items()) for key, points in series.items()}
 
 
-PANELS = (("loss", ("loss", "valid_loss")), ("learning rate", ("lr",)), ("tokens/s", ("tokens_per_s",)),
+PANELS = (("loss", ("loss", "valid_loss", "dev_loss")), ("learning rate", ("lr",)), ("tokens/s", ("tokens_per_s",)),
           ("MFU", ("mfu",)), ("MoE load max/mean", ("moe_load_ratio_*",)),
           ("MoE dropped fraction", ("moe_dropped_fraction_*",)), ("MoE aux loss", ("moe_aux_loss",)))
 
