@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 from common import System, format_table, interleaved, machine_note, median, paired_ratio  # noqa: E402
 from models.config import GPTConfig  # noqa: E402
 from models.moe import MoEMLP  # noqa: E402
+from models.parallel import Layout  # noqa: E402
 from pipeline.job.files import atomic_write_figure, atomic_write_json  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpora" / "wikipedia.txt"
@@ -180,7 +181,7 @@ def dispatch_systems(dtype: torch.dtype, batch: int = 4, seq: int = 128) -> list
     systems = []
     for grouped in (True, False):
         torch.manual_seed(0)
-        layer = MoEMLP(GPTConfig(**DEEPSEEK_STYLE, moe_grouped_gemm=grouped), 0.02, 0.01).to(dtype).train()
+        layer = MoEMLP(GPTConfig(**DEEPSEEK_STYLE, moe_grouped_gemm=grouped), Layout(), 0.02, 0.01).to(dtype).train()
         x = torch.randn(batch, seq, DEEPSEEK_STYLE["hidden_size"], generator=torch.Generator().manual_seed(1)).to(dtype)
 
         def step(layer=layer, x=x):

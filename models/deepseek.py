@@ -13,7 +13,9 @@ Scores are scaled by (nope + rope)^-1/2.
 Tensor parallelism splits the heads: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` are column-parallel (each rank
 its heads' rows), the output projection row-parallel. The down projections to the latents are small and
 replicated on every TP rank; the shared RoPE key is read by every rank's heads, so its gradient is summed over TP
-(the f op, as a column-parallel linear's input).
+(the f op, as a column-parallel linear's input). Context parallelism: each rank projects its chunk of the sequence
+(RoPE at the chunk's global positions), and DeepSpeed-Ulysses exchanges the expanded per-head queries, keys and
+values around the same causal core (``models.parallel.UlyssesAttention``).
 
 RoPE is the rotate-half form of the project's ``RotaryEmbedding`` (given by the caller). transformers' DeepSeek-V3
 rotates interleaved pairs by default (``rope_interleave``); that equals the rotate-half form on the RoPE rows of
@@ -34,7 +36,9 @@ read a padding token and are not scored, so a depth never sees a token it predic
 
 The training loss adds ``mtp_loss_scaling_factor`` (lambda) x the mean over the depths of each depth's
 cross-entropy (DeepSeek-V3's equation 25). Under TP the embedding and the output layer are the vocab-parallel ones
-of the main model; ``eh_proj`` is replicated.
+of the main model; ``eh_proj`` is replicated. Under context parallelism the shifts are the whole sequence's, each
+rank embeds and scores its chunk of the shifted tokens, and a depth's loss is the whole sequence's mean (the chunks'
+sums added over the context group, as the main loss).
 """
 from __future__ import annotations
 
@@ -47,8 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_tensor_parallel_region, cp_world_size,
-                       normal_init, tensor_parallel_rng, tp_world_size, vocab_parallel_cross_entropy)
+from .parallel import (ColumnParallelLinear, RowParallelLinear, UlyssesAttention, chunk_start, context_chunk,
+                       copy_to_tensor_parallel_region, cp_world_size, global_count, normal_init,
+                       reduce_from_context_parallel_region, tensor_parallel_rng, tp_world_size,
+                       vocab_parallel_cross_entropy)
 
 # the latents' RMSNorms use DeepSeek's default epsilon whatever the model's norm_eps (transformers' and DeepSeek's
 # own code build them without the config's)
@@ -66,8 +72,6 @@ class MultiLatentAttention(nn.Module):
 
     def __init__(self, config: GPTConfig, rotary: nn.Module):
         super().__init__()
-        if cp_world_size() > 1:  # (and without SP: the layout rules refuse both, pipeline.job.layout)
-            raise ValueError("multi-head latent attention runs without context or sequence parallelism for now")
         tp, h, heads = tp_world_size(), config.hidden_size, config.num_heads
         self.local_heads = heads // tp
         self.nope, self.rope, self.v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -88,6 +92,10 @@ class MultiLatentAttention(nn.Module):
         self.low_rank_query = config.q_lora_rank is not None
         self.rotary = rotary
         self.dropout = config.attention_dropout
+        # context parallelism: DeepSpeed-Ulysses around the same core, each head's [nope; rope] query and key and
+        # its value exchanged (every head has its own key once expanded from the latent)
+        self.context = (UlyssesAttention(self._core, self.local_heads, self.local_heads)
+                        if cp_world_size() > 1 else None)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.low_rank_query:
@@ -104,7 +112,9 @@ class MultiLatentAttention(nn.Module):
         latent = self.kv_a_norm(latent).view(b, 1, s, self.kv_rank)
         # every rank's heads read the one RoPE key: its gradient is their sum over TP
         k_rope = copy_to_tensor_parallel_region(k_rope).reshape(b, 1, s, self.rope)
-        q_rope, k_rope = self.rotary(q_rope, k_rope, None if cache is None else cache.positions)
+        positions = cache.positions if cache is not None else (  # under CP: the global positions of this chunk
+            None if self.context is None else torch.arange(s, device=x.device)[None] + chunk_start(s))
+        q_rope, k_rope = self.rotary(q_rope, k_rope, positions)
         if cache is not None:
             latent, k_rope = cache.update(latent, k_rope)
         t = latent.shape[2]
@@ -114,11 +124,17 @@ class MultiLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, self.local_heads, -1, -1)], dim=-1)
         if cache is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask, is_causal=cache.is_causal)
+        elif self.context is not None:  # [b, s / C, heads, v]
+            return self.dense(self.context(q, k, v).reshape(b, s, self.local_heads * self.v))
         else:
-            dropout = self.dropout if self.training else 0.0
-            with tensor_parallel_rng() if dropout else contextlib.nullcontext():
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            y = self._core(q, k, v)
         return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.v))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of [b, heads, s, .] queries, keys and values over the whole sequence."""
+        dropout = self.dropout if self.training else 0.0
+        with tensor_parallel_rng() if dropout else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
 
 def deinterleave_rope_rows(weight: torch.Tensor, rope: int, period: int) -> torch.Tensor:
@@ -168,18 +184,18 @@ class MultiTokenPrediction(nn.Module):
 
     def __init__(self, config: GPTConfig, blocks: list[nn.Module], seed: int):
         super().__init__()
-        if cp_world_size() > 1:  # (and without SP: the layout rules refuse both, pipeline.job.layout)
-            raise ValueError("multi-token prediction runs without sequence or context parallelism for now")
         self.layers = nn.ModuleList(MTPLayer(config, block, seed + 2 * d) for d, block in enumerate(blocks))
         self.vocab_size = config.vocab_size
 
     def hidden_states(self, hidden: torch.Tensor, input_ids: torch.Tensor,
                       embed: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """Each depth's final-normed output [b, s, h]; ``hidden`` the main model's, ``embed`` its token embedding.
-        Depth k at position i predicts token i + k + 1 (valid where i + k + 1 <= s)."""
+        Depth k at position i predicts token i + k + 1 (valid where i + k + 1 <= s). Under context parallelism
+        ``hidden`` is this rank's chunk of the sequence and ``input_ids`` the whole one: the shift is the whole
+        sequence's, each rank embeds its chunk of it."""
         out = []
         for k, layer in enumerate(self.layers, start=1):
-            hidden = layer(hidden, embed(shifted(input_ids, k, 0)))
+            hidden = layer(hidden, embed(context_chunk(shifted(input_ids, k, 0))))
             out.append(hidden)
         return out
 
@@ -188,9 +204,18 @@ class MultiTokenPrediction(nn.Module):
              logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The mean over the depths of their cross-entropies (``labels``: the main model's, shifted already;
         ``logits``: this rank's vocabulary slice of the shared output layer)."""
-        losses = [vocab_parallel_cross_entropy(logits(h), shifted(labels, k, -100), vocab_size=self.vocab_size)
+        losses = [self._cross_entropy(logits(h), shifted(labels, k, -100))
                   for k, h in enumerate(self.hidden_states(hidden, input_ids, embed), start=1)]
         return torch.stack(losses).mean()
+
+    def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean over the whole sequence's scored tokens; under context parallelism from this rank's chunk of the
+        logits, the chunks' sums added over the context group (each rank's gradient its own tokens')."""
+        if cp_world_size() == 1:
+            return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size)
+        labels = context_chunk(labels)
+        loss = vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size, reduction="none")
+        return reduce_from_context_parallel_region(loss.sum()) / global_count(labels != -100).clamp(min=1)
 
     def moe_aux_loss(self) -> torch.Tensor | float:
         """The auxiliary losses of the depths' MoE layers from the last forward (0.0: none)."""

@@ -187,15 +187,13 @@ def experts_and_zero3(c: LayoutCheck) -> str | None:
 def deepseek_options_where_built(c: LayoutCheck) -> str | None:
     """Multi-head latent attention, multi-token prediction and the grouped experts run where they were built."""
     L, cfg = c.layout, c.config
-    if getattr(cfg, "multi_latent_attention", False) and (L.sequence_parallel or L.context > 1):
-        flag = "--sequence-parallel" if L.sequence_parallel else "--context-parallel"
-        return (f"multi_latent_attention with {flag}: latent attention takes the whole sequence on every tensor-"
-                f"parallel rank and is not split by Ulysses yet; drop {flag}")
-    if getattr(cfg, "mtp_num_layers", 0) and (L.pipeline > 1 or L.sequence_parallel or L.context > 1
-                                              or L.tiled_loss > 1):
-        return ("mtp_num_layers with --pipeline-parallel, --sequence-parallel, --context-parallel or --tiled-loss: "
-                "multi-token prediction shifts whole sequences after the last layer, built for one stage and whole "
-                "sequences only; drop those flags or set mtp_num_layers 0")
+    if getattr(cfg, "multi_latent_attention", False) and L.sequence_parallel:
+        return ("multi_latent_attention with --sequence-parallel: latent attention takes the whole sequence on every "
+                "tensor-parallel rank; drop --sequence-parallel (--context-parallel splits it)")
+    if getattr(cfg, "mtp_num_layers", 0) and (L.pipeline > 1 or L.sequence_parallel or L.tiled_loss > 1):
+        return ("mtp_num_layers with --pipeline-parallel, --sequence-parallel or --tiled-loss: multi-token prediction "
+                "reads the main model's last hidden states, its input tokens and its embedding after the last layer, "
+                "built for one stage and untiled whole chunks only; drop those flags or set mtp_num_layers 0")
     if getattr(cfg, "moe_grouped_gemm", False) and L.tiled_mlp > 1:
         return ("--tiled-mlp with moe_grouped_gemm: the grouped product runs every local expert's tokens at once, "
                 "untiled; drop --tiled-mlp or set moe_grouped_gemm false")

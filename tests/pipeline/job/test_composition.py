@@ -58,32 +58,46 @@ def _counting() -> None:
 
 def _train(layout: Layout, model: str) -> dict:
     """4 steps at ``layout``: losses, gradient norms and what shows the layout was in force."""
+    COUNTED.clear()
+    state, engine, batches = cell_engine(layout, model_config(model), STEPS)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(train_step(engine, batches))
+        norms.append(float(engine.get_global_grad_norm()))
+    shown = layout_shown(engine, state, layout)
+    del engine
+    destroy_model_parallel()
+    return {"losses": losses, "norms": norms, "shown": shown}
+
+
+def cell_engine(layout: Layout, config, steps: int) -> tuple:
+    """(the process groups, DeepSpeed's engine of ``config``, the batches of ``steps`` steps) of a cell at ``layout``,
+    the comms logger cleared: micro-batches of ``MICRO_BATCH`` rows of a fixed table, the same at every layout."""
     state = initialize_model_parallel(layout=layout)
     model_parallel_seed(1234)
     ds = resolve_ds_config(ds_config(layout), data_parallel=state.data_parallel,
                            pipeline_parallel=state.pipeline_parallel, micro_batch_size=MICRO_BATCH)
     dc.comms_logger.comms_dict.clear()
-    COUNTED.clear()
-    engine = build_engine(model_config(model), ds, state, init_seed=1234, schedule=LRSchedule(3e-3, 2, STEPS, "cosine"))
-    table = real_text_tokens(GLOBAL_BATCH * STEPS)
+    engine = build_engine(config, ds, state, init_seed=1234, schedule=LRSchedule(3e-3, 2, steps, "cosine"))
+    table = real_text_tokens(GLOBAL_BATCH * steps)
     batches = lm_batches(GlobalBatchLoader(table, GLOBAL_BATCH, ds["train_micro_batch_size_per_gpu"],
                                            state.get_data_parallel_rank(), state.data_parallel))
-    losses, norms = [], []
-    for _ in range(STEPS):
-        losses.append(train_step(engine, batches))
-        norms.append(float(engine.get_global_grad_norm()))
+    return state, engine, batches
+
+
+def layout_shown(engine, state, layout: Layout) -> dict:
+    """What shows ``layout`` was in force in a run of ``engine`` (``assert_in_force`` reads it): the group sizes
+    the engine used, the collectives DeepSpeed's comms logger counted since it was cleared, the project's own
+    counters, the weights' dtype, this rank's balancing biases."""
     name = f"ep_size_{layout.expert}"
-    shown = {"sizes": (state.tensor_parallel, state.context_parallel, state.pipeline_parallel, state.data_parallel),
-             "zero": engine.zero_optimization_stage(), "pipe_stages": engine.num_stages if engine.is_pipe else 1,
-             "ep": groups._get_expert_parallel_world_size(name) if name in groups._EXPERT_PARALLEL_GROUP else 0,
-             "expert_data": (groups._get_expert_data_parallel_world_size(name)
-                             if name in groups._EXPERT_DATA_PARALLEL_GROUP else 0),
-             "sp_world": groups._get_sequence_parallel_world_size(),
-             "ops": sorted(dc.comms_logger.comms_dict), "counted": _counted_on_any_rank(),
-             "dtype": str(next(engine.module.parameters()).dtype), "bias": _balancing_bias(engine.module)}
-    del engine
-    destroy_model_parallel()
-    return {"losses": losses, "norms": norms, "shown": shown}
+    return {"sizes": (state.tensor_parallel, state.context_parallel, state.pipeline_parallel, state.data_parallel),
+            "zero": engine.zero_optimization_stage(), "pipe_stages": engine.num_stages if engine.is_pipe else 1,
+            "ep": groups._get_expert_parallel_world_size(name) if name in groups._EXPERT_PARALLEL_GROUP else 0,
+            "expert_data": (groups._get_expert_data_parallel_world_size(name)
+                            if name in groups._EXPERT_DATA_PARALLEL_GROUP else 0),
+            "sp_world": groups._get_sequence_parallel_world_size(),
+            "ops": sorted(dc.comms_logger.comms_dict), "counted": _counted_on_any_rank(),
+            "dtype": str(next(engine.module.parameters()).dtype), "bias": _balancing_bias(engine.module)}
 
 
 def _balancing_bias(module) -> list[float]:
@@ -137,7 +151,7 @@ def _rel(a, b) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def _assert_in_force(names, layout: Layout, shown: dict) -> None:
+def assert_in_force(names, layout: Layout, shown: dict) -> None:
     ops = " ".join(shown["ops"])
     assert shown["sizes"] == (layout.tensor, layout.context, layout.pipeline, layout.data)
     assert shown["zero"] == layout.zero_stage and shown["pipe_stages"] == layout.pipeline
@@ -177,7 +191,7 @@ def test_composition_cells(names, trained):
     bias = got["shown"]["bias"]
     if layout.precision == "fp32":
         assert bias == ref["shown"]["bias"][:len(bias)], (bias, ref["shown"]["bias"])
-    _assert_in_force(names, layout, got["shown"])
+    assert_in_force(names, layout, got["shown"])
 
 
 def test_the_composition_page_is_what_the_validator_and_the_matrix_give():
