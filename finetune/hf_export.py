@@ -35,13 +35,13 @@ def check_exportable(info: dict) -> None:
     head = info["head_config"]
     problems = []
     family = family_named(info["encoder_type"], "classifier.json")
-    if "hf_classifier" not in family.refs:
+    if not family.hf_sequence_classification:
         problems.append(f"the encoder is {family.name!r}, a model family without a transformers "
                         f"sequence-classification class")
     if head.pooling != "last":
         problems.append(f"pooling is {head.pooling!r}, but transformers' *ForSequenceClassification pools the last "
                         f"token (train with --pooling last)")
-    if "hf_classifier" in family.refs:
+    if family.hf_sequence_classification:
         try:
             hf_family(info["encoder_config"])
         except ConversionError as e:  # e.g. a GPT-2 encoder with MoE layers: no transformers class holds it

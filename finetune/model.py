@@ -5,11 +5,8 @@
     loss = model(input_ids, labels, lengths=lengths)                 # BCE (or CE) [+ weight x LM loss]
     probs = model.predict_proba(input_ids, lengths=lengths)          # fp32 [b, k]
 
-The encoder interface is small on purpose; the GPT (``GPTEncoder``) and the mLSTM (``MLSTMEncoder``) implement it:
-  ``features(input_ids, lengths)`` -> hidden states [b, s, h] (the GPT), or one vector per text [b, h] (the
-                                 mLSTM's final cell state, the sentiment neuron's features; pooling "none");
-  ``lm_loss(features, ids, lengths)`` -> the next-token loss over real tokens (the auxiliary LM objective);
-  ``depth_of(param_name)``    -> 0 (input side) .. ``num_depths`` - 1 (output side), for layer-wise LR decay.
+The encoder interface (``features``, ``lm_loss``, ``depth_of``) is model-side code, ``models.families.<family>``,
+whose encoders the family spec (``pipeline.job.families``) holds.
 
 Inputs are right padded: the GPT's attention is causal, so padding after a text changes none of its
 positions. Base weights come from ``finetune.saved.load_full_gpt_state(directory)``: a pretraining checkpoint of this
@@ -19,15 +16,13 @@ Each TP rank cuts its own shard of every full tensor (``pipeline.checkpoints.sta
 """
 from __future__ import annotations
 
-import re
 from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from models import GPT, MLSTM, MLSTMConfig
-from models.parallel import cp_world_size, scale_gradient, tp_world_size, vocab_parallel_cross_entropy
+from models.parallel import cp_world_size, scale_gradient
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_named, family_of
 
@@ -43,93 +38,6 @@ class BaseModelError(UserError, ValueError):
 
 
 # ------------------------------------------------------------------------------------------- encoders
-
-class LayerDepths:
-    """Depths for layer-wise learning-rate decay of a model of ``embedding``, ``layers.<i>`` and output parts."""
-
-    @property
-    def num_depths(self) -> int:
-        return self.config.num_layers + 2
-
-    def depth_of(self, name: str) -> int:
-        """embedding 0, layers.i -> i + 1, what follows the layers (final norm, output layer) L + 1."""
-        if name.startswith("embedding."):
-            return 0
-        m = re.match(r"layers\.(\d+)\.", name)
-        return int(m.group(1)) + 1 if m else self.config.num_layers + 1
-
-
-class GPTEncoder(LayerDepths, GPT):
-    """The project GPT, with the encoder interface. Same parameters and names as ``GPT``, so a GPT state
-    dict loads into it unchanged."""
-
-    default_pooling = "last"  # hidden states per token: the head pools them
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    def features(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        # causal: the padding after each row's length changes nothing. Sequence and context parallelism cut the
-        # sequence into TP (x CP) equal chunks: a batch is padded to that multiple here, cut back after the gather.
-        s = input_ids.shape[1]
-        pad = -s % ((tp_world_size() if self.layout.sequence_parallel else 1) * cp_world_size())
-        if pad:
-            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
-        return self.hidden_states(input_ids)[:, :s]
-
-    def lm_loss(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over the real tokens of right-padded rows (position t predicts
-        t + 1 while t + 1 < length); vocab-parallel, so it never gathers the full logits."""
-        s = input_ids.shape[1]
-        if s < 2:
-            return features.new_zeros((), dtype=torch.float32)
-        targets = input_ids[:, 1:].masked_fill(
-            torch.arange(1, s, device=input_ids.device)[None, :] >= lengths[:, None], -100)
-        if not bool((targets != -100).any()):
-            return features.new_zeros((), dtype=torch.float32)
-        h = features[:, :-1]  # the whole sequence, replicated over TP (also under sequence parallelism)
-        logits = self.embedding.logits(h, False) if self.lm_head is None else self.lm_head(h, False)
-        return vocab_parallel_cross_entropy(logits, targets, vocab_size=self.config.vocab_size, ignore_index=-100)
-
-    def router_loss(self) -> torch.Tensor | None:
-        """The MoE layers' auxiliary losses of the last forward (load balancing, router z-loss, with their
-        coefficients), as pretraining adds them; None without experts. Padding is routed too (dropless, it changes
-        no real token's output; with a capacity factor it takes places in the experts)."""
-        return self.moe_aux_loss() if self.config.num_experts else None
-
-
-class MLSTMEncoder(LayerDepths, MLSTM):
-    """The byte-level mLSTM (data parallel only), with the encoder interface: each text's summary is the last
-    layer's cell state after its last byte, as in the sentiment-neuron work. Same parameter names as ``MLSTM``."""
-
-    default_pooling = "none"  # it summarises each text itself
-
-    def __init__(self, config: MLSTMConfig, init_seed: int | None = None):
-        with seeded_init(init_seed):
-            super().__init__(config)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    def features(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        return super().features(input_ids, lengths)
-
-    def router_loss(self) -> None:
-        return None  # no experts
-
-    def lm_loss(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Mean next-byte cross-entropy over the real bytes (a second pass: the features are cell states)."""
-        s = input_ids.shape[1]
-        targets = input_ids[:, 1:].masked_fill(
-            torch.arange(1, s, device=input_ids.device)[None, :] >= lengths[:, None], -100)
-        if s < 2 or not bool((targets != -100).any()):
-            return features.new_zeros((), dtype=torch.float32)
-        loss, _ = MLSTM.forward(self, input_ids[:, :-1], targets)
-        return loss
-
-
 
 def encoder_type_of(config) -> str:
     """The model family of an encoder config (pipeline.job.families): its name is the encoder type."""

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from deepspeed.checkpoint import ds_to_universal
 
+from models.parallel import Layout
 from pipeline.checkpoints import checkpoint, universal
 from pipeline.job.errors import is_rank0
+from pipeline.job.layout import MOE_RUN_RESUMED_FROM, LayoutCheck, validate
 
 
 @dataclass
@@ -40,10 +42,9 @@ def plan_start(load_dir: Path | None, tag: str | None, layout: dict, ds: dict, *
     saved = checkpoint.saved_layout(load_dir, tag)
     start = StartPoint(load_dir, True, ds, tag)
     if saved.get("universal_only") or not checkpoint.same_layout(saved, layout):
-        reason = universal.has_experts(load_dir) and universal.moe_unsupported_reason(saved, layout)
-        if reason:  # refused, not resumed with the optimizer state restarted: that path is untested for experts
-            raise checkpoint.CheckpointError(f"--load {load_dir} ({tag}): {reason}; resume it at the layout it was "
-                                             f"saved at ({checkpoint.layout_text(saved)})")
+        if universal.has_experts(load_dir):  # the one validator's rule for a run with experts that moves
+            validate(LayoutCheck(Layout.from_record(layout), source=f"--load {load_dir} ({tag})",
+                                 extras={MOE_RUN_RESUMED_FROM: universal.saved_layout_of(saved)}))
         # a cache the loaded run holds already (pipeline.reshard writes runs that have only theirs) is read there;
         # a new conversion goes into the run being written
         cache_root = load_dir if universal.cache_path(load_dir, tag).is_dir() else (save_dir or load_dir)

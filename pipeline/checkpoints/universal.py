@@ -82,11 +82,12 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from models import GPT, GPTConfig
 from models.moe import EXPERT_INDEX, expert_slice, is_balance_bias
-from models.parallel import get_shard_spec, tp_rank, tp_world_size
+from models.parallel import Layout, get_shard_spec, tp_rank, tp_world_size
 from pipeline.checkpoints import safe_load
 from pipeline.job.errors import UserError, is_rank0
 from pipeline.job.families import family_of_dict
 from pipeline.job.files import DiskFullError, atomic_dir
+from pipeline.job.layout import experts_cannot_move
 
 from pipeline.engine.pipe_model import TIED_KEY, gpt_to_pipe_name, pipe_to_gpt_name
 
@@ -198,16 +199,9 @@ def has_experts(run_dir) -> bool:
     return json.loads((Path(run_dir) / "config.json").read_text()).get("num_experts", 0) > 0
 
 
-def moe_unsupported_reason(saved: dict, current: dict) -> str | None:
-    """Why the optimizer state of a run with MoE layers cannot move from layout ``saved`` to ``current``:
-    ``convert_moe`` reads the ZeRO-1/2 files (fp32, bf16 or fp16: the same fp32 partitions) of a run without
-    stages, and ``load`` gives the experts' global names to ZeRO-1/2's loader only (the rest is not built)."""
-    for layout in (saved, current):
-        if layout.get("pipeline_parallel", 1) > 1:
-            return "an MoE run moves to another layout without pipeline parallelism only"
-        if layout.get("zero_stage", 1) not in (1, 2):
-            return "an MoE run's optimizer state moves between ZeRO-1/2 layouts only"
-    return None
+def saved_layout_of(record: dict) -> Layout:
+    """The ``Layout`` a ``layout.json`` records (a record from before the ZeRO stage was recorded: ZeRO-1)."""
+    return Layout.from_record({"zero_stage": 1, **record})
 
 
 def enable(ds_config: dict) -> dict:
@@ -297,7 +291,7 @@ def ensure_cache(run_dir, tag: str, *, log=print, cache_root=None) -> Path:
         raise UniversalError(f"{Path(run_dir) / tag} has no DeepSpeed optimizer files to convert (a run written by "
                              f"pipeline.reshard whose universal cache {cache} is gone); reshard the original run again")
     experts = has_experts(run_dir)
-    if experts and (reason := moe_unsupported_reason(layout, {})):
+    if experts and (reason := experts_cannot_move(saved_layout_of(layout))):
         raise UniversalError(f"{tag_dir}: {reason}; resume it at the layout it was saved at")
     # built under a temporary name and swapped in by one rename (a damaged cache is replaced the same way)
     with atomic_dir(cache, force=True) as out, _torch_save_through_python_files():

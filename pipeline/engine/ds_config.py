@@ -111,7 +111,7 @@ def context_parallel_ds_config(ds: dict, source: str = "DeepSpeed config", large
     return ds
 
 
-def sequence_parallel_ds_config(ds: dict, state: ParallelState, source: str = "DeepSpeed config") -> dict:
+def sequence_parallel_ds_config(ds: dict, state: ParallelState) -> dict:
     """The DeepSpeed config for a sequence-parallel model; refuses what would mix up the ranks' chunks.
 
     DeepSpeed's pipeline engine by default splits each activation sent between stages (and its gradient)

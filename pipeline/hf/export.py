@@ -2,53 +2,25 @@
 (``python -m pipeline.export_hf``): safetensors weights, ``config.json``, ``generation_config.json`` and the
 tokenizer files, written into a temporary directory and renamed into place when complete.
 
-Each model family exports through one small function that its entry in ``pipeline.job.families`` names
-(config + full state dict -> ``HFExport``) and verifies through another (the project model's logits);
-the directory writing, tokenizer and verification are shared.
+Each model family exports through one small function that its spec in ``pipeline.job.families`` holds
+(config + full state dict -> ``HFExport``, ``pipeline.hf.exporters``) and verifies through another (the project
+model's logits); the directory writing, tokenizer and verification are shared.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from models import GPT, MLSTM
-from models.hf_mlstm import MLSTMHFConfig  # importing it registers the mLSTM with the Auto classes
-from models.config import GPTConfig
-from models.mlstm import MLSTMConfig
-from pipeline.hf.convert import ConversionError, dtype_name, parse_dtype, to_hf
+import models.hf_mlstm  # noqa: F401  importing it registers the mLSTM with the Auto classes
+from pipeline.hf.convert import ConversionError, dtype_name, parse_dtype
+from pipeline.hf.exporters import HFExport, export_gpt, export_mlstm, gpt_logits, mlstm_logits
 from pipeline.job.families import family_of
 from pipeline.job.files import atomic_dir
 from pipeline.checkpoints.model_dir import copy_tokenizer_files
 from pipeline.hf.safetensors_io import write_hf_weights
-from pipeline.checkpoints.state_dicts import load_full_state_dict
-
-
-@dataclass
-class HFExport:
-    config: Any                        # a transformers PretrainedConfig
-    state_dict: dict[str, torch.Tensor]
-    generation_config: Any = None      # a transformers GenerationConfig, for generative models
-
-
-def export_mlstm(config: MLSTMConfig, full_sd: Mapping[str, torch.Tensor], dtype, special_tokens) -> HFExport:
-    """-> MLSTMForCausalLM (models/hf_mlstm.py), which ``import models.hf_mlstm`` registers with the Auto classes."""
-    cfg = MLSTMHFConfig.from_project(config, **{k: v for k, v in special_tokens.items() if v is not None})
-    cfg.architectures = ["MLSTMForCausalLM"]
-    cfg.dtype = dtype or torch.float32
-    sd = {f"mlstm.{k}": (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-          for k, v in full_sd.items()}
-    return HFExport(cfg, sd)
-
-
-def export_gpt(config: GPTConfig, full_sd: Mapping[str, torch.Tensor], dtype, special_tokens) -> HFExport:
-    cfg, sd = to_hf(full_sd, config, dtype, special_tokens, lazy=True)  # made one at a time as it is written
-    gen = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-                           pad_token_id=cfg.pad_token_id)
-    return HFExport(cfg, sd, gen)
 
 
 # -- tokenizer -------------------------------------------------------------------------------------------------------
@@ -64,6 +36,10 @@ def _tokenizer_special_tokens(tokenizer_dir: Path, vocab_size: int, source) -> d
                               f"{vocab_size}: "
                               f"this tokenizer does not belong to this model")
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+
+
+__all__ = ["HFExport", "export_gpt", "export_mlstm", "gpt_logits", "mlstm_logits", "export_hf", "compare_with_hf",
+           "max_relative_difference"]
 
 
 # -- writing ----------------------------------------------------------------------------------------------------------
@@ -94,18 +70,6 @@ def max_relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|: the measure every logit comparison in this project reports."""
     a, b = a.double(), b.double()
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
-
-
-def gpt_logits(config: GPTConfig, full_sd: Mapping[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    model = GPT(config).eval()
-    load_full_state_dict(model, full_sd)
-    return model(tokens)
-
-
-def mlstm_logits(config: MLSTMConfig, full_sd: Mapping[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    model = MLSTM(config).eval()
-    load_full_state_dict(model, full_sd)
-    return model(tokens)[0]
 
 
 @torch.no_grad()

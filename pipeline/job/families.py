@@ -3,28 +3,34 @@
     family = family_of(config)             # or family_named("mlstm"), family_of_dict(config_json)
     family.check_layout(config, tp, pp)     # refuses a layout the family cannot train or score at
     model = family.build(config, init_seed)
-    exporter = family.get("hf_exporter")    # pipeline.export_hf's function for this family
+    exporter = family.hf_exporter           # pipeline.export_hf's function for this family (or family.get(...))
 
-In the spirit of torchtitan's ModelSpec. An entry names its config class, its builders, the layouts it
-supports, how its checkpoint shards join (``shard_specs``), its Hugging Face exporter and verifier,
-its evaluation scorer and its finetuning encoder. Functions that live in higher layers (pipeline.export_hf,
-pipeline.evaluation.lm_scoring, finetune.model) are named as ``"module:attribute"`` and resolved on first use, so this
-module imports no command and no command module imports another to dispatch. A new family is one entry
-here (and its model in models/); no command branches on ``model_type``.
+In the spirit of torchtitan's ModelSpec. An entry holds, as real callables, its config class, its builders, the
+layouts it supports, how its checkpoint shards join (``shard_specs``), its Hugging Face exporter and verifier
+(``pipeline.hf.exporters``), and its evaluation scorer, generation decoder and finetuning encoder
+(``models.families.<family>``). The family-specific pieces are model-side
+code or HF conversion, below this module, so the spec imports them directly: nothing here names a higher layer
+(finetune, a command) and no import is deferred to a "module:attribute" string. A new family is one entry here
+(and its model in models/); no command branches on ``model_type``.
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from models import GPT, MLSTM, GPTConfig, MLSTMConfig
 from models.config import ConfigError
+from models.families.gpt import GPTDecoder, GPTEncoder, GPTScorer
+from models.families.mlstm import MLSTMDecoder, MLSTMEncoder, MLSTMScorer
 from models.parallel import Layout, get_parallel_state, get_shard_spec
+from pipeline.hf.exporters import export_gpt, export_mlstm, gpt_logits, mlstm_logits
 from pipeline.job.layout import LayoutCheck, validate
+
+# the family parts ``ModelFamily.get`` hands out by name
+PARTS = ("hf_exporter", "hf_verifier", "scorer", "encoder", "decoder")
 
 
 @dataclass(frozen=True)
@@ -38,17 +44,24 @@ class ModelFamily:
     stream_data: bool               # truncated BPTT over contiguous streams (else shuffled packed sequences)
     pipeline_parallel_capable: bool  # trains with pipeline parallelism (pipeline/engine/pipe_model.py)
     tensor_parallel_capable: bool
-    # "hf_exporter", "hf_verifier", "scorer", "encoder", "decoder", "hf_classifier" (a finetuned classifier -> HF)
-    refs: dict[str, str] = field(default_factory=dict)
+    hf_exporter: Callable | None = None  # (config, full state dict, dtype, special tokens) -> pipeline.hf HFExport
+    hf_verifier: Callable | None = None  # (config, full state dict, tokens) -> the project model's logits
+    scorer: Callable | None = None       # model -> an evaluation scorer (models.families)
+    encoder: Callable | None = None      # (config, init_seed=) -> a finetuning encoder
+    decoder: Callable | None = None      # (model, use_cache=) -> a generation decoder
+    hf_sequence_classification: bool = False  # a finetuned classifier exports to a transformers *ForSequence...
+
+    def parts(self) -> tuple[str, ...]:
+        """The names of the parts this family has."""
+        return tuple(what for what in PARTS if getattr(self, what) is not None)
 
     def get(self, what: str) -> Any:
-        """The function or class registered under ``what`` (imported on first use)."""
-        try:
-            module, _, attr = self.refs[what].partition(":")
-        except KeyError:
+        """The function or class this family holds as ``what`` (one of ``PARTS``)."""
+        part = getattr(self, what, None) if what in PARTS else None
+        if part is None:
             raise ConfigError(f"the {self.name} model family has no {what.replace('_', ' ')}; "
-                              f"it has {', '.join(self.refs) or 'none'}") from None
-        return getattr(importlib.import_module(module), attr)
+                              f"it has {', '.join(self.parts()) or 'none'}")
+        return part
 
     def build(self, config, init_seed: int | None = None, layout: Layout | None = None) -> torch.nn.Module:
         """The model at ``layout`` (default: the current process groups')."""
@@ -100,18 +113,15 @@ register(ModelFamily(
     name="gpt", config_class=GPTConfig, default_preset="gpt2-tiny", default_tokenizer="train-bpe",
     layouts="tensor, pipeline and data parallelism", build_module=_build_gpt, stream_data=False,
     pipeline_parallel_capable=True, tensor_parallel_capable=True,
-    refs={"hf_exporter": "pipeline.hf.export:export_gpt", "hf_verifier": "pipeline.hf.export:gpt_logits",
-          "scorer": "pipeline.evaluation.lm_scoring.scoring:GPTScorer", "encoder": "finetune.model:GPTEncoder",
-          "decoder": "pipeline.generation.decoders:GPTDecoder",
-          "hf_classifier": "finetune.hf_export:classifier_to_hf"}))
+    hf_exporter=export_gpt, hf_verifier=gpt_logits, scorer=GPTScorer, encoder=GPTEncoder, decoder=GPTDecoder,
+    hf_sequence_classification=True))
 
 register(ModelFamily(
     name="mlstm", config_class=MLSTMConfig, default_preset="mlstm-tiny", default_tokenizer="bytes",
     layouts="data parallelism (and ZeRO)", build_module=_build_mlstm, stream_data=True,
     pipeline_parallel_capable=False, tensor_parallel_capable=False,
-    refs={"hf_exporter": "pipeline.hf.export:export_mlstm", "hf_verifier": "pipeline.hf.export:mlstm_logits",
-          "scorer": "pipeline.evaluation.lm_scoring.scoring:MLSTMScorer", "encoder": "finetune.model:MLSTMEncoder",
-          "decoder": "pipeline.generation.decoders:MLSTMDecoder"}))
+    hf_exporter=export_mlstm, hf_verifier=mlstm_logits, scorer=MLSTMScorer, encoder=MLSTMEncoder,
+    decoder=MLSTMDecoder))
 
 
 def family_named(name: str, source: str = "model config") -> ModelFamily:

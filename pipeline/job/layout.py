@@ -49,6 +49,7 @@ class LayoutCheck:
 
 
 Rule = Callable[[LayoutCheck], "str | None"]
+MOE_RUN_RESUMED_FROM = "moe_run_resumed_from"  # extras: the saved Layout of a run with MoE layers resumed elsewhere
 RULES: list[Rule] = []
 
 
@@ -181,6 +182,26 @@ def experts_and_zero3(c: LayoutCheck) -> str | None:
         return (f"{c.source}: zero_optimization.stage 3 with MoE layers: DeepSpeed 0.19 partitions no expert "
                 f"parameters under ZeRO-3; use stage 1 or 2")
     return None
+
+
+def experts_cannot_move(layout: Layout) -> str | None:
+    """Why the optimizer state of a run with MoE layers cannot leave or reach ``layout``:
+    ``checkpoints.universal.convert_moe`` reads the ZeRO-1/2 files (fp32, bf16 or fp16: the same fp32 partitions) of
+    a run without stages, and ``universal.load`` gives the experts' global names to ZeRO-1/2's loader only."""
+    if layout.pipeline > 1:
+        return "an MoE run moves to another layout without pipeline parallelism only"
+    if layout.zero_stage not in (1, 2):
+        return "an MoE run's optimizer state moves between ZeRO-1/2 layouts only"
+    return None
+
+
+@rule
+def experts_move_between_layouts(c: LayoutCheck) -> str | None:
+    """A run with MoE layers resumed at another layout (``extras[MOE_RUN_RESUMED_FROM]``: the layout it was saved
+    at): refused, not resumed with the optimizer state restarted, a path untested for experts."""
+    saved = c.extras.get(MOE_RUN_RESUMED_FROM)
+    reason = saved is not None and (experts_cannot_move(saved) or experts_cannot_move(c.layout))
+    return f"{c.source}: {reason}; resume it at the layout it was saved at ({saved})" if reason else None
 
 
 @rule

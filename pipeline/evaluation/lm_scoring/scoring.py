@@ -22,17 +22,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from models.families.common import ProjectScorer, TokenScores
+from models.families.gpt import GPTScorer
+from models.families.mlstm import MLSTMScorer
 from pipeline.job.errors import InputError
-from models.parallel import (context_chunk, cp_world_size, gather_from_context_parallel_region,
-                             vocab_parallel_cross_entropy)
+from pipeline.evaluation.lm_scoring.parallel import DataShard
 
-from pipeline.evaluation.lm_scoring.parallel import DataShard, vocab_parallel_argmax
-
-
-@dataclass
-class TokenScores:
-    nll: torch.Tensor                   # [b, s-1] float32
-    greedy: torch.Tensor | None = None  # [b, s-1] int64
+__all__ = ["TokenScores", "Scorer", "HFScorer", "hf_max_positions", "ProjectScorer", "GPTScorer", "MLSTMScorer",
+           "Window", "sliding_windows", "StreamScore", "score_token_stream", "check_context_length"]
 
 
 class Scorer(Protocol):
@@ -67,54 +64,6 @@ def hf_max_positions(config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-class ProjectScorer:
-    """A project model (``model.config.vocab_size``) that reads at most ``max_positions`` tokens."""
-
-    def __init__(self, model, max_positions: int):
-        self.model = model.eval()
-        self.vocab_size = model.config.vocab_size
-        self.max_positions = max_positions
-        self.device = next(model.parameters()).device
-
-
-class GPTScorer(ProjectScorer):
-    """The project's ``models.GPT`` at any tensor- and context-parallel size (call it on every rank of the TP x CP
-    group). Under context parallelism each rank scores its chunk of the window, the window right-padded to a
-    multiple of CP (causal: the padding changes no earlier score), and the chunks' scores are all-gathered."""
-
-    def __init__(self, model):
-        super().__init__(model, model.config.max_sequence_length)
-
-    @torch.no_grad()
-    def __call__(self, ids: torch.Tensor, *, greedy: bool = False) -> TokenScores:
-        ids = ids.to(self.device)
-        inputs, targets = ids[:, :-1], ids[:, 1:]
-        n, pad = inputs.shape[1], -inputs.shape[1] % cp_world_size()
-        if pad:
-            inputs, targets = F.pad(inputs, (0, pad)), F.pad(targets, (0, pad))
-        local = self.model.parallel_logits(inputs)  # this rank's chunk under CP
-        nll = vocab_parallel_cross_entropy(local, context_chunk(targets), vocab_size=self.vocab_size,
-                                           reduction="none")
-        best = vocab_parallel_argmax(local, self.vocab_size) if greedy else None
-        nll = gather_from_context_parallel_region(nll.float())[:, :n]
-        return TokenScores(nll, None if best is None else gather_from_context_parallel_region(best)[:, :n])
-
-
-class MLSTMScorer(ProjectScorer):
-    """The project's ``models.MLSTM`` (one process per data-parallel rank): each window is read from a zero
-    state, as the exported ``MLSTMForCausalLM`` reads it. Its window is the TBPTT length it trained with."""
-
-    def __init__(self, model):
-        super().__init__(model, model.config.seq_length)
-
-    @torch.no_grad()
-    def __call__(self, ids: torch.Tensor, *, greedy: bool = False) -> TokenScores:
-        ids = ids.to(self.device)
-        logits, _ = self.model(ids[:, :-1])
-        nll = torch.stack([F.cross_entropy(row.float(), t, reduction="none") for row, t in zip(logits, ids[:, 1:])])
-        return TokenScores(nll, logits.argmax(-1) if greedy else None)
 
 
 # --- sliding windows over one long token stream -------------------------------

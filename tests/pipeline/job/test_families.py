@@ -6,18 +6,24 @@ from models import GPTConfig, MLSTMConfig
 from models.config import ConfigError
 from pipeline.job.families import FAMILIES, family_named, family_of, family_of_dict
 
-REFS = ("hf_exporter", "hf_verifier", "scorer", "encoder")
+REQUIRED = ("hf_exporter", "hf_verifier", "scorer", "encoder")
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_every_family_resolves_everything_the_commands_ask_for(name):
+def test_every_family_holds_everything_the_commands_ask_for(name):
     family = family_named(name)
-    for what in REFS:
-        assert callable(family.get(what)), what
-    for what in family.refs:  # the optional ones too (decoder, hf_classifier): every name resolves
-        assert callable(family.get(what)), (what, family.refs[what])
+    assert set(REQUIRED) <= set(family.parts())
+    for what in family.parts():  # the optional ones too (the decoder)
+        assert callable(family.get(what)) and family.get(what) is getattr(family, what), what
     assert family.get("encoder").default_pooling in ("last", "none")
     assert family_of_dict({"model_type": name}) is family
+
+
+def test_a_part_a_family_lacks_is_refused_by_name():
+    family = family_named("mlstm")
+    with pytest.raises(ConfigError, match="the mlstm model family has no hf classifier; it has hf_exporter"):
+        family.get("hf_classifier")
+    assert family_named("gpt").hf_sequence_classification and not family.hf_sequence_classification
 
 
 def test_family_of_a_config_and_the_layouts_it_refuses():
