@@ -273,14 +273,15 @@ def test_dpo_precomputed_reference_equals_the_live_one(work, dpo_runs):
 def test_lora_dpo_at_tp2_and_from_precomputed_logps_equals_the_library(work, dpo_runs, tmp_path):
     """With LoRA the reference is the base with the adapters off: the library by hand (live reference, TP1) and
     the command at TP2 (live) agree; at TP1 from the full run's reference_logps.jsonl (the same base), each
-    reference log-probability raised by 1 (which the loss cancels), only the rewards move, by -beta."""
+    reference log-probability raised by 1 (which the loss cancels), only the rewards move, by -beta. TP2 runs with
+    the memory savers (a frozen embedding under full recomputation still trains the adapters)."""
     tp2, stored = tmp_path / "tp2", tmp_path / "stored"
     shifted = [{**r, "ref_chosen_logps": r["ref_chosen_logps"] + 1, "ref_rejected_logps": r["ref_rejected_logps"] + 1}
                for r in map(json.loads, (dpo_runs / "precomputed" / "reference_logps.jsonl").read_text().splitlines())]
     (tmp_path / "shifted.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shifted))
     run_cli([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
              ROOT / "finetune" / "lm" / "job" / "dpo.py",
-             *_args(work, "pairs.jsonl", tp2, "--beta", BETA, "--tensor-parallel", 2, *LORA)], tmp_path)
+             *_args(work, "pairs.jsonl", tp2, "--beta", BETA, "--tensor-parallel", 2, *LORA, *SAVERS)], tmp_path)
     run_cli([sys.executable, "-m", "finetune.lm.job.dpo",
              *_args(work, tmp_path / "shifted.jsonl", stored, "--beta", BETA, *LORA)], tmp_path)
     library = _library_dpo(work, LoraConfig(r=4, lora_alpha=8, target_modules=LORA[5:]))
