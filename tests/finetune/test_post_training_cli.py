@@ -19,9 +19,12 @@ from peft import LoraConfig, PeftModel
 from test_dpo import PAIRS
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from finetune.lm.chat import tokenize_conversations, training_chat_template
 from finetune.lm.dpo import collate_pairs, completion_logps, dpo_loss, reference_logps, tokenize_pair, tokenize_pairs
 from pipeline.job.layout import POST_TRAINING
 from finetune.lm.job.providers import RowIndices
+from finetune.lm.packing import collate, pack_conversations
+from finetune.lm.sft import sft_loss
 from models import GPT
 from models.parallel import Layout
 from pipeline.checkpoints.model_dir import read_model_dir, write_model_dir
@@ -35,6 +38,7 @@ from pipeline.job.layout import LayoutCheck, refusal
 BIN = Path(sys.executable).parent
 STEPS, LR, BETA = 4, 1e-2, 0.1
 DPO_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+SAVERS = ["--recompute", "full", "--loss-chunk-tokens", "7"]  # the memory savers: the same losses
 LORA = ["--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules", "q_proj", "v_proj", "o_proj", "down_proj"]
 # fp32, two micro-batches of 2 per step, DeepSpeed's torch AdamW and clipping (the DPO reference below does the same)
 DS = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 1.0,
@@ -89,6 +93,49 @@ def _project_logits(work, out, ids):
     return model(ids)
 
 
+def test_sft_loss_takes_the_memory_savers(work):
+    """--loss-chunk-tokens reaches SFT's cross-entropy and --recompute full its packed layers (the model's
+    checkpoint_fn, as the engine sets it): the graph holds the chunked loss, each layer runs through the checkpoint,
+    and the loss and gradients equal the plain model's."""
+    config, sd, _ = read_model_dir(work / "base")
+    tok = AutoTokenizer.from_pretrained(work / "base")
+    chats = datasets.Dataset.from_list([{"messages": m} for m in CONVERSATIONS])
+    rows = list(pack_conversations(tokenize_conversations(chats, tok, training_chat_template(tok)), 64))
+    batch = collate(rows[:2], 64, tok.pad_token_id)
+    calls = []
+
+    def checkpoint(fn, *args):
+        calls.append(fn)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)  # (as DeepSpeed's)
+
+    def loss_and_grads(layout, checkpoint_fn):
+        model = GPT(config, layout=layout).train()
+        load_full_state_dict(model, sd)
+        model.checkpoint_fn = checkpoint_fn
+        loss = sft_loss(model, batch)
+        graph = {type(f).__name__ for f in _graph(loss.grad_fn)}
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters()}, graph
+
+    plain, plain_grads, plain_graph = loss_and_grads(Layout(), None)
+    saved, saved_grads, graph = loss_and_grads(Layout(loss_chunk_tokens=7), checkpoint)
+    assert "_ChunkedVocabParallelCrossEntropyBackward" in graph - plain_graph
+    assert len(calls) == config.num_layers
+    grad_diff = max(((saved_grads[n] - g).abs().max() / g.abs().max()).item() for n, g in plain_grads.items())
+    print(f"SFT loss with the savers vs without: {abs(saved - plain).item():.1e}, gradients {grad_diff:.1e}")
+    assert abs(saved - plain).item() < 1e-6 and grad_diff < 1e-5  # measured 0.0 and 0.0 (fp32)
+
+
+def _graph(fn, seen=None):
+    """The autograd nodes reachable from ``fn``."""
+    seen = set() if seen is None else seen
+    if fn is not None and fn not in seen:
+        seen.add(fn)
+        for next_fn, _ in fn.next_functions:
+            _graph(next_fn, seen)
+    return seen
+
+
 def test_lora_sft_tp2_equals_tp1_through_a_stop_continued_at_tp1_and_peft_loads_the_adapter(work, tmp_path):
     """TP1 samples as it trains (which leaves its losses alone); TP2, stopped after step 2, is continued at TP1
     through a universal checkpoint with its Adam state, and every step equals TP1's."""
@@ -99,10 +146,11 @@ def test_lora_sft_tp2_equals_tp1_through_a_stop_continued_at_tp1_and_peft_loads_
                                                                   *samples)], tmp_path)
     torchrun = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
                 ROOT / "finetune" / "lm" / "job" / "sft.py",
-                *_args(work, "chats.jsonl", tp2, "--seq-length", 64, "--tensor-parallel", 2, *LORA)]
+                *_args(work, "chats.jsonl", tp2, "--seq-length", 64, "--tensor-parallel", 2, *LORA, *SAVERS)]
     stopped = run_cli(torchrun, tmp_path, env=cli_env(PIPELINE_SIGNAL_AT="2"))  # SIGTERM at step 2: saved, exit 0
     assert not (tp2 / "adapter").exists(), stopped.stderr[-2000:]
-    assert json.loads((tp2 / "checkpoint" / "global_step2" / "layout.json").read_text())["tensor_parallel"] == 2
+    layout = json.loads((tp2 / "checkpoint" / "global_step2" / "layout.json").read_text())
+    assert (layout["tensor_parallel"], layout["recompute"], layout["loss_chunk_tokens"]) == (2, "full", 7)
     continued = run_cli([sys.executable, "-m", "finetune.lm.job.sft",
                          *_args(work, "chats.jsonl", tp2, "--seq-length", 64, *LORA)], tmp_path)  # at TP1 now
     assert "(saved at TP 2, PP 1, DP 1" in continued.stderr and ") at TP 1, " in continued.stderr, continued.stderr[-2000:]
@@ -225,14 +273,15 @@ def test_dpo_precomputed_reference_equals_the_live_one(work, dpo_runs):
 def test_lora_dpo_at_tp2_and_from_precomputed_logps_equals_the_library(work, dpo_runs, tmp_path):
     """With LoRA the reference is the base with the adapters off: the library by hand (live reference, TP1) and
     the command at TP2 (live) agree; at TP1 from the full run's reference_logps.jsonl (the same base), each
-    reference log-probability raised by 1 (which the loss cancels), only the rewards move, by -beta."""
+    reference log-probability raised by 1 (which the loss cancels), only the rewards move, by -beta. TP2 runs with
+    the memory savers (a frozen embedding under full recomputation still trains the adapters)."""
     tp2, stored = tmp_path / "tp2", tmp_path / "stored"
     shifted = [{**r, "ref_chosen_logps": r["ref_chosen_logps"] + 1, "ref_rejected_logps": r["ref_rejected_logps"] + 1}
                for r in map(json.loads, (dpo_runs / "precomputed" / "reference_logps.jsonl").read_text().splitlines())]
     (tmp_path / "shifted.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shifted))
     run_cli([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
              ROOT / "finetune" / "lm" / "job" / "dpo.py",
-             *_args(work, "pairs.jsonl", tp2, "--beta", BETA, "--tensor-parallel", 2, *LORA)], tmp_path)
+             *_args(work, "pairs.jsonl", tp2, "--beta", BETA, "--tensor-parallel", 2, *LORA, *SAVERS)], tmp_path)
     run_cli([sys.executable, "-m", "finetune.lm.job.dpo",
              *_args(work, tmp_path / "shifted.jsonl", stored, "--beta", BETA, *LORA)], tmp_path)
     library = _library_dpo(work, LoraConfig(r=4, lora_alpha=8, target_modules=LORA[5:]))

@@ -32,7 +32,8 @@ def add_lora_args(parser: argparse.ArgumentParser, *, switch: bool = False):
 
 
 def add_post_training_args(parser: argparse.ArgumentParser, data_help: str):
-    """--base, --data, --tokenizer, --seq-length, --epochs, --save, --force, --save-interval."""
+    """--base, --data, --tokenizer, --seq-length, --epochs, --save, --force, --save-interval, and the memory
+    savers --recompute and --loss-chunk-tokens (the pretraining job's, carried by the layout)."""
     g = parser.add_argument_group("model, data and output")
     g.add_argument("--base", required=True, help="base model: a pretraining run of this project, or config.json + "
                                                   "model.safetensors (e.g. pipeline.import_hf's output)")
@@ -49,6 +50,12 @@ def add_post_training_args(parser: argparse.ArgumentParser, data_help: str):
     g.add_argument("--save-interval", type=positive_int, default=None, metavar="N",
                    help="also save the training state every N steps into SAVE/checkpoint (a stop signal saves it "
                         "anyway); the same command continues an interrupted run from it")
+    g.add_argument("--recompute", choices=["none", "full"], default="none",
+                   help="full: each transformer layer keeps only its input and runs again in the backward (less "
+                        "activation memory, one more forward of the layers; docs/post_training.md)")
+    g.add_argument("--loss-chunk-tokens", type=positive_int, default=None, metavar="N",
+                   help="the cross-entropy N tokens at a time: its fp32 work tensors are [N, V/TP], never "
+                        "[tokens, V/TP]; the same loss")
     return g
 
 

@@ -165,11 +165,20 @@ def provide_engine(args, base: Base, job: Job, ds: dict | None = None):
 
     engine = build_engine(base.config, ds or job.ds, job.state, init_seed=args.seed, model_builder=builder,
                           schedule=schedule_from_args(args, job.ds))
+    if base.lora is not None and job.state.layout.recompute != "none":
+        engine.module.embedding.register_forward_hook(_requires_grad)
     if base.lora is not None:  # the universal checkpoint holds what the optimizer holds: the adapters (the base
         # is read from --base again)
         trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         engine.module.universal_checkpoint_info = checkpoint_info(trained, base.config.vocab_size, tp_world_size())
     return engine
+
+
+def _requires_grad(module, inputs, output: torch.Tensor) -> None:
+    """The frozen embedding's output asks for a gradient: DeepSpeed's (reentrant) checkpoint around each layer
+    trains the adapters inside it only if its input has one (transformers' ``enable_input_require_grads``)."""
+    if torch.is_grad_enabled():
+        output.requires_grad_()
 
 
 def frozen_copy(base: Base, engine) -> torch.nn.Module:
