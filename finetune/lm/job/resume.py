@@ -10,10 +10,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.job.resume import _keep_metrics_until, check_resumable, restore_state, saved_state
+from finetune.job.resume import check_resumable, restore_state, saved_state
 from pipeline.checkpoints import checkpoint, safe_load, universal
 from pipeline.job.files import atomic_write_json
 from pipeline.job.loop import is_rank0
+from pipeline.tracking.metrics import drop_records_after
 
 
 @dataclass(frozen=True)
@@ -59,5 +60,5 @@ def continue_from(engine, plan: Continuation | None, config, batches) -> tuple[i
     data = safe_load.safe_torch_load(plan.state_dir / plan.tag / "rank0_state.pt")["data"]  # (layout-free)
     batches.load_state_dict(data["batches"])
     if is_rank0():
-        _keep_metrics_until(plan.state_dir.parent / "metrics.jsonl", step)
+        drop_records_after(plan.state_dir.parent / "metrics.jsonl", step)
     return step, list(data["losses"])
