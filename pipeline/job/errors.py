@@ -128,9 +128,11 @@ def _leave_launcher_a_line(line: str, rank0: bool) -> None:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file and not os.path.exists(error_file):
         data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        partial = f"{error_file}.{os.getpid()}.tmp"  # renamed whole: the agent, stopping this worker, may read it
         with contextlib.suppress(OSError):
-            with open(error_file, "w") as f:
+            with open(partial, "w") as f:
                 json.dump(data, f)
+            os.replace(partial, error_file)
     if os.environ.get("TORCHELASTIC_RUN_ID") is None:
         return  # not a torchrun worker: a caller in Python (a test, a notebook) keeps its process group
     dist = _process_group()

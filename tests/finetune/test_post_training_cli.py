@@ -142,8 +142,12 @@ def test_lora_sft_tp2_equals_tp1_through_a_stop_continued_at_tp1_and_peft_loads_
     tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
     (tmp_path / "prompts.txt").write_text("Capital of France?\nSay hello.\n")
     samples = ["--sample-interval", 2, "--sample-prompts", tmp_path / "prompts.txt", "--sample-new-tokens", 3]
-    run_cli([sys.executable, "-m", "finetune.lm.job.sft", *_args(work, "chats.jsonl", tp1, "--seq-length", 64, *LORA,
-                                                                  *samples)], tmp_path)
+    done = run_cli([sys.executable, "-m", "finetune.lm.job.sft", *_args(work, "chats.jsonl", tp1, "--seq-length", 64,
+                                                                         *LORA, *samples)], tmp_path)
+    # the run directory as pretraining keeps it: its settings saved, one summary line and the next commands
+    assert json.loads((tp1 / "args.json").read_text())["lora_r"] == 4 and (tp1 / "ds_config.json").is_file()
+    assert f"done: steps 1-{STEPS}, train loss " in done.stdout and "python -m pipeline.generate --hf" in done.stdout, \
+        done.stdout[-2000:]
     torchrun = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", free_port(),
                 ROOT / "finetune" / "lm" / "job" / "sft.py",
                 *_args(work, "chats.jsonl", tp2, "--seq-length", 64, "--tensor-parallel", 2, *LORA, *SAVERS)]
@@ -155,6 +159,7 @@ def test_lora_sft_tp2_equals_tp1_through_a_stop_continued_at_tp1_and_peft_loads_
                          *_args(work, "chats.jsonl", tp2, "--seq-length", 64, *LORA)], tmp_path)  # at TP1 now
     assert "(saved at TP 2, PP 1, DP 1" in continued.stderr and ") at TP 1, " in continued.stderr, continued.stderr[-2000:]
     assert not (tp2 / "checkpoint").exists()
+    assert f"done: steps 3-{STEPS}, " in continued.stdout, continued.stdout[-2000:]
     first, second = _steps(tp1), _steps(tp2)
     assert [r["step"] for r in second] == [r["step"] for r in first] == list(range(1, STEPS + 1))
     diff = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(first, second))
@@ -303,6 +308,8 @@ def test_refusals_in_one_line(work, tmp_path):
     tok.save_pretrained(plain)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
+    for part in ("hf", "model"):
+        (tmp_path / "finished" / part).mkdir(parents=True)
     sft = "finetune.lm.job.sft"
 
     def args(data, *extra, save=None):
@@ -319,6 +326,10 @@ def test_refusals_in_one_line(work, tmp_path):
                    "SFT with ZeRO stage 3"),
         "tiled MLP": ("finetune.lm.job.dpo", args(work / "pairs.jsonl", "--tiled-mlp", 2), "DPO with --tiled-mlp"),
         "--save not empty": (sft, args(work / "chats.jsonl", save=tmp_path / "full"), "not empty"),
+        "--no-resume, --save not empty": (sft, args(work / "chats.jsonl", "--no-resume", save=tmp_path / "full"),
+                                          "--no-resume starts a new run in a new or empty directory only"),
+        "--save finished": (sft, args(work / "chats.jsonl", save=tmp_path / "finished"),
+                            "holds a finished run (model/, hf/): nothing to run"),
     }
     results = run_forked([(m, a) for m, a, _ in cases.values()], tmp_path)
     for (name, (_, _, expected)), (code, _, err) in zip(cases.items(), results):

@@ -47,6 +47,9 @@ def add_post_training_args(parser: argparse.ArgumentParser, data_help: str):
     g.add_argument("--save", default=None, help="output directory: metrics.jsonl, checkpoint/ while it runs, then "
                                                 "hf/ (and adapter/ with LoRA) and model/")
     g.add_argument("--force", action="store_true", help="replace the outputs in a non-empty --save")
+    g.add_argument("--no-resume", action="store_true",
+                   help="start a new run: refused when --save already holds files (choose a new directory). Without "
+                        "it, the same command again continues an interrupted run in --save")
     g.add_argument("--save-interval", type=positive_int, default=None, metavar="N",
                    help="also save the training state every N steps into SAVE/checkpoint (a stop signal saves it "
                         "anyway); the same command continues an interrupted run from it")

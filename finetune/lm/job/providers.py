@@ -25,6 +25,7 @@ from finetune.job.loop import full_fp32_state
 from finetune.job.resume import CHECKPOINT_DIR, remove_state, save_state_hook, saved_state
 from pipeline.job.layout import POST_TRAINING
 from finetune.lm.job.options import lora_from_args, lora_settings
+from finetune.lm.job.report import summary
 from finetune.lm.job.resume import continue_from, plan_continuation
 from finetune.saved import load_full_gpt_state
 from models.lora import LoRAConfig, add_lora, is_lora_parameter
@@ -45,6 +46,7 @@ from pipeline.job.faults import LOCK_FILE
 from pipeline.job.files import OutputError, refuse_overlap
 from pipeline.job.loop import Job, StepResult, barrier, every, is_rank0, setup, train_loop
 from pipeline.job.options import EngineOptions
+from pipeline.job.run_dir import refuse_non_empty, save_settings, say, settings_record, warn_without_save
 from pipeline.tracking.metrics import MetricsWriter
 
 
@@ -76,12 +78,18 @@ def check_save(args, inputs) -> None:
     save = Path(args.save)
     if save.exists() and not save.is_dir():
         raise OutputError(f"--save {save}: a file; give a directory")
+    if getattr(args, "no_resume", False):
+        refuse_non_empty(save)
     if saved_state(save) is not None and not args.force:
         return
     if save.is_dir() and any(p.name != LOCK_FILE for p in save.iterdir()):
         if not args.force:
-            raise OutputError(f"--save {save}: not empty; choose a new directory, rerun the interrupted command "
-                              f"that wrote it, or pass --force to replace its outputs")
+            finished = (save / "hf").is_dir() and (save / "model").is_dir()
+            raise OutputError(f"--save {save}: " + ("holds a finished run (model/, hf/): nothing to run; choose a "
+                                                    "new directory, or pass --force to train it again" if finished
+                                                    else "not empty; choose a new directory, rerun the interrupted "
+                                                         "command that wrote it, or pass --force to replace its "
+                                                         "outputs"))
         shutil.rmtree(save / CHECKPOINT_DIR, ignore_errors=True)
         for log in ("metrics.jsonl", "samples.jsonl"):  # (appended to by the run)
             (save / log).unlink(missing_ok=True)
@@ -205,10 +213,12 @@ class Trained:
     losses: list
     last: dict            # the last step's record
     finished: bool
+    tokens: int = 0       # target tokens of this command's steps (the summary's tokens/s)
+    seconds: float = 0.0
 
 
 def train(args, name: str, engine, layout: dict, loader, batches, forward: Callable, settings: dict,
-          resumed: tuple[int, list], extra_hooks: list) -> Trained:
+          resumed: tuple[int, list], extra_hooks: list, ds: dict) -> Trained:
     """``train_loop`` over ``optimizer_step(engine, batches, forward)`` from where an interrupted run stopped
     (``resumed``: the steps done and their losses); logs every --log-interval steps to SAVE/metrics.jsonl (the
     step's loss and what ``forward`` returns)."""
@@ -218,10 +228,14 @@ def train(args, name: str, engine, layout: dict, loader, batches, forward: Calla
                             prefix=name)
     if not done:
         metrics.write({"settings": settings})
+    metrics.log_settings(settings_record(args, ds))  # W&B's config, TensorBoard's hparams
     last: dict = {}
+    timing = {"tokens": 0, "seconds": 0.0}
 
     def keep(r: StepResult) -> None:
         losses.append(r.out["loss"])
+        timing["tokens"] += int(r.out["tokens"])
+        timing["seconds"] += r.seconds
 
     def log(r: StepResult) -> None:
         last.clear()
@@ -236,13 +250,14 @@ def train(args, name: str, engine, layout: dict, loader, batches, forward: Calla
     steps = train_loop(lambda: optimizer_step(engine, batches, forward, counts=("tokens",)), first=done + 1,
                        last=args.train_steps, desc=name, hooks=hooks)
     metrics.close()
-    return Trained(steps, losses, dict(last), steps >= args.train_steps)
+    return Trained(steps, losses, dict(last), steps >= args.train_steps, **timing)
 
 
 def start(args, what: str, *, dropout: bool = True) -> tuple[Base, Job]:
     """--save checked, the base and LoRA read, then ``setup``: the layout validated with every rule (this
     command's: ``pipeline.job.layout.post_training_layout``), the process groups built."""
     check_save(args, [("--base", args.base), ("--data", args.data), ("--tokenizer", args.tokenizer)])
+    warn_without_save(args, f"mds-{what.lower()}", "no checkpoint, no metrics.jsonl, no exports")
     base = provide_base(args, lora_from_args(args, args.base, task_type="CAUSAL_LM"), dropout=dropout)
     job = setup(EngineOptions.from_args(args), config=base.config, family=base.family,
                 extras={POST_TRAINING: what, "sample_interval": getattr(args, "sample_interval", None)})
@@ -260,14 +275,19 @@ def run(args, name: str, base: Base, job: Job, rows: list, collate: Callable, ma
     layout = job.record(base.family.name)
     plan = plan_continuation(Path(args.save) if args.save else None, settings, layout, base.config)
     engine = provide_engine(args, base, job, plan.ds(job.ds) if plan else None)
+    if args.save is not None and is_rank0():
+        save_settings(Path(args.save), args, job.ds)
     forward = make_forward(engine)
     base.state = None  # the engine (and a reference model) hold the weights now
     resumed = continue_from(engine, plan, base.config, loader)
     trained = train(args, name, engine, layout, loader, row_batches(loader, rows, collate), forward, settings,
-                    resumed, make_hooks(engine))
+                    resumed, make_hooks(engine), job.ds)
     if not trained.finished:
         return {"stopped_after": trained.steps, "losses": trained.losses}
-    return {"steps": trained.steps, "losses": trained.losses, **trained.last, **export(args, base, engine)}
+    exports = export(args, base, engine)
+    for line in summary(args, name, first=resumed[0] + 1, trained=trained, exports=exports):
+        say(line)
+    return {"steps": trained.steps, "losses": trained.losses, **trained.last, **exports}
 
 
 # -- the exports -------------------------------------------------------------------------------------------------------

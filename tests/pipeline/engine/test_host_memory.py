@@ -36,6 +36,8 @@ MB = 1 << 20
 
 
 def _run(n=50_000_000, **env):
+    # the environment a command runs in: its start sets THP_MEM_ALLOC_ENABLE before torch (pipeline.job.errors)
+    env = {"THP_MEM_ALLOC_ENABLE": "1", **env}
     applied, kept, grown = run_cli([sys.executable, "-c", SCRIPT, str(n)], ROOT, env=cli_env(**env)).stdout.split()
     return applied == "True", int(kept), int(grown)
 
