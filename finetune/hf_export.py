@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from finetune.scoring.thresholds import load_thresholds
 from pipeline.checkpoints.model_dir import copy_tokenizer_files
-from pipeline.hf.convert import ConversionError, hf_family, parse_dtype, to_hf
+from pipeline.hf.convert import ConversionError, hf_family, parse_dtype, to_hf, weight_map
 from pipeline.hf.safetensors_io import write_hf_weights
 from pipeline.job.errors import UserError
 from pipeline.job.families import family_named
@@ -25,6 +25,7 @@ from .saved import load_classifier, read_classifier_dir
 HF_PROBLEM_TYPE = {MULTILABEL: "multi_label_classification", "single_label": "single_label_classification"}
 # post-processors that add tokens around a text (training encoded texts without any)
 _ADDING_POST_PROCESSORS = {"TemplateProcessing", "BertProcessing", "RobertaProcessing"}
+FINAL_NORM_BIAS = "final_norm.norm.bias"  # the project's name; the classifier's output bias is folded into it
 
 
 class ExportError(UserError, ValueError):
@@ -53,6 +54,11 @@ def check_exportable(info: dict) -> None:
         raise ExportError("cannot export to Hugging Face: " + "; ".join(problems))
 
 
+def _hf_name(config, ours: str) -> str:
+    """The Hugging Face name of the project's tensor ``ours`` (one tensor), from the export's weight table."""
+    return next(rule.theirs[0] for rule in weight_map(config) if rule.ours == ours)
+
+
 def classifier_to_hf(info: dict, full: dict[str, torch.Tensor], dtype: torch.dtype | None = None):
     """(transformers config, state dict) of the saved classifier ``(info, full)``."""
     check_exportable(info)
@@ -63,16 +69,18 @@ def classifier_to_hf(info: dict, full: dict[str, torch.Tensor], dtype: torch.dty
     weight = full["head.output.weight"].double()  # [k, h]
     bias = full.get("head.output.bias")
     if bias is not None and bool(bias.abs().max() > 0):
-        if config.variant != "gpt2":
+        if not config.norm_has_bias:
             raise ExportError(f"cannot export to Hugging Face: {hf_family(config).classifier}'s score layer has no "
-                              f"bias and RMSNorm none to take it into; train the llama classifier with --head-bias no")
-        ln_bias = sd["transformer.ln_f.bias"].double()
+                              f"bias and RMSNorm none to take it into; train the {config.variant} classifier with "
+                              f"--head-bias no")
+        final_norm_bias = _hf_name(config, FINAL_NORM_BIAS)
+        ln_bias = sd[final_norm_bias].double()
         shift = torch.linalg.lstsq(weight, bias.double().unsqueeze(1)).solution.squeeze(1)  # W shift = bias
         error = (weight @ shift - bias.double()).abs().max().item()
         if error > 1e-6 * max(1.0, bias.abs().max().item()):
             raise ExportError(f"cannot take the output bias into the final LayerNorm (its weight rows are dependent; "
                               f"residual {error:.2e})")
-        sd["transformer.ln_f.bias"] = (ln_bias + shift).float()
+        sd[final_norm_bias] = (ln_bias + shift).float()
     sd["score.weight"] = weight.float()
     names = info["label_names"]
     cfg.architectures = [hf_family(config).classifier]

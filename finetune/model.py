@@ -5,8 +5,8 @@
     loss = model(input_ids, labels, lengths=lengths)                 # BCE (or CE) [+ weight x LM loss]
     probs = model.predict_proba(input_ids, lengths=lengths)          # fp32 [b, k]
 
-The encoder interface (``features``, ``lm_loss``, ``depth_of``) is model-side code, ``models.families.<family>``,
-whose encoders the family spec (``pipeline.job.families``) holds.
+The encoder interface (``features``, ``lm_loss``, ``depth_of``) is model-side code in each family's folder
+(``pipeline.families.<family>.parts``), whose encoders the family spec (``pipeline.job.families``) holds.
 
 Inputs are right padded: the GPT's attention is causal, so padding after a text changes none of its
 positions. Base weights come from ``finetune.saved.load_full_gpt_state(directory)``: a pretraining checkpoint of this

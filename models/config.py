@@ -258,6 +258,27 @@ class GPTConfig:
         """The longest sequence the model computes: its positions, and a sliding window if it has one."""
         return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
+    # -- what the variant builds, for code outside models/ that sizes, names or converts its parameters ----------
+    @property
+    def learned_positions(self) -> bool:
+        """A learned position table beside the word embeddings (gpt2); else rotary positions, no parameters."""
+        return self.variant == "gpt2"
+
+    @property
+    def norm_has_bias(self) -> bool:
+        """Every norm is a LayerNorm, weight and bias (gpt2); else an RMSNorm, a weight only."""
+        return self.variant == "gpt2"
+
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP is SwiGLU (llama): silu(gate) * up, its fc_in the two fused as [gate; up]; else GELU."""
+        return self.variant == "llama"
+
+    @property
+    def fc_in_parts(self) -> int:
+        """The fused parts of an MLP's fc_in: [gate; up] when gated, else one."""
+        return 2 if self.gated_mlp else 1
+
     def check_parallel(self, tensor_parallel: int, pipeline_parallel: int = 1, context_parallel: int = 1, *,
                        sequence_parallel: bool = False) -> None:
         """Raise ConfigError if the model cannot be split this way (``pipeline.job.layout.model_splits``)."""

@@ -8,9 +8,10 @@ The project supplies what DeepSpeed needs to know about each parameter, read off
 (``checkpoint_info``). Written here are only the pieces DeepSpeed's universal path lacks,
 each beside the code it fixes:
 
-- names: a pipeline names parameters by layer index, the GPT by module path; the cache
-  stores the GPT's names and a pipeline engine reads them under those (``_gpt_names``); the tied
-  embedding is kept from the first stage (``attach_info``).
+- names: a pipeline names parameters by layer index, the full model by module path; the cache
+  stores the full model's names and a pipeline engine reads them under those (``_full_model_names``), as the
+  model family's ``PipelineNames`` map them; a parameter several stages hold (the tied embedding) is kept from
+  the first stage (``attach_info``).
 - ZeRO stage changes: the cache holds the model files and ``optimizer_state.pt`` in the forms of
   both ZeRO-1/2 and ZeRO-3 (``_model_files_for_every_stage``, ``_optimizer_state_for_every_stage``),
   a TP=1 ZeRO-3 source goes through DeepSpeed's TP-aware merge (``_zero3_merged_as_tp1``), and a
@@ -80,16 +81,13 @@ from deepspeed.checkpoint.constants import (
 from deepspeed.checkpoint.universal_checkpoint import SubparamShape
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from models import GPT, GPTConfig
 from models.moe import EXPERT_INDEX, expert_slice, is_balance_bias
 from models.parallel import Layout, get_shard_spec, tp_rank, tp_world_size
 from pipeline.checkpoints import safe_load
 from pipeline.job.errors import UserError, is_rank0
-from pipeline.job.families import family_of_dict
+from pipeline.job.families import config_from_dict, family_of, family_of_dict
 from pipeline.job.files import DiskFullError, atomic_dir
 from pipeline.job.layout import experts_cannot_move
-
-from pipeline.engine.pipe_model import TIED_KEY, gpt_to_pipe_name, pipe_to_gpt_name
 
 MANIFEST = "UNIVERSAL.json"
 CACHE_DIR = "universal"
@@ -155,23 +153,19 @@ def optimizer_param_names(engine) -> list[list[str]] | None:
 
 def attach_info(model: torch.nn.Module, model_config, pipeline: bool) -> None:
     """Give ``model`` (what DeepSpeed's engine wraps) the metadata its checkpoints are saved with."""
-    if pipeline:  # a stage holds only its layers: describe the whole GPT, under the pipeline's names
-        named = [(gpt_to_pipe_name(n, model_config), p) for n, p in meta_gpt(model_config).named_parameters()]
+    if pipeline:  # a stage holds only its layers: describe the whole model, under the pipeline's names
+        family = family_of(model_config)
+        names = family.pipeline_names
+        named = [(names.to_pipeline(n, model_config), p)
+                 for n, p in family.meta_model(model_config).named_parameters()]
     else:
         named = list(model.named_parameters())
     info = checkpoint_info(named, getattr(model_config, "vocab_size", None), tp_world_size())
     if pipeline:
-        # The tied embedding lives on the first and the last stage; the last stage's copy of its position
+        # A tied embedding lives on the first and the last stage; the last stage's copy of its position
         # embedding receives no gradient. The first stage's copy is the one to keep.
-
-        info[PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [f"^tied_modules\\.{TIED_KEY}\\."]
+        info[PIPELINE_REPLICATED_PARAMETER_PATTERNS] = list(names.first_stage_copies)
     model.universal_checkpoint_info = info
-
-
-def meta_gpt(config):
-    """The GPT built on the meta device (no memory): its names and ShardSpecs."""
-    with torch.device("meta"):
-        return GPT(config, init_seed=0)
 
 
 # -- the decision on --load -----------------------------------------------------------------------------------------
@@ -322,7 +316,7 @@ def _torch_save_through_python_files():
 
 
 def convert(tag_dir: Path, out: Path) -> None:
-    """DeepSpeed's ds_to_universal of one tag directory into ``out``, parameters under the GPT's names."""
+    """DeepSpeed's ds_to_universal of one tag directory into ``out``, parameters under the full model's names."""
     _scan_all(tag_dir)  # ds_to_universal unpickles every file with weights_only=False (forced weights-only here)
     args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
@@ -514,15 +508,16 @@ def _optimizer_state_for_every_stage(zero: Path) -> None:
 
 
 def _rename_pipeline_params(tag_dir: Path, zero: Path) -> None:
-    """A pipeline's parameter folders ("3.attention.qkv.weight") under the GPT's names ("layers.2....")."""
+    """A pipeline's parameter folders ("3.attention.qkv.weight") under the full model's names ("layers.2....")."""
     config_file = tag_dir.parent / "config.json"
     layout_file = tag_dir / "layout.json"
     if not layout_file.is_file() or json.loads(layout_file.read_text()).get("pipeline_parallel", 1) == 1:
         return
 
-    config = GPTConfig.from_file(config_file)
+    config = config_from_dict(json.loads(config_file.read_text()), str(config_file))
+    from_pipeline = family_of(config).pipeline_names.from_pipeline
     for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
-        folder.rename(zero / pipe_to_gpt_name(folder.name, config))
+        folder.rename(zero / from_pipeline(folder.name, config))
 
 
 @contextlib.contextmanager
@@ -555,7 +550,7 @@ def load(engine, cache: Path, model_config) -> None:
     if engine.zero_optimization_stage() == 0:
         _load_zero0(engine, cache)
         return
-    with (_gpt_names(engine, model_config), _global_expert_names(engine, cache), _zero3_hp_loader(engine),
+    with (_full_model_names(engine, model_config), _global_expert_names(engine, cache), _zero3_hp_loader(engine),
           safe_load.weights_only_loads()):  # (DeepSpeed reads each parameter's folder with plain torch.load)
         path, _ = engine.load_checkpoint(str(cache.parent), tag=cache.name, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
@@ -567,7 +562,7 @@ def load(engine, cache: Path, model_config) -> None:
 @torch.no_grad()
 def _restore_balance_biases(engine, cache: Path) -> None:
     """The gates' balancing biases from their folders (``convert_moe``): DeepSpeed's loader fills the optimizer's
-    parameters only. (MoE layers resume through this path without pipeline stages: the GPT's names.)"""
+    parameters only. (MoE layers resume through this path without pipeline stages: the full model's names.)"""
     for name, param in engine.module.named_parameters():
         if not is_balance_bias(name):
             continue
@@ -627,13 +622,14 @@ def _zero3_after_load(engine, cache: Path) -> None:
 
 
 @contextlib.contextmanager
-def _gpt_names(engine, model_config):
-    """DeepSpeed finds a parameter's folder by the engine's name for it; the cache uses the GPT's names."""
+def _full_model_names(engine, model_config):
+    """DeepSpeed finds a parameter's folder by the engine's name for it; the cache uses the full model's names."""
     names = getattr(engine.optimizer, "param_names", None)
     if not getattr(engine, "is_pipe", False) or names is None:
         yield
         return
-    with _renamed(names, lambda n: pipe_to_gpt_name(n, model_config)):
+    from_pipeline = family_of(model_config).pipeline_names.from_pipeline
+    with _renamed(names, lambda n: from_pipeline(n, model_config)):
         yield
 
 

@@ -1,8 +1,9 @@
-"""The decoder of a model (``models.families.<family>``): the one its family spec (``pipeline.job.families``) holds."""
+"""The decoder of a model (``pipeline.families.<family>.parts``): the one its family spec
+(``pipeline.job.families``) holds."""
 from __future__ import annotations
 
-from models.families.gpt import GPTDecoder
-from models.families.mlstm import MLSTMDecoder
+from pipeline.families.gpt.parts import GPTDecoder
+from pipeline.families.mlstm.parts import MLSTMDecoder
 from pipeline.job.families import family_of
 
 __all__ = ["GPTDecoder", "MLSTMDecoder", "decoder_for"]

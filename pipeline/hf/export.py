@@ -3,8 +3,8 @@
 tokenizer files, written into a temporary directory and renamed into place when complete.
 
 Each model family exports through one small function that its spec in ``pipeline.job.families`` holds
-(config + full state dict -> ``HFExport``, ``pipeline.hf.exporters``) and verifies through another (the project
-model's logits); the directory writing, tokenizer and verification are shared.
+(config + full state dict -> ``HFExport``, ``pipeline/families/<family>/hf.py``) and verifies through another
+(the project model's logits); the directory writing, tokenizer and verification are shared.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import models.hf_mlstm  # noqa: F401  importing it registers the mLSTM with the Auto classes
 from pipeline.hf.convert import ConversionError, dtype_name, parse_dtype
-from pipeline.hf.exporters import HFExport, export_gpt, export_mlstm, gpt_logits, mlstm_logits
+from pipeline.hf.exporters import HFExport
 from pipeline.job.families import family_of
 from pipeline.job.files import atomic_dir
 from pipeline.checkpoints.model_dir import copy_tokenizer_files
@@ -38,8 +38,7 @@ def _tokenizer_special_tokens(tokenizer_dir: Path, vocab_size: int, source) -> d
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
 
 
-__all__ = ["HFExport", "export_gpt", "export_mlstm", "gpt_logits", "mlstm_logits", "export_hf", "compare_with_hf",
-           "max_relative_difference"]
+__all__ = ["HFExport", "export_hf", "compare_with_hf", "max_relative_difference"]
 
 
 # -- writing ----------------------------------------------------------------------------------------------------------

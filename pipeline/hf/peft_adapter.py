@@ -79,7 +79,7 @@ def _linears(config: GPTConfig) -> list[LoRATarget]:
 def _parts_of(module: str, config: GPTConfig) -> int:
     if module.endswith("attention.qkv"):
         return 3
-    return 2 if config.variant == "llama" else 1  # llama's fc_in is [gate; up]
+    return config.fc_in_parts  # a gated MLP's fc_in is [gate; up]
 
 
 def check_lora_config(lora: LoraConfig, where: str = "LoRA config") -> None:

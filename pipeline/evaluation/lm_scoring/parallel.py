@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from models.parallel import get_parallel_state
-from models.families.common import vocab_parallel_argmax  # model-side: the GPT's scorer uses it
+from pipeline.families.common import vocab_parallel_argmax  # model-side: the GPT's scorer uses it
 
 __all__ = ["DataShard", "vocab_parallel_argmax"]
 

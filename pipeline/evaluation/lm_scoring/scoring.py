@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from models.families.common import ProjectScorer, TokenScores
-from models.families.gpt import GPTScorer
-from models.families.mlstm import MLSTMScorer
+from pipeline.families.common import ProjectScorer, TokenScores
+from pipeline.families.gpt.parts import GPTScorer
+from pipeline.families.mlstm.parts import MLSTMScorer
 from pipeline.job.errors import InputError
 from pipeline.evaluation.lm_scoring.parallel import DataShard
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.families.common import LayerDepths, ProjectScorer, TokenScores, vocab_parallel_argmax
+from pipeline.families.common import LayerDepths, ProjectScorer, TokenScores, vocab_parallel_argmax
 from models.gpt import GPT, gather_vocab_logits
 from models.kv_cache import KVCache
 from models.parallel import (context_chunk, cp_world_size, gather_from_context_parallel_region, tp_world_size,

@@ -1,12 +1,12 @@
 """The mLSTM family's parts (byte-level, data parallel only): a scorer reading each window from a zero state, a
 decoder carrying the recurrent state (its cache), a finetuning encoder summarising each text by its last cell state
-(the interfaces: ``models.families.gpt``)."""
+(the interfaces: ``pipeline.families.gpt.parts``)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from models.families.common import LayerDepths, ProjectScorer, TokenScores
+from pipeline.families.common import LayerDepths, ProjectScorer, TokenScores
 from models.gpt import seeded_init
 from models.mlstm import MLSTM, MLSTMConfig
 
