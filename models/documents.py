@@ -2,20 +2,27 @@
 document, and positions restart at 0 with each document, so a packed row computes what its documents compute
 alone.
 
-``DocumentAttention`` speaks the protocol ``Attention.forward`` reads from a KV cache (``positions``,
-``attn_mask``, ``is_causal``, ``update``), with nothing cached: the block-diagonal causal mask goes to SDPA and
-the per-document positions to RoPE and to gpt2's position table. Tensor parallelism only: under sequence
-parallelism each rank would need its chunk of the positions, under context parallelism Ulysses' own core.
+``DocumentAttention`` goes to the GPT's forward (``model(ids, labels, documents=...)``), which runs its layers
+through ``layers_output`` inside the model's own call (so ZeRO-3 gathers the tied output layer's weight as for any
+forward) and computes the loss as for any row (context-parallel sums, the tiled or chunked loss, the MoE layers'
+auxiliary losses). Each layer's attention reads it as it reads a KV cache (``positions``, ``attn_mask``,
+``is_causal``, ``update``), with nothing cached: the block-diagonal causal mask goes to SDPA and the
+per-document positions to RoPE and to gpt2's position table. Under Megatron sequence parallelism the attention
+sees the whole sequence (all-gathered), so only the embedding takes its rank's chunk of the positions; under
+context parallelism (Ulysses) each rank embeds and rotates its chunk with the chunk's positions, and the
+all-to-all gives the masked core every position of its heads, where the whole mask applies.
 """
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .moe import MoEMLP
-from .parallel import cp_world_size
+from .parallel import UlyssesAttention, context_chunk, cp_world_size, tp_rank, tp_world_size
 
 
 class DocumentAttention:
@@ -42,26 +49,44 @@ class DocumentAttention:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v  # nothing is cached: the keys and values are the row's own
 
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention of [b, heads, s, d] queries over the whole rows' keys and values, within documents."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask, enable_gqa=k.shape[1] != q.shape[1])
 
-def document_parallel_logits(model, input_ids: torch.Tensor, documents: DocumentAttention) -> torch.Tensor:
-    """This rank's vocabulary slice of a GPT's logits [b, s, padded_vocab / tp] over packed rows, each document seen
-    alone. Runs the model's stages (embedding, layers, final norm, output layer) with ``documents`` as the
-    attention's cache; in training each layer goes through the model's ``checkpoint_fn`` when it has one (full
-    recomputation: only the layer's input is kept). Attention dropout does not apply on this path."""
-    config = model.config
-    if model.layout.sequence_parallel or cp_world_size() > 1:
-        raise ValueError("packed documents are attended within their boundaries only without sequence or context "
-                         "parallelism")
-    if model.training and config.attention_dropout:
-        raise ValueError("packed documents: attention dropout is not applied on this path; set attention_dropout 0")
-    h = model.embedding(input_ids, documents.positions)
-    recompute = model.checkpoint_fn if model.training and torch.is_grad_enabled() else None
-    if recompute is not None and not h.requires_grad:  # a frozen embedding (LoRA): a reentrant checkpoint's output
-        h.requires_grad_()  # has a gradient only if an input has one (transformers' enable_input_require_grads)
-    for i, layer in enumerate(model.layers):
-        if recompute is not None and not isinstance(layer.mlp, MoEMLP):  # (as GPT's: an MoE layer's auxiliary
-            h = recompute(functools.partial(layer, cache=documents.layer(i)), h)  # loss keeps this forward's graph)
-        else:
-            h = layer(h, documents.layer(i))
-    h = model.final_norm(h)
-    return model.embedding.logits(h) if model.lm_head is None else model.lm_head(h)
+    def context_attention(self, local_heads: int, local_kv_heads: int) -> UlyssesAttention:
+        """Under context parallelism: DeepSpeed-Ulysses around ``core`` (the all-to-all gives it every position)."""
+        return UlyssesAttention(self.core, local_heads, local_kv_heads)
+
+    def chunk(self) -> "DocumentAttention":
+        """What this context-parallel rank's layers read: its chunk's positions (for RoPE), the whole mask (for the
+        core, after Ulysses' all-to-all)."""
+        if cp_world_size() == 1:
+            return self
+        view = copy.copy(self)
+        view.positions = context_chunk(self.positions)
+        return view
+
+    def layers_output(self, model, input_ids: torch.Tensor) -> torch.Tensor:
+        """A GPT's hidden states after its layers (before the final norm) over packed rows, each document seen
+        alone: this rank's [b, s / cp, h], [b, s / cp / tp, h] under sequence parallelism. In training each layer
+        goes through the model's ``checkpoint_fn`` when it has one (full recomputation: only the layer's input is
+        kept). Attention dropout does not apply on this path."""
+        if model.training and model.config.attention_dropout:
+            raise ValueError("packed documents: attention dropout is not applied on this path; set attention_dropout 0")
+        if model.mtp is not None:
+            raise ValueError("packed documents: multi-token prediction reads whole rows across documents; "
+                             "set mtp_num_layers 0")
+        documents = self.chunk()
+        positions = documents.positions
+        if model.layout.sequence_parallel:  # the embedding's output is this TP rank's chunk of the sequence
+            positions = positions.chunk(tp_world_size(), dim=1)[tp_rank()]
+        h = model.embedding(context_chunk(input_ids), positions)
+        recompute = model.checkpoint_fn if model.training and torch.is_grad_enabled() else None
+        if recompute is not None and not h.requires_grad:  # a frozen embedding (LoRA): a reentrant checkpoint's
+            h.requires_grad_()  # output has a gradient only if an input has one (enable_input_require_grads)
+        for i, layer in enumerate(model.layers):
+            if recompute is not None and not isinstance(layer.mlp, MoEMLP):  # (as GPT's: an MoE layer's auxiliary
+                h = recompute(functools.partial(layer, cache=documents.layer(i)), h)  # loss keeps this forward's graph)
+            else:
+                h = layer(h, documents.layer(i))
+        return h

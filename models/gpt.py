@@ -29,7 +29,7 @@ from torch import nn
 
 from .config import GPTConfig
 from .feed_forward import FeedForward
-from .deepseek import MultiLatentAttention, MultiTokenPrediction
+from .deepseek import MultiLatentAttention, MultiTokenPrediction, shifted
 from .moe import ExpertMLP, MoEMLP, is_moe_layer
 from .recompute import DiscardedOutput
 from .tiling import tiled_cross_entropy, tiled_mlp
@@ -205,6 +205,9 @@ class Attention(nn.Module):
             q, k = self.rotary(q, k, positions)
         if cache is not None:
             k, v = cache.update(k, v)
+            if self.context is not None:  # packed documents (models/documents.py): their masked core in Ulysses
+                y = cache.context_attention(self.local_heads, self.local_kv_heads)(q, k, v)
+                return self.dense(y.reshape(b, s, self.local_heads * self.head_dim))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask, is_causal=cache.is_causal,
                                                enable_gqa=self.local_kv_heads != self.local_heads)
             return self.dense(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
@@ -278,12 +281,10 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: GPTConfig, layout: Layout, init_seed: int | None = None, moe: bool = False):
         super().__init__()
         sp = layout.sequence_parallel
-        if sp and config.multi_latent_attention:  # (the layout rules refuse it first: pipeline.job.layout)
-            raise ValueError("multi-head latent attention runs without sequence parallelism for now")
         with seeded_init(init_seed):
             self.input_norm = _norm(config, sp)
-            self.attention = (MultiLatentAttention(config, RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta))
-                              if config.multi_latent_attention else Attention(config, layout))
+            self.attention = (MultiLatentAttention(config, RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta),
+                                                   sp) if config.multi_latent_attention else Attention(config, layout))
             self.post_attention_norm = _norm(config, sp)
             self.mlp = (MoEMLP(config, layout, config.init_std, config.init_std / math.sqrt(2.0 * config.num_layers))
                         if moe else MLP(config, layout))
@@ -422,6 +423,15 @@ def context_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, v
     raise ValueError(f"unknown reduction {reduction!r}")
 
 
+def mtp_arguments(config: GPTConfig, layout: Layout, init_seed: int) -> tuple:
+    """``models.deepseek.MultiTokenPrediction``'s arguments, the same in the GPT and on the last pipeline stage:
+    depth d's layer and projection drawn from the seeds of stages L + 3 + 2d and L + 4 + 2d."""
+    L = config.num_layers
+    blocks = [TransformerLayer(config, layout, stage_seed(init_seed, L + 3 + 2 * d), config.num_experts > 0)
+              for d in range(config.mtp_num_layers)]
+    return config, blocks, stage_seed(init_seed, L + 4), layout.sequence_parallel
+
+
 def model_layout(layout: Layout | None) -> Layout:
     """The layout a model is built at: the one given, else the current process groups' (a plain single process
     when none were built). A given layout must be the one the process groups were built for."""
@@ -452,10 +462,8 @@ class GPT(nn.Module):
                                                      is_moe_layer(config, i)) for i in range(L))
         self.final_norm = FinalNorm(config, layout)
         self.lm_head = None if config.tie_embeddings else LMHead(config, layout, stage_seed(init_seed, L + 2))
-        # multi-token prediction (models/deepseek.py): depth d's layer and projection drawn from seeds L + 3 + 2d, + 1
-        self.mtp = None if not config.mtp_num_layers else MultiTokenPrediction(config, [
-            TransformerLayer(config, layout, stage_seed(init_seed, L + 3 + 2 * d), config.num_experts > 0)
-            for d in range(config.mtp_num_layers)], stage_seed(init_seed, L + 4))
+        self.mtp = None if not config.mtp_num_layers else MultiTokenPrediction(*mtp_arguments(config, layout,
+                                                                                              init_seed))
         self._mtp_hidden = None  # the final hidden states of a training forward, for the MTP loss
         self.checkpoint_fn = None  # set by the training wiring, e.g. deepspeed.checkpointing.checkpoint
 
@@ -467,8 +475,11 @@ class GPT(nn.Module):
             h = gather_from_sequence_parallel_region(h, 1, tensor_parallel_output_grad=False)
         return gather_from_context_parallel_region(h)
 
-    def _local_hidden_states(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
-        """Final-normed hidden states: [b, s, h], or this rank's [b, s / tp, h] under sequence parallelism."""
+    def _local_hidden_states(self, input_ids: torch.Tensor, cache=None, documents=None) -> torch.Tensor:
+        """Final-normed hidden states: [b, s, h], or this rank's [b, s / tp, h] under sequence parallelism.
+        ``documents``: packed rows, each document attending only to itself (``models.documents``)."""
+        if documents is not None:
+            return self.final_norm(documents.layers_output(self, input_ids))
         h = self.embedding(input_ids, None if cache is None else cache.positions)
         for i, layer in enumerate(self.layers):
             if cache is not None:
@@ -483,22 +494,23 @@ class GPT(nn.Module):
             self._mtp_hidden = h
         return h
 
-    def parallel_logits(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
+    def parallel_logits(self, input_ids: torch.Tensor, cache=None, documents=None) -> torch.Tensor:
         """This rank's vocabulary slice of the logits [b, s, padded_vocab / tp]. With a ``models.kv_cache.KVCache``
         (on which ``read`` was called for these tokens): the tokens continue the cached ones, and only the last
         position's logits [b, 1, padded_vocab / tp] come back (what decoding reads)."""
         if cache is not None and cp_world_size() > 1:
             raise ValueError("decoding with a KV cache is not implemented under context parallelism")
-        h = self._local_hidden_states(input_ids, cache)
+        h = self._local_hidden_states(input_ids, cache, documents)
         if cache is not None:
             h = h[:, -1:]
         return self.embedding.logits(h) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
-                reduction: str = "mean"):
+                reduction: str = "mean", documents=None):
         """Full logits [b, s, vocab] without labels; the cross-entropy with (shifted) labels, plus, in training
-        with a mean reduction, the MoE layers' auxiliary losses (``moe_aux_loss``)."""
-        out = self._forward(input_ids, labels, label_smoothing, reduction)
+        with a mean reduction, the MoE layers' auxiliary losses (``moe_aux_loss``). ``documents``: packed rows'
+        boundaries (``models.documents.DocumentAttention``)."""
+        out = self._forward(input_ids, labels, label_smoothing, reduction, documents)
         if labels is not None and self.training and reduction == "mean" and self.config.num_experts:
             out = out + self.moe_aux_loss()
         if labels is not None and self.training and reduction == "mean" and self.mtp is not None:
@@ -509,8 +521,13 @@ class GPT(nn.Module):
         """lambda x the MTP depths' mean cross-entropy (+ their MoE layers' auxiliary losses), from the hidden
         states of the training forward just run."""
         hidden, self._mtp_hidden = self._mtp_hidden, None
-        head = self.embedding.logits if self.lm_head is None else self.lm_head
-        loss = self.mtp.loss(hidden, input_ids, labels, self.embedding.word_embeddings, head)
+        if self.layout.tiled_loss > 1:  # each depth's output layer and loss tiled as the main one's
+            depths = self.mtp.hidden_states(hidden, input_ids, self.embedding.word_embeddings)
+            loss = torch.stack([self._tiled_cross_entropy(h, shifted(labels, k, -100))
+                                for k, h in enumerate(depths, start=1)]).mean()
+        else:
+            head = self.embedding.logits if self.lm_head is None else self.lm_head
+            loss = self.mtp.loss(hidden, input_ids, labels, self.embedding.word_embeddings, head)
         return self.config.mtp_loss_scaling_factor * loss + self.mtp.moe_aux_loss()
 
     def moe_aux_loss(self) -> torch.Tensor | float:
@@ -518,10 +535,10 @@ class GPT(nn.Module):
         return sum(layer.mlp.aux_loss for layer in self.layers
                    if isinstance(layer.mlp, MoEMLP) and layer.mlp.aux_loss is not None)
 
-    def _forward(self, input_ids, labels, label_smoothing: float, reduction: str):
+    def _forward(self, input_ids, labels, label_smoothing: float, reduction: str, documents=None):
         if labels is not None and self.layout.tiled_loss > 1:
-            return self._tiled_loss(input_ids, labels, label_smoothing, reduction)
-        logits = self.parallel_logits(input_ids)
+            return self._tiled_loss(input_ids, labels, label_smoothing, reduction, documents)
+        logits = self.parallel_logits(input_ids, documents=documents)
         if labels is None:
             return gather_from_context_parallel_region(gather_vocab_logits(logits, self.config.vocab_size))
         chunk = self.layout.loss_chunk_tokens or None  # (--loss-chunk-tokens: the fp32 work one chunk's at a time)
@@ -531,12 +548,18 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.config.vocab_size,
                                             label_smoothing=label_smoothing, reduction=reduction, chunk_tokens=chunk)
 
-    def _tiled_loss(self, input_ids, labels, label_smoothing: float, reduction: str) -> torch.Tensor:
+    def _tiled_loss(self, input_ids, labels, label_smoothing: float, reduction: str, documents=None) -> torch.Tensor:
         """ALST's tiled output layer and loss (models/tiling.py): the [s, V / tp] logits are never held whole."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"the tiled loss reduces to a mean or a sum, not {reduction!r}")
+        return self._tiled_cross_entropy(self._local_hidden_states(input_ids, documents=documents), labels,
+                                         label_smoothing, reduction)
+
+    def _tiled_cross_entropy(self, h: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
+                             reduction: str = "mean") -> torch.Tensor:
+        """The tiled loss of final-normed hidden states ``h`` as the layers give them (this rank's chunk under
+        sequence or context parallelism) against the whole sequence's ``labels``."""
         labels = context_chunk(labels)
-        h = self._local_hidden_states(input_ids)
         if self.layout.sequence_parallel:  # the tiles take the whole chunk (replicated over TP, as hidden_states)
             h = gather_from_sequence_parallel_region(h, 1, tensor_parallel_output_grad=False)
         head = self.embedding if self.lm_head is None else self.lm_head

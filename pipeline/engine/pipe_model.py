@@ -5,6 +5,13 @@ FinalNorm, LMHead), so a pipeline layer holds the parameters of the matching
 GPT submodule under the same names. For a tied model the Embedding appears
 twice through ``TiedLayerSpec``: DeepSpeed keeps one copy per owning stage and
 all-reduces its gradient between the first and last stage.
+
+Multi-token prediction (``mtp_num_layers``, models/deepseek.py) runs on the last stage, after the final norm: the
+input ids travel with the activations from the first stage (an integer tensor beside the hidden states and the
+auxiliary losses, which DeepSpeed's sends carry and give no gradient), the embedding is a tied layer of the first
+and last stages (untied output layer or not), whose last-stage copy embeds each depth's shifted tokens; the depths
+(``PipeMTP``, named ``mtp.*`` as the GPT's) give their hidden states to the one output layer, and the loss adds
+lambda x the mean of the depths' cross-entropies (``MTPLoss``), as ``GPT.forward``.
 """
 from __future__ import annotations
 
@@ -13,7 +20,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from models import GPTConfig
-from models.gpt import Embedding, FinalNorm, LMHead, TransformerLayer, context_parallel_cross_entropy, stage_seed
+from models.deepseek import MultiTokenPrediction, depth_inputs, depths_loss
+from models.gpt import (Embedding, FinalNorm, LMHead, TransformerLayer, context_parallel_cross_entropy, mtp_arguments,
+                        stage_seed)
 from models.moe import MoEMLP, is_moe_layer
 from models.parallel import Layout, ParallelState, scale_gradient, vocab_parallel_cross_entropy
 
@@ -25,8 +34,9 @@ def _tied_logits(embedding: Embedding, hidden):
 
 
 def _tied_logits_aux(embedding: Embedding, carried):
-    hidden, aux = carried
-    return embedding.logits(hidden), aux
+    """(hidden, aux, [each MTP depth's hidden]) -> their logits and aux."""
+    hidden, aux, *depths = carried
+    return embedding.logits(hidden), aux, *(embedding.logits(h) for h in depths)
 
 
 class VocabParallelLoss:
@@ -52,6 +62,25 @@ class VocabParallelLoss:
         return vocab_parallel_cross_entropy(logits, labels, vocab_size=self.vocab_size, chunk_tokens=self.chunk_tokens)
 
 
+class MTPLoss(VocabParallelLoss):
+    """``loss_fn`` of a model with multi-token prediction: (logits, aux, each depth's logits) -> the cross-entropy +
+    aux + ``scaling`` x the mean of the depths' cross-entropies (``GPT.forward``'s sum); under context parallelism
+    each a whole-sequence mean from this rank's chunk, the gradient times C (as ``VocabParallelLoss``)."""
+
+    def __init__(self, vocab_size: int, scaling: float, context_parallel: int = 1, chunk_tokens: int | None = None):
+        super().__init__(vocab_size, context_parallel, chunk_tokens)
+        self.scaling = scaling
+
+    def __call__(self, outputs, labels):
+        logits, aux, *depth_logits = outputs
+        if self.context_parallel == 1:
+            main = self._cross_entropy(logits, labels)
+        else:
+            main = context_parallel_cross_entropy(logits, labels, self.vocab_size, chunk_tokens=self.chunk_tokens)
+        loss = main + aux.sum() + self.scaling * depths_loss(depth_logits, labels, self.vocab_size)
+        return loss if self.context_parallel == 1 else scale_gradient(loss, self.context_parallel)
+
+
 def pipe_topology(state: ParallelState):
     """The topology of the ``PipelineModule``, from which DeepSpeed's ``PipelineEngine`` builds its grid (it takes
     no mpu, so no sequence-parallel group). Under context parallelism its data axis is data x context (state's
@@ -67,48 +96,96 @@ def pipe_topology(state: ParallelState):
                                          num_dp=state.data_parallel * state.context_parallel)
 
 
+def _no_aux(device) -> torch.Tensor:
+    return torch.zeros(1, device=device, requires_grad=True)
+
+
 class MoETransformerLayer(TransformerLayer):
-    """A layer of a mixture of experts' pipeline: the activations are (hidden, aux), aux [1] the sum of the
+    """A layer of a mixture of experts' pipeline: the activations are (hidden, aux, ...), aux [1] the sum of the
     auxiliary losses of the layers before (fp32), so that every stage's reach the last stage's loss, and their
-    gradient flows back through DeepSpeed's pipeline sends like the hidden states'. Not recomputed (as the GPT's
-    MoE layers: its name is not among the checkpointable layers)."""
+    gradient flows back through DeepSpeed's pipeline sends like the hidden states'; what follows (the input ids of
+    a model with multi-token prediction) passes through. Not recomputed (as the GPT's MoE layers: its name is not
+    among the checkpointable layers)."""
 
     def forward(self, x):
-        hidden, aux = x if isinstance(x, tuple) else (x, torch.zeros(1, device=x.device, requires_grad=True))
+        hidden, aux, *rest = x if isinstance(x, tuple) else (x, _no_aux(x.device))
         hidden = super().forward(hidden)
         if isinstance(self.mlp, MoEMLP) and self.training:
             aux = aux + self.mlp.aux_loss.float().reshape(1)
-        return hidden, aux
+        return hidden, aux, *rest
 
 
 class MoEFinalNorm(FinalNorm):
     def forward(self, x):
-        hidden, aux = x
-        return self.norm(hidden), aux
+        hidden, *rest = x
+        return self.norm(hidden), *rest
 
 
 class MoELMHead(LMHead):
+    """The output layer of the carried activations: (hidden, aux, [each MTP depth's hidden]) -> their logits and
+    aux."""
+
     def forward(self, x):
-        hidden, aux = x
-        return super().forward(hidden), aux
+        hidden, aux, *depths = x
+        head = super().forward
+        return head(hidden), aux, *(head(h) for h in depths)
+
+
+class IdsCarryingEmbedding(Embedding):
+    """The first stage of a model with multi-token prediction: (hidden, aux, input ids), the ids for the last
+    stage's depths (the whole sequence, as ``GPT.mtp_loss`` reads it)."""
+
+    def forward(self, input_ids):
+        hidden = super().forward(input_ids)
+        return hidden, _no_aux(hidden.device), input_ids
+
+
+def _mtp_embedded(embedding: Embedding, carried):
+    """The last stage's copy of the tied embedding: (hidden, aux, ids) -> (hidden, aux, each depth's embedded
+    input tokens)."""
+    hidden, aux, input_ids = carried
+    return hidden, aux, *depth_inputs(input_ids, embedding.config.mtp_num_layers, embedding.word_embeddings)
+
+
+class PipeMTP(MultiTokenPrediction):
+    """The depths as a layer of the last stage: (hidden, aux, each depth's embedded tokens) -> (hidden, aux + the
+    depths' MoE auxiliary losses, each depth's hidden states); the GPT's modules, seeds and names (``mtp.*``)."""
+
+    def __init__(self, config: GPTConfig, layout: Layout, init_seed: int):
+        super().__init__(*mtp_arguments(config, layout, init_seed))
+
+    def forward(self, carried):
+        hidden, aux, *embedded = carried
+        depths = self.depths(hidden, embedded)
+        extra = self.moe_aux_loss() if self.training else 0.0
+        if torch.is_tensor(extra):
+            aux = aux + extra.float().reshape(1)
+        return hidden, aux, *depths
 
 
 def layer_specs(config: GPTConfig, layout: Layout, init_seed: int) -> list:
-    """The stages in order; each draws its initial weights from the seed ``models.gpt.GPT`` gives it."""
-    L, moe = config.num_layers, bool(config.num_experts)
+    """The stages in order; each draws its initial weights from the seed ``models.gpt.GPT`` gives it. A model with
+    experts or multi-token prediction carries (hidden, aux, ...) between its layers."""
+    L, mtp = config.num_layers, bool(config.mtp_num_layers)
+    carried = bool(config.num_experts) or mtp
+    embedding = IdsCarryingEmbedding if mtp else Embedding
+
+    def tied(**kwargs):
+        return TiedLayerSpec(TIED_KEY, embedding, config, layout, stage_seed(init_seed, 0),
+                             tied_weight_attr=["word_embeddings.weight"], **kwargs)
+
+    first = tied() if config.tie_embeddings or mtp else LayerSpec(Embedding, config, layout, stage_seed(init_seed, 0))
     if config.tie_embeddings:
-        first = TiedLayerSpec(TIED_KEY, Embedding, config, layout, stage_seed(init_seed, 0),
-                              tied_weight_attr=["word_embeddings.weight"])
-        last = TiedLayerSpec(TIED_KEY, Embedding, config, layout, stage_seed(init_seed, 0),
-                             forward_fn=_tied_logits_aux if moe else _tied_logits,
-                             tied_weight_attr=["word_embeddings.weight"])
+        head = tied(forward_fn=_tied_logits_aux if carried else _tied_logits)
     else:
-        first = LayerSpec(Embedding, config, layout, stage_seed(init_seed, 0))
-        last = LayerSpec(MoELMHead if moe else LMHead, config, layout, stage_seed(init_seed, L + 2))
-    layer = MoETransformerLayer if moe else TransformerLayer
-    return [first, *(LayerSpec(layer, config, layout, stage_seed(init_seed, i + 1), is_moe_layer(config, i))
-                     for i in range(L)),
-            LayerSpec(MoEFinalNorm if moe else FinalNorm, config, layout), last]
+        head = LayerSpec(MoELMHead if carried else LMHead, config, layout, stage_seed(init_seed, L + 2))
+    layer = MoETransformerLayer if carried else TransformerLayer
+    specs = [first, *(LayerSpec(layer, config, layout, stage_seed(init_seed, i + 1), is_moe_layer(config, i))
+                      for i in range(L)),
+             LayerSpec(MoEFinalNorm if carried else FinalNorm, config, layout)]
+    if mtp:  # the depths' embedded tokens (L + 2, the tied embedding's last-stage copy), the depths (L + 3)
+        specs += [tied(forward_fn=_mtp_embedded), LayerSpec(PipeMTP, config, layout, init_seed)]
+    return [*specs, head]
 
 
 def gpt_pipeline(config: GPTConfig, state: ParallelState, init_seed: int, *, activation_checkpointing: bool = False,
@@ -120,9 +197,10 @@ def gpt_pipeline(config: GPTConfig, state: ParallelState, init_seed: int, *, act
         kwargs.update(activation_checkpoint_interval=1, checkpointable_layers=["TransformerLayer"])
         if checkpoint_fn is not None:
             kwargs["activation_checkpoint_func"] = checkpoint_fn
-    return PipelineModule(layers=layer_specs(config, layout, init_seed),
-                          loss_fn=VocabParallelLoss(config.vocab_size, state.context_parallel,
-                                                    layout.loss_chunk_tokens or None),
+    chunk = layout.loss_chunk_tokens or None
+    loss_fn = (MTPLoss(config.vocab_size, config.mtp_loss_scaling_factor, state.context_parallel, chunk)
+               if config.mtp_num_layers else VocabParallelLoss(config.vocab_size, state.context_parallel, chunk))
+    return PipelineModule(layers=layer_specs(config, layout, init_seed), loss_fn=loss_fn,
                           topology=pipe_topology(state), partition_method="type:TransformerLayer", **kwargs)
 
 
@@ -131,7 +209,7 @@ def pipe_to_gpt_name(name: str, config: GPTConfig) -> str:
 
     ``tied_modules.embed.word_embeddings.weight`` -> ``embedding.word_embeddings.weight``;
     ``<i>.<rest>``: layer 0 is the embedding, 1..L the transformer layers, L+1 the
-    final norm, L+2 the untied LM head.
+    final norm, L+2 the untied LM head; with multi-token prediction L+3 the depths (``mtp.*``), L+4 the head.
     """
     head, _, rest = name.partition(".")
     if head == "tied_modules":
@@ -144,6 +222,8 @@ def pipe_to_gpt_name(name: str, config: GPTConfig) -> str:
         return f"layers.{idx - 1}.{rest}"
     if idx == L + 1:
         return f"final_norm.{rest}"
+    if config.mtp_num_layers and idx == L + 3:
+        return f"mtp.{rest}"
     return f"lm_head.{rest}"
 
 
@@ -155,13 +235,15 @@ def gpt_to_pipe_layer(name: str, config: GPTConfig) -> int:
         return int(name.split(".")[1]) + 1
     if name.startswith("final_norm."):
         return config.num_layers + 1
-    return config.num_layers + 2
+    if name.startswith("mtp."):
+        return config.num_layers + 3
+    return config.num_layers + (4 if config.mtp_num_layers else 2)
 
 
 def gpt_to_pipe_name(name: str, config: GPTConfig) -> str:
     """The inverse of ``pipe_to_gpt_name``: a ``GPT`` parameter name as the PipelineModule names it."""
     idx = gpt_to_pipe_layer(name, config)
     rest = name.split(".", 2)[2] if name.startswith("layers.") else name.partition(".")[2]
-    if idx == 0 and config.tie_embeddings:
+    if idx == 0 and (config.tie_embeddings or config.mtp_num_layers):
         return f"tied_modules.{TIED_KEY}.{rest}"
     return f"{idx}.{rest}"

@@ -1,27 +1,28 @@
-"""DeepSeek-V3 whole, at the layouts of the composition matrix's "EP2 V3 MoE" cells: latent attention (a low-rank
-query), one multi-token prediction depth (an MoE layer of its own), a dense first layer, 8 fine-grained experts in 4
-groups chosen by sigmoid scores, a shared expert, the sequence-wise loss and the auxiliary-loss-free bias, trained 5
-steps in fp32 through DeepSpeed's engine at EP2, (EP2, TP2), (EP2, PP2) and (EP2, CP2) and compared with one process:
-the losses, every gradient (gathered whole: TP shards joined, experts named by their global index, pipeline stages
-joined) at every step, and the balancing biases, identical on every rank and equal after every step to the hand
-computation ``rate x sign(mean load - load)`` from the step's token counts summed over the ranks that routed other
-tokens. Each cell shows its layout was in force (``test_composition.assert_in_force``).
+"""DeepSeek-V3 whole, at the layouts of the composition matrix's "EP2 V3 MoE" cells and beyond: latent attention (a
+low-rank query), one multi-token prediction depth (an MoE layer of its own), a dense first layer, 8 fine-grained
+experts in 4 groups chosen by sigmoid scores, a shared expert, the sequence-wise loss and the auxiliary-loss-free
+bias, trained 5 steps in fp32 through DeepSpeed's engine at EP2, (EP2, TP2), (EP2, TP2 with sequence parallelism),
+(EP2, PP2), (EP2, CP2), (EP2, CP2, PP2), (EP2, tiled loss), (EP2, TP2 with SP, tiled loss) and (EP2, ZeRO-2) and
+compared with one process: the losses, every gradient (gathered whole: TP shards joined, experts named by their
+global index, pipeline stages joined) at every step, and the balancing biases, identical on every rank and equal after every step to the hand computation
+``rate x sign(mean load - load)`` from the step's token counts summed over the ranks that routed other tokens.
+Each cell shows its layout was in force (``test_composition.assert_in_force``; the tiled loss: the MTP depth's loss
+tiled too).
 
-Multi-token prediction does not run on pipeline stages (it reads the main model's input tokens and embedding after
-its last layer): the layout validator refuses it in one line, and the (EP2, PP2) cell trains the same model without
-its MTP depth (latent attention on both stages), against one process of that model. One 4-rank launch (every cell at
-world 4: EP2 over DP4, or beside TP2, PP2 or CP2 over DP2) and one 1-rank launch (the references)."""
+On pipeline stages the MTP depth runs on the last stage (the input ids carried from the first, the embedding tied
+between them); a dense llama with one MTP depth and tied embeddings trains at PP2 as its own one process too. One 4-rank launch (every cell at world 4: EP2 over DP4, or beside TP2, PP2, CP2, the tiled loss or
+ZeRO-2 over DP2 or DP4, or beside CP2 x PP2 or TP2+SP x tiled loss) and one 1-rank launch (the reference)."""
 import pytest
 import torch
-from composition import FEATURES, V3_MOE, cell_id
+from composition import DENSE, FEATURES, GLOBAL_BATCH, MICRO_BATCH, V3_MOE, cell_id
 from deepspeed.utils import safe_get_full_grad
 from dist import run_distributed
-from test_composition import assert_in_force, cell_engine, layout_shown
+from test_composition import COUNTED, _counting, assert_in_force, cell_engine, layout_shown
 
-from models import GPTConfig
+from models import GPT, GPTConfig
 from models.moe import expert_bias_gates, expert_slice, is_balance_bias, moe_step_stats
 from models.parallel import Layout, destroy_model_parallel, gather_full, get_shard_spec
-from pipeline.engine.pipe_model import pipe_to_gpt_name
+from pipeline.engine.pipe_model import gpt_to_pipe_name, pipe_to_gpt_name
 from pipeline.engine.steps import sequence_data_parallel_group, train_step
 from pipeline.job.layout import LayoutCheck, refusal
 
@@ -29,11 +30,16 @@ STEPS, WORLD, RATE = 5, 4, 1e-2
 V3 = {**V3_MOE, "variant": "llama", "num_layers": 3, "multi_latent_attention": True, "q_lora_rank": 16,
       "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "mtp_num_layers": 1,
       "mtp_loss_scaling_factor": 0.3, "moe_router_bias_update_rate": RATE, "tie_embeddings": False}
-MODELS = {"v3": V3, "v3 without MTP": {**V3, "mtp_num_layers": 0}}
-CELLS = {("EP2 V3 MoE",): "v3", ("TP2", "EP2 V3 MoE"): "v3", ("PP2", "EP2 V3 MoE"): "v3 without MTP",
-         ("CP2", "EP2 V3 MoE"): "v3"}
-# measured 2026-12-05 (fp32), the largest over the cells: losses 6.8e-8; the gradients of step 1 (the same weights)
-# 6.3e-7 in the worst tensor (max abs difference / max abs), those of steps 1-5 as one vector 5.6e-7 (TP2). From
+# a dense llama with one MTP depth and tied embeddings: on pipeline stages its layers carry the ids too
+DENSE_MTP = {**DENSE, "variant": "llama", "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3}
+MODELS = {"v3": V3, "dense mtp": DENSE_MTP}
+CELLS = {("EP2 V3 MoE",): "v3", ("TP2", "EP2 V3 MoE"): "v3", ("TP2+SP", "EP2 V3 MoE"): "v3",
+         ("PP2", "EP2 V3 MoE"): "v3", ("CP2", "EP2 V3 MoE"): "v3", ("CP2", "PP2", "EP2 V3 MoE"): "v3",
+         ("tiled loss", "EP2 V3 MoE"): "v3", ("TP2+SP", "tiled loss", "EP2 V3 MoE"): "v3",
+         ("DP2 ZeRO-2", "EP2 V3 MoE"): "v3", ("PP2",): "dense mtp"}
+# measured 2026-12-05 (fp32), the largest over the cells: losses 6.9e-8 (CP2 x PP2); the gradients of step 1 (the same
+# weights) 7.6e-7 in the worst tensor (max abs difference / max abs; PP2), those of steps 1-5 as one vector 5.6e-7
+# (TP2, TP2+SP). From
 # step 2 on a few tensors differ by up to 1.2e-4 (an expert's), not asserted: we attribute it to Adam dividing each
 # entry by its own magnitude (eps 1e-8), so that the rounding noise of a near-zero gradient entry in step 1 moves its
 # weight by up to lr x noise / eps; the losses and the whole gradient do not see it
@@ -42,7 +48,7 @@ TOLERANCE = 1e-6
 
 def cell_layout(names) -> Layout:
     fields = {k: v for name in names for k, v in FEATURES[name].layout.items()}
-    return Layout.for_world(WORLD, zero_stage=1, **fields)
+    return Layout.for_world(WORLD, **{"zero_stage": 1, **fields})
 
 
 def _gpt_name(engine, name: str) -> str:
@@ -88,6 +94,7 @@ def _hand_biases(engine, before: dict) -> dict:
 
 def _train(layout: Layout, model: str) -> dict:
     config = GPTConfig(**MODELS[model])
+    COUNTED.clear()
     state, engine, batches = cell_engine(layout, config, STEPS)
     engine.module_config = config
     grads, losses, biases, hand = [], [], [], []
@@ -105,6 +112,7 @@ def _train(layout: Layout, model: str) -> dict:
 
 def _worker(rank, todo) -> dict:
     torch.manual_seed(0)
+    _counting()
     return {key: _train(layout, model) for key, (layout, model) in todo.items()}
 
 
@@ -163,11 +171,30 @@ def test_deepseek_v3_trains_as_one_process(names, trained):
           f"tensor {later:.1e})")
     assert loss_rel < TOLERANCE and first_step < TOLERANCE and whole < TOLERANCE
     moved = ref["biases"][-1]
-    assert len(moved) == 3 - ("without" in CELLS[names]) and all(b.abs().sum() > 0 for b in moved.values())
+    assert len(moved) == (3 if CELLS[names] == "v3" else 0) and all(b.abs().sum() > 0 for b in moved.values())
     for rank in ranks:
         assert_in_force(names, layout, rank["shown"])
+    if layout.tiled_loss > 1:  # the main loss and each MTP depth's, every micro-batch of every rank
+        micro_batches = STEPS * GLOBAL_BATCH // (MICRO_BATCH * layout.data) * WORLD  # (summed over the ranks)
+        assert ranks[0]["shown"]["counted"]["tiled_loss"] == (1 + V3["mtp_num_layers"]) * micro_batches
 
 
-def test_mtp_on_pipeline_stages_is_refused_in_one_line():
-    reason = refusal(LayoutCheck(cell_layout(("PP2", "EP2 V3 MoE")), GPTConfig(**V3)))
-    assert reason and "\n" not in reason and reason.startswith("mtp_num_layers with --pipeline-parallel"), reason
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_names_of_mtp_round_trip(tied):
+    """Every GPT parameter of a model with MTP has a pipeline name (checkpoints and the universal resume map them
+    with ``gpt_to_pipe_name``) that maps back: the depths at layer L + 3, the head at L + 4, the embedding tied."""
+    config = GPTConfig(**{**V3, "tie_embeddings": tied})
+    names = [n for n, _ in GPT(config, init_seed=0).named_parameters()]
+    pipe = {n: gpt_to_pipe_name(n, config) for n in names}
+    assert all(pipe_to_gpt_name(p, config) == n for n, p in pipe.items())
+    assert pipe["embedding.word_embeddings.weight"] == "tied_modules.embed.word_embeddings.weight"
+    assert {p.split(".")[0] for n, p in pipe.items() if n.startswith("mtp.")} == {"6"}  # L = 3
+    assert tied or pipe["lm_head.weight"] == "7.weight"
+
+
+def test_a_dense_model_with_mtp_on_pipeline_stages_refuses_full_recomputation_in_one_line():
+    dense = GPTConfig(**DENSE_MTP)
+    layout = Layout.for_world(2, pipeline=2, recompute="full")
+    reason = refusal(LayoutCheck(layout, dense))
+    assert reason and "\n" not in reason and reason.startswith("mtp_num_layers with --pipeline-parallel and"), reason
+    assert refusal(LayoutCheck(layout.replace(recompute="selective", recompute_modules=("core_attn",)), dense)) is None
