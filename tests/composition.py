@@ -20,7 +20,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from models import GPTConfig  # noqa: E402
 from models.parallel import Layout  # noqa: E402
-from pipeline.job.layout import LayoutCheck, refusal  # noqa: E402
+from pipeline.job.layout import POST_TRAINING, LayoutCheck, refusal  # noqa: E402
 
 SEQ = 16
 DENSE = dict(variant="gpt2", vocab_size=256, hidden_size=32, num_layers=4, num_heads=4, max_position_embeddings=SEQ,
@@ -135,6 +135,33 @@ def cell_id(names) -> str:
     return " x ".join(names)
 
 
+# -- packed documents: SFT over packed conversations (mds-sft; pretraining has no packed-documents option) ----------
+
+PACKED_TEST = "tests/finetune/test_post_training_layouts.py::test_post_training_layout_equals_one_process"
+# the features at which SFT over packed documents is compared with one process: where (a cell of PACKED_TEST holds
+# the feature's layout fields: tests/finetune/test_post_training_layouts.py checks it)
+PACKED = {"TP2": "tests/finetune/test_post_training_tp.py::test_sft_and_dpo_tp2_equal_tp1",
+          "TP2+SP": f"{PACKED_TEST}[SFT TP2+SP gpt2]", "CP2": f"{PACKED_TEST}[SFT CP2 gpt2]",
+          "DP2 ZeRO-2": f"{PACKED_TEST}[SFT DP2 ZeRO-2]", "DP2 ZeRO-3": f"{PACKED_TEST}[SFT DP2 ZeRO-3]",
+          "EP2 MoE": f"{PACKED_TEST}[SFT EP2 MoE]", "tiled MLP": f"{PACKED_TEST}[SFT TP2 tiled MLP + tiled loss]",
+          "tiled loss": f"{PACKED_TEST}[SFT TP2 tiled MLP + tiled loss]",
+          "chunked loss": "tests/finetune/test_post_training_cli.py::test_sft_loss_takes_the_memory_savers"}
+
+
+def packed_refusal(name: str) -> str | None:
+    """The validator's answer to SFT (packed documents) at a feature's layout."""
+    layout, model = cell_layout((name,))
+    return refusal(LayoutCheck(layout, model_config(model), None, ds_config(layout), "DeepSpeed config",
+                               extras={POST_TRAINING: "SFT"}))
+
+
+def _packed_cell(name: str) -> str:
+    reason = packed_refusal(name)
+    if reason:
+        return f"refused: {_short(reason)}"
+    return f"exact (`{PACKED[name]}`)" if name in PACKED else "allowed, not compared with one process"
+
+
 # -- docs/composition.md -------------------------------------------------------------------------------------------
 
 def _pair_cell(a: str, b: str) -> str:
@@ -171,6 +198,10 @@ def render() -> str:
     for triple in TRIPLES:
         reason = cell_refusal(triple)
         lines.append(f"- {cell_id(triple)}: " + (f"refused: {_short(reason)}" if reason else "exact"))
+    lines += ["", "Packed documents (SFT over packed conversations, `mds-sft`: each conversation attends only to "
+                  "itself, `models/documents.py`; pretraining has no packed-documents option), with each feature "
+                  "alone, from the same validator:", ""]
+    lines += [f"- {name}: {_packed_cell(name)}" for name in names]
     counts = count_cells()
     lines += ["", f"Cells: {counts['exact']} exact, {counts['refused']} refused, {counts['n/a']} not applicable "
                   f"(pairs of the table's upper half, singles and triples).", ""]

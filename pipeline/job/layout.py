@@ -206,15 +206,15 @@ def experts_move_between_layouts(c: LayoutCheck) -> str | None:
 
 @rule
 def deepseek_options_where_built(c: LayoutCheck) -> str | None:
-    """Multi-head latent attention, multi-token prediction and the grouped experts run where they were built."""
+    """The grouped experts and a dense model's multi-token prediction on pipeline stages run where they were built
+    (otherwise latent attention and multi-token prediction train as one process at TP with or without SP, CP, PP,
+    EP, ZeRO 1-2 and the tiled loss: tests/pipeline/job/test_deepseek_layouts.py)."""
     L, cfg = c.layout, c.config
-    if getattr(cfg, "multi_latent_attention", False) and L.sequence_parallel:
-        return ("multi_latent_attention with --sequence-parallel: latent attention takes the whole sequence on every "
-                "tensor-parallel rank; drop --sequence-parallel (--context-parallel splits it)")
-    if getattr(cfg, "mtp_num_layers", 0) and (L.pipeline > 1 or L.sequence_parallel or L.tiled_loss > 1):
-        return ("mtp_num_layers with --pipeline-parallel, --sequence-parallel or --tiled-loss: multi-token prediction "
-                "reads the main model's last hidden states, its input tokens and its embedding after the last layer, "
-                "built for one stage and untiled whole chunks only; drop those flags or set mtp_num_layers 0")
+    if (getattr(cfg, "mtp_num_layers", 0) and not getattr(cfg, "num_experts", 0) and L.pipeline > 1
+            and L.recompute == "full"):
+        return ("mtp_num_layers with --pipeline-parallel and --recompute full on a model without experts: its stages' "
+                "layers carry the input ids to the multi-token prediction on the last stage and are not among "
+                "DeepSpeed's checkpointed layers; use --recompute selective or set mtp_num_layers 0")
     if getattr(cfg, "moe_grouped_gemm", False) and L.tiled_mlp > 1:
         return ("--tiled-mlp with moe_grouped_gemm: the grouped product runs every local expert's tokens at once, "
                 "untiled; drop --tiled-mlp or set moe_grouped_gemm false")
@@ -403,20 +403,24 @@ POST_TRAINING = "post_training"  # the extras key of the SFT and DPO commands: w
 
 @rule
 def post_training_layout(c: LayoutCheck) -> str | None:
-    """SFT's packed rows attend within their conversations through ``models.documents``, which needs the whole
-    sequence and the whole model on each rank; DPO's forward is the model's own, tested at TP only: both run at
-    TP x DP with ZeRO 0-2 (finetune/lm/job)."""
+    """SFT's packed rows and DPO's pairs go through the model's own forward at every layout but pipeline stages
+    (finetune/lm/job, models/documents.py); DPO reads per-token log-probabilities, which the tiled loss does not
+    keep."""
     what = c.extras.get(POST_TRAINING)
     if what is None:
         return None
     L = c.layout
-    for refused, flag in ((L.sequence_parallel, "--sequence-parallel"), (L.context > 1, "--context-parallel"),
-                          (L.pipeline > 1, "--pipeline-parallel"), (L.tiled_mlp > 1, "--tiled-mlp"),
-                          (L.tiled_loss > 1, "--tiled-loss"), (L.zero_stage == 3, "ZeRO stage 3"),
-                          (L.expert > 1, "--expert-parallel")):
-        if refused:
-            return (f"{what} with {flag}: the {what} forward runs at tensor and data parallelism with ZeRO 0-2 "
-                    f"only today; drop {flag}")
+    if L.pipeline > 1:
+        return (f"{what} with --pipeline-parallel: its step runs the whole model on each rank, while DeepSpeed's "
+                f"pipeline engine runs the stages on its own schedule and loss, which would have to carry the rows' "
+                f"document boundaries from stage to stage; drop --pipeline-parallel")
+    if what == "DPO" and L.tiled_loss > 1:
+        return ("DPO with --tiled-loss: DPO sums each completion's per-token log-probabilities, and the tiled loss "
+                "keeps only their total; drop --tiled-loss")
+    if getattr(c.config, "mtp_num_layers", 0):
+        return (f"{what} of a model with multi-token prediction (mtp_num_layers {c.config.mtp_num_layers}): its rows "
+                f"are attended document by document, and the MTP depths would read each row across its documents; "
+                f"finetune a base without MTP modules (mtp_num_layers 0)")
     return None
 
 
