@@ -35,6 +35,7 @@ from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import precision, resolve_ds_config, zero_stage
 from pipeline.engine.schedules import LRSchedule
 from pipeline.job.families import ModelFamily, family_of
+from pipeline.job.files import contents_digest
 from pipeline.job.loop import Job, is_rank0
 from pipeline.planning.memory import activations, model_states
 from pipeline.planning.shapes import model_shape
@@ -162,7 +163,8 @@ class Head:
 
 def provide_head(args, base: Base, data: Splits) -> Head:
     config = base.config
-    head_bias = {"yes": True, "no": False, "auto": getattr(config, "variant", None) != "llama"}[args.head_bias]
+    # auto: a bias where the export can take it into the final norm's bias (an RMSNorm has none)
+    head_bias = {"yes": True, "no": False, "auto": getattr(config, "norm_has_bias", True)}[args.head_bias]
     pooling = args.pooling or base.family.get("encoder").default_pooling
     try:
         head_config = HeadConfig(config.hidden_size, data.train.num_labels, pooling=pooling,
@@ -255,6 +257,7 @@ def provide_engine(args, base: Base, data: Splits, head: Head, job: Job):
 def run_settings(args, base: Base, data: Splits, head: Head, job: Job, steps: tuple[int, int], cached: bool) -> dict:
     steps_per_epoch, total_steps = steps
     return {"base": str(args.base), "train": data.train.source, "dev": data.dev.source,
+            "train_contents": contents_digest(data.train.source), "dev_contents": contents_digest(data.dev.source),
             "labels": list(data.train.label_names),
             "examples": {"train": len(data.train), "dev": len(data.dev), "threshold_tuning": len(data.tune_on)},
             "thresholds_tuned_on": "holdout" if args.holdout else "dev",

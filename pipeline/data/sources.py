@@ -213,12 +213,35 @@ def _load_part(source, part, text_field, streaming, cache_dir, encoding_errors, 
         builder = "parquet"
     where = source.describe() if len(source.parts) == 1 else f"{source.spec} ({fmt} files)"
     try:
-        ds = datasets.load_dataset(builder, data_files=part.files, split="train", streaming=streaming,
-                                   cache_dir=cache_dir, num_proc=None if streaming else num_proc, **kwargs)
+        if streaming:
+            ds = datasets.load_dataset(builder, data_files=part.files, split="train", streaming=True,
+                                       cache_dir=cache_dir, **kwargs)
+        else:
+            ds = _load_local_files(builder, part.files, cache_dir, num_proc, **kwargs)
     except Exception as e:
         raise explain_read_error(e, part.files, where) from e
     field_name = "text" if builder == "text" else text_field
     return _text_only(ds, field_name, where)
+
+
+class _FilesWhereTheyLie(datasets.DownloadManager):
+    """A download manager for local data files: they are read where they lie (as datasets' own manager returns a
+    local path unchanged), without its "Downloading data: N/N files" bar, which it shows for 16 files or more
+    although nothing is downloaded. Compressed files are still extracted by the manager's ``extract``."""
+
+    def download(self, url_or_urls):
+        return url_or_urls
+
+
+def _load_local_files(builder_name: str, files, cache_dir, num_proc, **kwargs) -> datasets.Dataset:
+    """``datasets.load_dataset(builder_name, data_files=files, split="train")``: the same builder, cache and
+    "Generating train split" progress, with the local files read in place."""
+    builder = datasets.load_dataset_builder(builder_name, data_files=files, cache_dir=cache_dir, **kwargs)
+    downloads = None if cache_dir is None else os.path.join(cache_dir, "downloads")  # where datasets extracts
+    manager = _FilesWhereTheyLie(dataset_name=builder.dataset_name, data_dir=builder.config.data_dir,
+                                 download_config=datasets.DownloadConfig(cache_dir=downloads, num_proc=num_proc))
+    builder.download_and_prepare(dl_manager=manager, num_proc=num_proc)
+    return builder.as_dataset(split="train")
 
 
 def _hub_offline() -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import json
 import os
@@ -80,6 +81,19 @@ class OutputError(UserError, FileExistsError):
 
     def __init__(self, message: str):
         super().__init__(message)  # one argument: the handler prints the message, not an OS error format
+
+
+def contents_digest(path: str | os.PathLike) -> str | None:
+    """"sha256:<hex>" of a file's bytes (what a resumed run must read again), None for anything else (a folder,
+    a dataset name)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return f"sha256:{digest.hexdigest()}"
 
 
 def read_utf8_text(path: str | os.PathLike, what: str = "text file") -> str:

@@ -25,7 +25,7 @@ from pipeline.job.layout import POST_TRAINING
 from finetune.lm.job.providers import RowIndices
 from finetune.lm.packing import collate, pack_conversations
 from finetune.lm.sft import sft_loss
-from models import GPT
+from models import GPT, GPTConfig
 from models.parallel import Layout
 from pipeline.checkpoints.model_dir import read_model_dir, write_model_dir
 from pipeline.checkpoints.state_dicts import load_full_state_dict
@@ -301,7 +301,6 @@ def test_lora_dpo_at_tp2_and_from_precomputed_logps_equals_the_library(work, dpo
 def test_refusals_in_one_line(work, tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"conversation": CONVERSATIONS[0]}) + "\n")
     (tmp_path / "same.jsonl").write_text(json.dumps({**PAIRS[0], "rejected": PAIRS[0]["chosen"]}) + "\n")
-    (tmp_path / "zero3.json").write_text(json.dumps({**DS, "zero_optimization": {"stage": 3}}))
     plain = tmp_path / "plain_tokenizer"
     tok = smollm2_tokenizer()
     tok.chat_template = None
@@ -322,9 +321,7 @@ def test_refusals_in_one_line(work, tmp_path):
         "unknown target": (sft, args(work / "chats.jsonl", "--lora-target-modules", "q_projx"),
                            "'q_projx' names no linear"),
         "identical pair": ("finetune.lm.job.dpo", args(tmp_path / "same.jsonl"), "are the same"),
-        "ZeRO-3": (sft, args(work / "chats.jsonl", "--deepspeed_config", tmp_path / "zero3.json"),
-                   "SFT with ZeRO stage 3"),
-        "tiled MLP": ("finetune.lm.job.dpo", args(work / "pairs.jsonl", "--tiled-mlp", 2), "DPO with --tiled-mlp"),
+        "tiled loss": ("finetune.lm.job.dpo", args(work / "pairs.jsonl", "--tiled-loss", 2), "DPO with --tiled-loss"),
         "--save not empty": (sft, args(work / "chats.jsonl", save=tmp_path / "full"), "not empty"),
         "--no-resume, --save not empty": (sft, args(work / "chats.jsonl", "--no-resume", save=tmp_path / "full"),
                                           "--no-resume starts a new run in a new or empty directory only"),
@@ -338,10 +335,16 @@ def test_refusals_in_one_line(work, tmp_path):
         assert "Traceback" not in err, name
 
 
-def test_the_layout_rule_refuses_what_the_packed_forward_does_not_do_and_nothing_else():
-    sp = Layout(tensor=2, sequence_parallel=True)
-    assert "SFT with --sequence-parallel" in refusal(LayoutCheck(sp, extras={POST_TRAINING: "SFT", "world": 2}))
-    assert "DPO with --context-parallel" in refusal(LayoutCheck(Layout(context=2), extras={POST_TRAINING: "DPO",
-                                                                                          "world": 2}))
-    assert refusal(LayoutCheck(sp, extras={"world": 2})) is None  # pretraining's layout, untouched
-    assert refusal(LayoutCheck(Layout(tensor=2), extras={POST_TRAINING: "SFT", "world": 4})) is None
+def test_the_layout_rule_refuses_what_the_post_training_forward_does_not_do_and_nothing_else():
+    pp = Layout(pipeline=2)
+    assert "SFT with --pipeline-parallel" in refusal(LayoutCheck(pp, extras={POST_TRAINING: "SFT", "world": 2}))
+    assert "DPO with --tiled-loss" in refusal(LayoutCheck(Layout(tiled_loss=2), extras={POST_TRAINING: "DPO",
+                                                                                       "world": 1}))
+    assert refusal(LayoutCheck(pp, extras={"world": 2})) is None  # pretraining's layout, untouched
+    mtp = GPTConfig(variant="llama", hidden_size=32, num_layers=2, num_heads=4, vocab_size=64,
+                    max_position_embeddings=16, mtp_num_layers=1)
+    assert "SFT of a model with multi-token prediction" in refusal(LayoutCheck(Layout(), mtp, extras={
+        POST_TRAINING: "SFT", "world": 1}))
+    for layout in (Layout(tensor=2, sequence_parallel=True), Layout(context=2), Layout(zero_stage=3, data=2),
+                   Layout(expert=2, data=2), Layout(tiled_mlp=2, tiled_loss=2)):  # (test_post_training_layouts.py)
+        assert refusal(LayoutCheck(layout, extras={POST_TRAINING: "SFT", "world": layout.world})) is None, layout

@@ -6,8 +6,8 @@ import datasets
 
 from finetune.lm.chat import load_conversations, tokenize_conversations, training_chat_template
 from finetune.lm.dpo import tokenize_pairs
-from finetune.lm.job.preference import collate as collate_pairs, provide_forward
-from finetune.lm.job.providers import PostTrainingError, run, start
+from finetune.lm.job.preference import collate as collate_pairs, provide_forward, sequence_multiple
+from finetune.lm.job.providers import PostTrainingError, answer_finished, run, start
 from finetune.lm.job.samples import chat_sample_hooks
 from finetune.lm.packing import collate, pack_conversations
 from finetune.lm.sft import sft_loss
@@ -33,6 +33,9 @@ def sft_forward(engine, batch) -> dict:
 
 def run_sft(args) -> dict:
     """The SFT job; returns the last metrics."""
+    finished = answer_finished(args, "sft")
+    if finished is not None:
+        return finished
     base, job = start(args, "SFT")
     return run(args, "sft", base, job, provide_rows(args, base),
                lambda rows: collate(rows, base.config.seq_length, base.pad_id), lambda engine: sft_forward,
@@ -55,7 +58,10 @@ def provide_pairs(args, base) -> list[dict]:
 
 def run_dpo(args) -> dict:
     """The DPO job; returns the last metrics."""
+    finished = answer_finished(args, "dpo")
+    if finished is not None:
+        return finished
     base, job = start(args, "DPO", dropout=False)
     rows = provide_pairs(args, base)  # with LoRA the reference is the policy with its adapters off
-    return run(args, "dpo", base, job, rows, collate_pairs(base.pad_id),
+    return run(args, "dpo", base, job, rows, collate_pairs(base.pad_id, sequence_multiple(job.state.layout)),
                lambda engine: provide_forward(args, base, job, engine, rows), beta=args.beta)

@@ -13,20 +13,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedConfig
 
 from finetune.job.loop import full_fp32_state
 from finetune.job.resume import CHECKPOINT_DIR, remove_state, save_state_hook, saved_state
 from pipeline.job.layout import POST_TRAINING
 from finetune.lm.job.options import lora_from_args, lora_settings
-from finetune.lm.job.report import summary
-from finetune.lm.job.resume import continue_from, plan_continuation
+from finetune.lm.job.report import Trained, finished_before, is_finished, summary
+from finetune.lm.job.resume import continue_from, plan_continuation, reuse_reference_logps
 from finetune.saved import load_full_gpt_state
 from models.lora import LoRAConfig, add_lora, is_lora_parameter
 from models.parallel import tp_world_size
@@ -35,6 +35,7 @@ from pipeline.checkpoints.state_dicts import load_full_state_dict
 from pipeline.checkpoints.universal import checkpoint_info
 from pipeline.data.loaders import DistributedBatchLoader
 from pipeline.engine.build import build_engine
+from pipeline.engine.ds_config import precision
 from pipeline.engine.schedules import schedule_from_args
 from pipeline.engine.steps import grad_norm, optimizer_step
 from pipeline.hf.export import export_hf
@@ -43,7 +44,7 @@ from pipeline.hf.peft_adapter import (LoRATarget, export_peft_adapter, lora_targ
 from pipeline.job.errors import UserError
 from pipeline.job.families import ModelFamily, family_of
 from pipeline.job.faults import LOCK_FILE
-from pipeline.job.files import OutputError, refuse_overlap
+from pipeline.job.files import OutputError, contents_digest, refuse_overlap
 from pipeline.job.loop import Job, StepResult, barrier, every, is_rank0, setup, train_loop
 from pipeline.job.options import EngineOptions
 from pipeline.job.run_dir import refuse_non_empty, save_settings, say, settings_record, warn_without_save
@@ -59,7 +60,7 @@ class Base:
     """The base model provider's result."""
     family: ModelFamily
     config: object
-    state: dict | None        # full TP=1 weights, until the engine holds them
+    state: Mapping | None    # full TP=1 weights (a model directory's read lazily), until the engine holds them
     tokenizer: object         # a transformers tokenizer
     tokenizer_dir: Path
     lora: LoraConfig | None
@@ -84,7 +85,7 @@ def check_save(args, inputs) -> None:
         return
     if save.is_dir() and any(p.name != LOCK_FILE for p in save.iterdir()):
         if not args.force:
-            finished = (save / "hf").is_dir() and (save / "model").is_dir()
+            finished = is_finished(save)  # (without its args.json: finished_before answers one with it)
             raise OutputError(f"--save {save}: " + ("holds a finished run (model/, hf/): nothing to run; choose a "
                                                     "new directory, or pass --force to train it again" if finished
                                                     else "not empty; choose a new directory, rerun the interrupted "
@@ -98,11 +99,12 @@ def check_save(args, inputs) -> None:
 def provide_base(args, lora: LoraConfig | None, *, dropout: bool = True) -> Base:
     """The base GPT, its tokenizer and the LoRA targets (a module name that matches nothing is refused), read
     before any process group exists. ``dropout`` False: hidden and attention dropout off (TRL's DPO default)."""
-    config, state, tokenizer_dir = load_full_gpt_state(args.base)
+    config, state, tokenizer_dir = load_full_gpt_state(args.base, lazy=True)  # read into the model tensor by tensor
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else tokenizer_dir
     if tokenizer_dir is None:
         raise PostTrainingError(f"--base {args.base}: holds no tokenizer; pass --tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
+    # config: the directory's config.json is the project's, not a transformers config (transformers would warn)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False, config=PreTrainedConfig())
     if len(tokenizer) > config.vocab_size:
         raise PostTrainingError(f"--tokenizer {tokenizer_dir}: {len(tokenizer)} tokens, more than the model's "
                                 f"{config.vocab_size}; give the base model's tokenizer")
@@ -162,9 +164,9 @@ def provide_engine(args, base: Base, job: Job, ds: dict | None = None):
     the same at every layout), so the optimizer, and ZeRO's partitions, hold the adapters only. ``ds``: the
     DeepSpeed config, if not the job's."""
     def builder(config, init_seed):
-        model = base.family.build(config, init_seed)
+        model = build_in_dtype(base, config, init_seed, weights_dtype(ds or job.ds))
         load_full_state_dict(model, base.state, source=str(args.base))
-        if base.lora is not None:
+        if base.lora is not None:  # (the adapters drawn in fp32, then cast by DeepSpeed as the base would be)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(args.seed)
                 add_lora(model, project_targets(base.targets),
@@ -180,6 +182,23 @@ def provide_engine(args, base: Base, job: Job, ds: dict | None = None):
         trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         engine.module.universal_checkpoint_info = checkpoint_info(trained, base.config.vocab_size, tp_world_size())
     return engine
+
+
+def weights_dtype(ds: dict) -> torch.dtype:
+    """The dtype DeepSpeed gives the module's weights under ``ds`` (bf16, fp16: it casts the module to it)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision(ds), torch.float32)
+
+
+def build_in_dtype(base: Base, config, init_seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    """The base model built with its weights already in ``dtype``: under bf16 / fp16 the frozen base (all of LoRA's
+    weights but the adapters) is never held in fp32 first. The loaded values round to ``dtype`` as DeepSpeed's cast of
+    an fp32 model would round them (the GPT has no buffers; its random init is overwritten by the load)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return base.family.build(config, init_seed)
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _requires_grad(module, inputs, output: torch.Tensor) -> None:
@@ -201,20 +220,11 @@ def frozen_copy(base: Base, engine) -> torch.nn.Module:
 
 def run_settings(args, base: Base, job: Job, **extra) -> dict:
     """What an interrupted run must be continued with (``finetune.job.resume.check_resumable``)."""
-    return {"base": str(args.base), "data": str(args.data), "lora": lora_settings(base.lora, base.targets),
+    return {"base": str(args.base), "data": str(args.data), "data_contents": contents_digest(args.data),
+            "lora": lora_settings(base.lora, base.targets),
             "seq_length": base.config.seq_length,
             "train_steps": args.train_steps, "lr": args.lr, "global_batch": job.global_batch,
             "micro_batch": job.micro_batch, "seed": args.seed, **extra}
-
-
-@dataclass
-class Trained:
-    steps: int
-    losses: list
-    last: dict            # the last step's record
-    finished: bool
-    tokens: int = 0       # target tokens of this command's steps (the summary's tokens/s)
-    seconds: float = 0.0
 
 
 def train(args, name: str, engine, layout: dict, loader, batches, forward: Callable, settings: dict,
@@ -253,6 +263,18 @@ def train(args, name: str, engine, layout: dict, loader, batches, forward: Calla
     return Trained(steps, losses, dict(last), steps >= args.train_steps, **timing)
 
 
+def answer_finished(args, name: str) -> dict | None:
+    """The same command again on its finished run: its summary and next commands said, its result (nothing runs);
+    None when --save holds no finished run of this command (``report.finished_before``)."""
+    finished = finished_before(args, name)
+    if finished is None:
+        return None
+    lines, result = finished
+    for line in lines:
+        say(line)
+    return result
+
+
 def start(args, what: str, *, dropout: bool = True) -> tuple[Base, Job]:
     """--save checked, the base and LoRA read, then ``setup``: the layout validated with every rule (this
     command's: ``pipeline.job.layout.post_training_layout``), the process groups built."""
@@ -269,14 +291,17 @@ def run(args, name: str, base: Base, job: Job, rows: list, collate: Callable, ma
     """Batches of ``rows``, the engine (an interrupted run's state loaded into it, from any layout), the loop over
     ``make_forward(engine)``'s forward with ``make_hooks(engine)``'s hooks, then the exports (or where a stop
     signal ended the run)."""
+    save = Path(args.save) if args.save else None
+    if saved_state(save) is not None:  # (an interrupted run's precomputed reference, checked and taken back)
+        reuse_reference_logps(args, save, rows)
     loader = row_loader(rows, job, args.seed, str(args.data))
     train_steps(args, loader, job)
     settings = run_settings(args, base, job, command=name, **settings)
     layout = job.record(base.family.name)
-    plan = plan_continuation(Path(args.save) if args.save else None, settings, layout, base.config)
+    plan = plan_continuation(save, settings, layout, base.config)
     engine = provide_engine(args, base, job, plan.ds(job.ds) if plan else None)
-    if args.save is not None and is_rank0():
-        save_settings(Path(args.save), args, job.ds)
+    if save is not None and is_rank0():
+        save_settings(save, args, job.ds)
     forward = make_forward(engine)
     base.state = None  # the engine (and a reference model) hold the weights now
     resumed = continue_from(engine, plan, base.config, loader)
@@ -301,7 +326,7 @@ def export(args, base: Base, engine) -> dict:
         if base.lora is not None:  # the frozen base as it was read, not rounded to the engine's precision
             adapter = {k: v for k, v in full.items() if is_lora_parameter(k)}
             out["adapter"] = export_peft_adapter(save / "adapter", base.lora, adapter, base.targets, force=True)
-            full = merged_state_dict(load_full_gpt_state(args.base)[1], adapter, base.targets,
+            full = merged_state_dict(load_full_gpt_state(args.base, lazy=True)[1], adapter, base.targets,
                                      base.lora.lora_alpha / base.lora.r)
         out["model"] = write_model_dir(base.config, full, save / "model", tokenizer=base.tokenizer_dir, force=True)
         out["hf"] = export_hf(base.config, full, save / "hf", tokenizer_dir=base.tokenizer_dir, force=True)

@@ -135,6 +135,23 @@ def test_folder_glob_and_several_sources(tmp_path):
     assert _stream(train2) == _stream(train)
 
 
+def test_a_folder_of_many_files_is_read_in_place_without_a_download_bar(tmp_path, capfd):
+    """datasets' manager shows "Downloading data: N/N files" for 16 local files or more (nothing is downloaded);
+    ours reads them where they lie, compressed ones extracted, in the order given, with the generation bar kept."""
+    docs = _news_docs(20)
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i, doc in enumerate(docs[:-1]):
+        (folder / f"{i:02d}.txt").write_text(doc, encoding="utf-8")
+    with gzip.open(folder / "99.txt.gz", "wt", encoding="utf-8") as f:
+        f.write(docs[-1])
+    capfd.readouterr()
+    train, _ = _build(str(folder), tmp_path)
+    shown = capfd.readouterr().err
+    assert _stream(train) == _expected(docs)
+    assert "Generating train split" in shown and "Downloading data" not in shown
+
+
 def test_default_corpus_is_the_standard_library():
     files = default_corpus()
     assert len(files) > 300 and all(f.endswith(".py") for f in files)
