@@ -16,6 +16,7 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
+import queue as queue_module
 import resource
 import statistics
 import sys
@@ -121,11 +122,19 @@ def trl_peft(work: Path, steps: int, seq: int, out) -> None:
 
 
 def run_child(fn, *args) -> dict:
+    """``fn(*args, queue)`` in a fresh process; its result, or SystemExit when it dies without one (a failed child
+    must end the benchmark, not leave it waiting on the queue)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=fn, args=(*args, queue))
     proc.start()
-    result = queue.get()
+    while True:
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive():
+                raise SystemExit(f"{fn.__name__} ended with exit code {proc.exitcode} and no result") from None
     proc.join()
     return result
 

@@ -9,7 +9,7 @@ against TRL's ``SFTTrainer`` on the same data, batch and CPU.
 Each tweet is a conversation: the user asks "Which of these emotions does the tweet express?" with the 11 E-c
 labels and the tweet; the assistant answers with the labels that hold, comma-separated ("none" for none). The
 loss is on the answer only, conversations packed into rows of --seq-length tokens (4 rows a step, fp32, AdamW,
-DeepSpeed ZeRO 0 on one rank). After training, each model (the base too, zero-shot) answers the first --limit dev
+DeepSpeed ZeRO 0 on one rank; ``--precision bf16``: our contenders in DeepSpeed's bf16 with fp32 masters). After training, each model (the base too, zero-shot) answers the first --limit dev
 tweets greedily (the merged Hugging Face export, transformers' ``generate``); an answer's label names are its
 prediction, scored with ``finetune.scoring.metrics.multilabel_scores``.
 
@@ -23,6 +23,10 @@ json says what was run. ``--savers`` also runs our contenders with the memory sa
 
     python bench/post_training_ec.py --steps 4 --train-limit 400 --no-score --savers \
         --contenders "ours full" "ours lora" --out bench/results/post_training_ec_memory.json
+    python bench/post_training_ec.py --steps 4 --train-limit 400 --no-score --savers --precision bf16 \
+        --contenders "ours full" "ours lora" --out bench/results/post_training_ec_memory_bf16.json
+
+A child that dies without a result ends the benchmark (``run_child``), with its exit code.
 """
 from __future__ import annotations
 
@@ -99,8 +103,9 @@ def import_base(out: Path, queue) -> None:
     queue.put({})
 
 
-def write_inputs(work: Path, base: Path, train_limit: int, queue) -> None:
-    """chats.jsonl (train), the DeepSpeed config, and the base's Hugging Face export with a training template."""
+def write_inputs(work: Path, base: Path, train_limit: int, precision: str, queue) -> None:
+    """chats.jsonl (train), the DeepSpeed config (bf16: DeepSpeed's bf16 weights with fp32 masters), and the base's
+    Hugging Face export with a training template."""
     from transformers import AutoTokenizer
 
     from finetune.lm.chat import training_chat_template
@@ -114,7 +119,8 @@ def write_inputs(work: Path, base: Path, train_limit: int, queue) -> None:
     (work / "ds.json").write_text(json.dumps({
         "train_batch_size": ROWS, "train_micro_batch_size_per_gpu": ROWS, "steps_per_print": 10**9,
         "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}}}))
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
+        **({"bf16": {"enabled": True}} if precision == "bf16" else {})}))
     config, state, tokenizer_dir = read_model_dir(base)
     export_hf(config, state, work / "base_hf", tokenizer_dir=tokenizer_dir, force=True)
     tok = AutoTokenizer.from_pretrained(work / "base_hf")
@@ -266,8 +272,8 @@ def plot(result: dict, path: Path) -> None:
         axes[2].set_ylabel(f"dev micro-F1 (first {result['settings']['dev_tweets']} tweets; recipe: all 886)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=30, labelsize=8)
-    fig.suptitle(f"E-c as an instruction task, SmolLM2-135M-Instruct, {result['settings']['steps']} steps; "
-                 f"load {result['load_average'][0]:.1f}")
+    fig.suptitle(f"E-c as an instruction task, SmolLM2-135M-Instruct, {result['settings']['steps']} steps, "
+                 f"{result['settings'].get('precision', 'fp32')}; load {result['load_average'][0]:.1f}")
     fig.tight_layout()
     atomic_write_figure(path, fig)
 
@@ -286,17 +292,23 @@ def main() -> None:
     p.add_argument("--savers", action="store_true", help="also run each of our contenders with --recompute full "
                                                          "and --loss-chunk-tokens (named '... +savers')")
     p.add_argument("--loss-chunk-tokens", type=int, default=128, help="with --savers (default 128)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="our contenders' weights (bf16: DeepSpeed's bf16 with fp32 masters; ours only)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "post_training_ec.json")
     args = p.parse_args()
+    if args.precision != "fp32" and any(not c.startswith("ours") for c in args.contenders):
+        p.error("--precision bf16 measures our contenders only: pass --contenders 'ours full' 'ours lora'")
+    # THP as a command sets it at its start (pipeline.job.errors.start_command), before torch's first allocation
     os.environ.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1",
-                      HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+                      HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT),
+                      THP_MEM_ALLOC_ENABLE=os.environ.get("THP_MEM_ALLOC_ENABLE", "1"))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         base = args.base or work / "base"
         if not (base / "model.safetensors").is_file():
             run_child(import_base, base)
-        inputs = run_child(write_inputs, work, base, args.train_limit)
+        inputs = run_child(write_inputs, work, base, args.train_limit, args.precision)
         runs = {}
         savers = ["--recompute", "full", "--loss-chunk-tokens", str(args.loss_chunk_tokens)]
         for name in args.contenders:
@@ -311,7 +323,7 @@ def main() -> None:
     result = {"settings": {"steps": args.steps, "rows_per_step": ROWS, "seq_length": args.seq_length,
                            "train_conversations": inputs["train_conversations"], "dev_tweets": args.limit or 886,
                            "lr": LR, "lora": {"r": RANK, "alpha": ALPHA, "target_modules": TARGETS},
-                           "precision": "fp32", "threads": os.environ["OMP_NUM_THREADS"],
+                           "precision": args.precision, "threads": os.environ["OMP_NUM_THREADS"],
                            "savers": savers if args.savers else None},
               "load_average": os.getloadavg(), "seconds": time.perf_counter() - start,
               "training": {n: speed(r, args.seq_length) for n, r in runs.items()}, "dev": dev,

@@ -175,7 +175,8 @@ def load_classifier(directory: str | os.PathLike, *, dtype: torch.dtype = torch.
 
 # ------------------------------------------------------------------------------ full state dicts in
 
-def load_base_state(directory: str | Path) -> tuple[GPTConfig | MLSTMConfig, dict[str, torch.Tensor], Path | None]:
+def load_base_state(directory: str | Path, *, lazy: bool = False
+                    ) -> tuple[GPTConfig | MLSTMConfig, Mapping[str, torch.Tensor], Path | None]:
     """(model config, full TP=1 state dict, tokenizer directory or None) of a base model directory:
 
     * a project pretraining run (``config.json``, ``tokenizer/``, ``latest`` -> ``global_stepN/``) saved at any
@@ -185,7 +186,9 @@ def load_base_state(directory: str | Path) -> tuple[GPTConfig | MLSTMConfig, dic
       ``models.save_mlstm`` writes; tokenizer files beside them or in tokenizer/);
     * a finetuned classifier directory (its encoder).
 
-    Torch files are read with ``weights_only=True``. The tensors keep their stored dtype."""
+    Torch files are read with ``weights_only=True``. The tensors keep their stored dtype. ``lazy``: a model
+    directory's weights are read one tensor at a time when asked for (a read-only mapping), so a model built
+    beside them is not held twice; the other forms are read whole."""
     d = Path(directory)
     if not d.exists():
         raise BaseModelError(f"base model directory {d} does not exist")
@@ -201,7 +204,7 @@ def load_base_state(directory: str | Path) -> tuple[GPTConfig | MLSTMConfig, dic
     if (d / WEIGHTS_FILE).is_file():
         if not (d / CONFIG_FILE).is_file():
             raise BaseModelError(f"{d} has {WEIGHTS_FILE} but no {CONFIG_FILE} (the model config)")
-        return read_model_dir(d)
+        return read_model_dir(d, lazy=lazy)
     if is_deepspeed_run_dir(d):
         return read_full_model_state(d)
     found = ", ".join(sorted(p.name for p in d.iterdir())[:12]) or "nothing"
@@ -210,9 +213,10 @@ def load_base_state(directory: str | Path) -> tuple[GPTConfig | MLSTMConfig, dic
                          f"found: {found}")
 
 
-def load_full_gpt_state(directory: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], Path | None]:
+def load_full_gpt_state(directory: str | Path, *, lazy: bool = False
+                        ) -> tuple[GPTConfig, Mapping[str, torch.Tensor], Path | None]:
     """``load_base_state`` for a GPT base model (refuses any other)."""
-    config, full, tokenizer_dir = load_base_state(directory)
+    config, full, tokenizer_dir = load_base_state(directory, lazy=lazy)
     if not isinstance(config, GPTConfig):
         raise BaseModelError(f"{directory} holds a {type(config).__name__} model, not a GPT")
     return config, full, tokenizer_dir

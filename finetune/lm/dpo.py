@@ -82,12 +82,13 @@ class _TokenizePair:
         return tokenize_pair(self.tokenizer, pair, f"pair {index}")
 
 
-def collate_pairs(rows: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def collate_pairs(rows: list[dict], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids`` [2b, s] (the b prompt + chosen rows, then the b prompt + rejected rows, padded on the right)
-    and ``targets`` [2b, s - 1]: the next token where it is a completion token, -100 elsewhere."""
+    and ``targets`` [2b, s - 1]: the next token where it is a completion token, -100 elsewhere. ``multiple``: the
+    model reads ``s - 1`` tokens, padded up to a multiple of it (what sequence and context parallelism split)."""
     seqs = [r["prompt_ids"] + r["chosen_ids"] for r in rows] + [r["prompt_ids"] + r["rejected_ids"] for r in rows]
     prompts = [len(r["prompt_ids"]) for r in rows] * 2
-    width = max(len(s) for s in seqs)
+    width = -(-(max(len(s) for s in seqs) - 1) // multiple) * multiple + 1
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     targets = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
     for i, (seq, prompt) in enumerate(zip(seqs, prompts)):
@@ -106,13 +107,13 @@ def stored_reference_logps(rows: list[dict]) -> torch.Tensor | None:
 
 @torch.no_grad()
 def precompute_reference_logps(model, rows: list[dict], batch_size: int, pad_id: int, reference=None,
-                               device=None) -> list[dict]:
+                               device=None, multiple: int = 1) -> list[dict]:
     """``rows`` with each pair's ``ref_chosen_logps`` and ``ref_rejected_logps`` (TRL's ``precompute_ref_log_probs``):
     ``reference`` (or ``model`` with its LoRA adapters off) over ``batch_size`` pairs at a time."""
     out = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        ids, targets = collate_pairs(chunk, pad_id)
+        ids, targets = collate_pairs(chunk, pad_id, multiple)
         chosen, rejected = reference_logps(model, ids.to(device), targets.to(device), reference).float().cpu().chunk(2)
         out += [{**r, REFERENCE_FIELDS[0]: c, REFERENCE_FIELDS[1]: j}
                 for r, c, j in zip(chunk, chosen.tolist(), rejected.tolist())]

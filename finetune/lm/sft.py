@@ -6,11 +6,9 @@ from __future__ import annotations
 import torch
 
 from finetune.lm.packing import LMBatch
-from models.documents import document_parallel_logits
-from models.parallel import vocab_parallel_cross_entropy
 
 
 def sft_loss(model, batch: LMBatch, reduction: str = "mean") -> torch.Tensor:
-    logits = document_parallel_logits(model, batch.input_ids, batch.documents)
-    return vocab_parallel_cross_entropy(logits, batch.targets, vocab_size=model.config.vocab_size,
-                                        reduction=reduction, chunk_tokens=model.layout.loss_chunk_tokens or None)
+    """The model's own loss over the packed rows (at any layout its forward takes), plus in training with a mean
+    reduction the MoE layers' auxiliary losses, as in pretraining."""
+    return model(batch.input_ids, batch.targets, reduction=reduction, documents=batch.documents)

@@ -15,16 +15,22 @@ from finetune.lm.chat import IGNORE_INDEX
 from finetune.lm.dpo import (REFERENCE_FIELDS, collate_pairs, completion_logps, dpo_loss, precompute_reference_logps,
                              reference_logps, stored_reference_logps)
 from finetune.lm.job.providers import Base, frozen_copy
+from finetune.lm.job.resume import REFERENCE_FILE
 from pipeline.job.files import atomic_write_text
 from pipeline.job.loop import Job, barrier, is_rank0
 
-REFERENCE_FILE = "reference_logps.jsonl"
+
+def sequence_multiple(layout) -> int:
+    """What the model's input length must be a multiple of: the ranks sequence and context parallelism split it
+    over."""
+    return (layout.tensor if layout.sequence_parallel else 1) * layout.context
 
 
-def collate(pad_id: int):
-    """Batches ``(input_ids, targets, reference logps or None)`` of the tokenized pairs."""
+def collate(pad_id: int, multiple: int = 1):
+    """Batches ``(input_ids, targets, reference logps or None)`` of the tokenized pairs, the model's input a
+    ``multiple`` of tokens long (``collate_pairs``)."""
     def batch(rows: list[dict]):
-        return (*collate_pairs(rows, pad_id), stored_reference_logps(rows))
+        return (*collate_pairs(rows, pad_id, multiple), stored_reference_logps(rows))
     return batch
 
 
@@ -62,7 +68,7 @@ def _precomputed(rows: list[dict], job: Job, engine, reference, pad_id: int) -> 
     state = job.state
     dp, rank = state.data_parallel, state.get_data_parallel_rank()
     mine = precompute_reference_logps(engine.module, rows[rank::dp], job.micro_batch, pad_id, reference,
-                                      engine.device)
+                                      engine.device, sequence_multiple(state.layout))
     if dp == 1:
         return mine
     shares: list = [None] * dp
