@@ -6,7 +6,7 @@ import logging
 import torch
 
 from finetune.lm.job.arguments import post_training_parser
-from finetune.lm.job.providers import build_in_dtype, provide_base, weights_dtype
+from finetune.lm.job.providers import build_in_dtype, frozen_copy, provide_base, weights_dtype
 from pipeline.checkpoints.model_dir import read_model_dir
 from pipeline.checkpoints.state_dicts import load_full_state_dict
 from pipeline.hf.safetensors_io import reports_shapes
@@ -44,3 +44,19 @@ def test_under_bf16_the_base_is_built_in_bf16_and_rounds_as_deepspeeds_cast(tmp_
     load_full_state_dict(reference, base.state)
     reference = reference.to(torch.bfloat16)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_the_frozen_dpo_reference_is_built_in_the_runs_dtype(tmp_path):
+    """Full DPO's reference under bf16: built in bf16 (no fp32 copy of the base first), frozen, in eval mode, and
+    equal to the fp32 base's cast."""
+    base_dir = write_chat_base(tmp_path / "base")
+    args = post_training_parser("dpo", "preferences")[0].parse_args(
+        ["--base", str(base_dir), "--data", str(tmp_path / "none.jsonl")])
+    base = provide_base(args, None)
+    reference = frozen_copy(base, torch.bfloat16, "cpu")
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    assert not reference.training and not any(p.requires_grad for p in reference.parameters())
+    full = base.family.build(base.config, 0)
+    load_full_state_dict(full, base.state)
+    assert all(torch.equal(p, q.to(torch.bfloat16))
+               for p, q in zip(reference.parameters(), full.parameters(), strict=True))

@@ -52,14 +52,19 @@ def provide_forward(args, base: Base, job: Job, engine, rows: list[dict]):
     the batches read), and no reference model afterwards. Pairs that came with the columns need neither."""
     stored = REFERENCE_FIELDS[0] in rows[0]
     if stored or not args.precompute_ref_log_probs:
-        return dpo_forward(args.beta, None if stored or base.lora is not None else frozen_copy(base, engine))
-    reference = None if base.lora is not None else frozen_copy(base, engine)  # with LoRA: the adapters off
+        return dpo_forward(args.beta, None if stored or base.lora is not None else _reference(base, engine))
+    reference = None if base.lora is not None else _reference(base, engine)  # with LoRA: the adapters off
     rows[:] = _precomputed(rows, job, engine, reference, base.pad_id)
     del reference
     if args.save is not None and is_rank0():
         write_reference_file(Path(args.save) / REFERENCE_FILE, args.data, rows)
     barrier()
     return dpo_forward(args.beta, None)
+
+
+def _reference(base: Base, engine):
+    """The frozen reference in the engine's weights' dtype and on its device."""
+    return frozen_copy(base, next(engine.module.parameters()).dtype, engine.device)
 
 
 def _precomputed(rows: list[dict], job: Job, engine, reference, pad_id: int) -> list[dict]:

@@ -208,12 +208,12 @@ def _requires_grad(module, inputs, output: torch.Tensor) -> None:
         output.requires_grad_()
 
 
-def frozen_copy(base: Base, engine) -> torch.nn.Module:
-    """The base at this rank's shard, frozen, in the engine's device and dtype (a reference model)."""
-    model = base.family.build(base.config, 0)
+def frozen_copy(base: Base, dtype: torch.dtype, device) -> torch.nn.Module:
+    """The base at this rank's shard, frozen, on ``device`` (a reference model), built in ``dtype``: a bf16 run
+    never holds an fp32 copy of the base beside its own weights."""
+    model = build_in_dtype(base, base.config, 0, dtype)
     load_full_state_dict(model, base.state, source="the base")
-    dtype = next(engine.module.parameters()).dtype
-    return model.to(device=engine.device, dtype=dtype).eval().requires_grad_(False)
+    return model.to(device=device).eval().requires_grad_(False)
 
 
 # -- the loop ----------------------------------------------------------------------------------------------------------
