@@ -10,6 +10,9 @@ the validator (``python tests/composition.py --write``); a test fails when they 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import io
 import itertools
 import sys
 from dataclasses import dataclass, field
@@ -135,31 +138,92 @@ def cell_id(names) -> str:
     return " x ".join(names)
 
 
-# -- packed documents: SFT over packed conversations (mds-sft; pretraining has no packed-documents option) ----------
+# -- the commands that run a model beside pretraining, with each feature alone ----------------------------------------
 
-PACKED_TEST = "tests/finetune/test_post_training_layouts.py::test_post_training_layout_equals_one_process"
-# the features at which SFT over packed documents is compared with one process: where (a cell of PACKED_TEST holds
-# the feature's layout fields: tests/finetune/test_post_training_layouts.py checks it)
-PACKED = {"TP2": "tests/finetune/test_post_training_tp.py::test_sft_and_dpo_tp2_equal_tp1",
-          "TP2+SP": f"{PACKED_TEST}[SFT TP2+SP gpt2]", "CP2": f"{PACKED_TEST}[SFT CP2 gpt2]",
-          "DP2 ZeRO-2": f"{PACKED_TEST}[SFT DP2 ZeRO-2]", "DP2 ZeRO-3": f"{PACKED_TEST}[SFT DP2 ZeRO-3]",
-          "EP2 MoE": f"{PACKED_TEST}[SFT EP2 MoE]", "tiled MLP": f"{PACKED_TEST}[SFT TP2 tiled MLP + tiled loss]",
-          "tiled loss": f"{PACKED_TEST}[SFT TP2 tiled MLP + tiled loss]",
-          "chunked loss": "tests/finetune/test_post_training_cli.py::test_sft_loss_takes_the_memory_savers"}
+# the flags by which a command takes a feature (a command with none of them does not take it)
+FEATURE_FLAGS = {"TP2": ("--tensor-parallel",), "TP2+SP": ("--sequence-parallel",), "CP2": ("--context-parallel",),
+                 "PP2": ("--pipeline-parallel",), "DP2 ZeRO-1": ("--deepspeed-config",),
+                 "DP2 ZeRO-2": ("--deepspeed-config",), "DP2 ZeRO-3": ("--deepspeed-config",),
+                 "EP2 MoE": ("--expert-parallel",), "EP2 V3 MoE": ("--expert-parallel",), "tiled MLP": ("--tiled-mlp",),
+                 "tiled loss": ("--tiled-loss",), "recompute": ("--recompute",),
+                 "bf16": ("--deepspeed-config", "--dtype"), "fp16": ("--deepspeed-config", "--dtype"),
+                 "FP8": ("--fp8",), "chunked loss": ("--loss-chunk-tokens",)}
+POST = "tests/finetune/test_post_training_layouts.py::test_post_training_layout_equals_one_process"
+CLASSIFIER = "tests/finetune/test_finetune_train.py::"
 
 
-def packed_refusal(name: str) -> str | None:
-    """The validator's answer to SFT (packed documents) at a feature's layout."""
+@dataclass(frozen=True)
+class Use:
+    """A command (or an option of one) that runs a model at a layout: its module (whose ``parse_args`` gives its
+    flags), the validator's extras for it, and where it is compared with one process ({feature: test id})."""
+    module: str
+    extras: dict = field(default_factory=dict)
+    exact: dict = field(default_factory=dict)
+    ds: bool = True  # it takes a DeepSpeed config (a training command), else the validator sees none
+
+
+USES = {
+    "samples during pretraining (`mds-pretrain --sample-interval`)": Use(
+        "pipeline.pretrain", {"sample_interval": 5},
+        {"TP2": "tests/pipeline/generation/test_generate_pretrain.py::test_samples_leave_the_losses_unchanged"}),
+    "generation (`mds-generate`)": Use("pipeline.generate", ds=False, exact={
+        "TP2": "tests/pipeline/generation/test_generate_exact.py::test_tp2_greedy_equals_transformers_and_samples_"
+               "equal_tp1"}),
+    "evaluation (`mds-evaluate --checkpoint`, `--harness`)": Use("pipeline.evaluate", ds=False, exact={
+        "TP2": "tests/pipeline/evaluation/test_evaluate_tp.py::test_tp_scoring_equals_tp1",
+        "CP2": "tests/pipeline/training/test_context_parallel_job.py::test_evaluate_at_context_parallel_equals_one_"
+               "process"}),
+    "classifier finetuning (`mds-finetune`)": Use("finetune.train", exact={
+        "TP2": f"{CLASSIFIER}test_tensor_and_data_parallel_finetune_equals_single_process",
+        "TP2+SP": f"{CLASSIFIER}test_sequence_and_context_parallel_finetune_equal_single_process",
+        "CP2": f"{CLASSIFIER}test_sequence_and_context_parallel_finetune_equal_single_process"}),
+    # packed documents: each conversation attends only to itself (models/documents.py)
+    "SFT over packed documents (`mds-sft`)": Use("finetune.lm.job.sft", {POST_TRAINING: "SFT"}, {
+        "TP2": "tests/finetune/test_post_training_tp.py::test_sft_and_dpo_tp2_equal_tp1",
+        "TP2+SP": f"{POST}[SFT TP2+SP gpt2]", "CP2": f"{POST}[SFT CP2 gpt2]",
+        "DP2 ZeRO-2": f"{POST}[SFT DP2 ZeRO-2]", "DP2 ZeRO-3": f"{POST}[SFT DP2 ZeRO-3]",
+        "EP2 MoE": f"{POST}[SFT EP2 MoE]", "tiled MLP": f"{POST}[SFT TP2 tiled MLP + tiled loss]",
+        "tiled loss": f"{POST}[SFT TP2 tiled MLP + tiled loss]",
+        "chunked loss": "tests/finetune/test_post_training_cli.py::test_sft_loss_takes_the_memory_savers"}),
+    "DPO (`mds-dpo`)": Use("finetune.lm.job.dpo", {POST_TRAINING: "DPO"}, {
+        "TP2": "tests/finetune/test_post_training_tp.py::test_sft_and_dpo_tp2_equal_tp1",
+        "TP2+SP": f"{POST}[DPO TP2+SP]", "CP2": f"{POST}[DPO CP2]", "DP2 ZeRO-3": f"{POST}[DPO DP2 ZeRO-3]",
+        "EP2 MoE": f"{POST}[DPO EP2 MoE]", "tiled MLP": f"{POST}[DPO TP2 tiled MLP]"}),
+}
+
+
+def command_flags(module: str) -> set[str]:
+    """The long flags of a command's parser, as its ``parse_args(["--help"])`` builds it (help output captured)."""
+    built = []
+    format_help = argparse.ArgumentParser.format_help
+
+    def keep(parser):
+        built.append(parser)
+        return format_help(parser)
+
+    argparse.ArgumentParser.format_help = keep
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+            importlib.import_module(module).parse_args(["--help"])
+    finally:
+        argparse.ArgumentParser.format_help = format_help
+    return {o for a in built[-1]._actions for o in a.option_strings if o.startswith("--")}
+
+
+def use_refusal(use: Use, name: str) -> str | None:
+    """The validator's answer to a use at a feature's layout."""
     layout, model = cell_layout((name,))
-    return refusal(LayoutCheck(layout, model_config(model), None, ds_config(layout), "DeepSpeed config",
-                               extras={POST_TRAINING: "SFT"}))
+    return refusal(LayoutCheck(layout, model_config(model), None, ds_config(layout) if use.ds else {},
+                               "DeepSpeed config", extras=use.extras))
 
 
-def _packed_cell(name: str) -> str:
-    reason = packed_refusal(name)
+def use_cell(use: Use, name: str, flags: set[str]) -> str:
+    if not flags & set(FEATURE_FLAGS[name]):
+        return "not an option"
+    reason = use_refusal(use, name)
     if reason:
         return f"refused: {_short(reason)}"
-    return f"exact (`{PACKED[name]}`)" if name in PACKED else "allowed, not compared with one process"
+    return f"exact (`{use.exact[name]}`)" if name in use.exact else "allowed, not compared with one process"
 
 
 # -- docs/composition.md -------------------------------------------------------------------------------------------
@@ -198,10 +262,13 @@ def render() -> str:
     for triple in TRIPLES:
         reason = cell_refusal(triple)
         lines.append(f"- {cell_id(triple)}: " + (f"refused: {_short(reason)}" if reason else "exact"))
-    lines += ["", "Packed documents (SFT over packed conversations, `mds-sft`: each conversation attends only to "
-                  "itself, `models/documents.py`; pretraining has no packed-documents option), with each feature "
-                  "alone, from the same validator:", ""]
-    lines += [f"- {name}: {_packed_cell(name)}" for name in names]
+    lines += ["", "The commands that run a model beside pretraining, with each feature alone: a feature none of "
+                  "whose flags the command has is not an option of it; otherwise the same validator decides "
+                  "(packed documents are SFT's: each conversation attends only to itself, `models/documents.py`; "
+                  "pretraining has no packed-documents option).", ""]
+    for label, use in USES.items():
+        flags = command_flags(use.module)
+        lines += [f"**{label}**", ""] + [f"- {name}: {use_cell(use, name, flags)}" for name in names] + [""]
     counts = count_cells()
     lines += ["", f"Cells: {counts['exact']} exact, {counts['refused']} refused, {counts['n/a']} not applicable "
                   f"(pairs of the table's upper half, singles and triples).", ""]

@@ -8,7 +8,7 @@ import collections
 import datasets
 import pytest
 import torch
-from composition import FEATURES, PACKED, PACKED_TEST, packed_refusal
+from composition import FEATURES, POST, USES, use_refusal
 from deepspeed.utils import groups
 from dist import run_distributed
 from engine_utils import GlobalBatchLoader
@@ -184,12 +184,14 @@ def test_post_training_layout_equals_one_process(name, trained):
     assert (got["counted"].get("tiled_cross_entropy", 0) > 0) == (layout.tiled_loss > 1)
 
 
-def test_the_composition_page_names_these_cells_for_packed_documents():
-    """docs/composition.md's packed-documents line (tests/composition.py's PACKED): each feature it calls exact here
-    is a cell of this module at that feature's layout, and the validator allows it."""
-    for feature, where in PACKED.items():
-        assert packed_refusal(feature) is None, feature
-        if where.startswith(PACKED_TEST):
-            what, _, fields = CELLS[where[len(PACKED_TEST) + 1:-1]]
-            wanted = {k: v for k, v in FEATURES[feature].layout.items() if k != "zero_stage" or v > 1}
-            assert what == "SFT" and wanted.items() <= _layout(fields, 2).__dict__.items(), feature
+def test_the_composition_page_names_these_cells_for_sft_and_dpo():
+    """docs/composition.md's SFT and DPO lines (tests/composition.py's USES): each feature they call exact here is
+    a cell of this module for that command at that feature's layout, and the validator allows it."""
+    for use in USES.values():
+        what = use.extras.get(POST_TRAINING)
+        for feature, where in use.exact.items() if what else ():
+            assert use_refusal(use, feature) is None, (what, feature)
+            if where.startswith(POST):
+                trained, _, fields = CELLS[where[len(POST) + 1:-1]]
+                wanted = {k: v for k, v in FEATURES[feature].layout.items() if k != "zero_stage" or v > 1}
+                assert trained == what and wanted.items() <= _layout(fields, 2).__dict__.items(), (what, feature)

@@ -8,8 +8,8 @@ import collections
 import deepspeed.comm as dc
 import pytest
 import torch
-from composition import (DOC, GLOBAL_BATCH, MICRO_BATCH, STEPS, cell_id, cell_layout, cell_refusal, cells, ds_config,
-                         model_config, render)
+from composition import (DOC, GLOBAL_BATCH, MICRO_BATCH, ROOT, STEPS, USES, cell_id, cell_layout, cell_refusal, cells,
+                         ds_config, model_config, render)
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import groups
 from dist import run_distributed
@@ -196,3 +196,11 @@ def test_composition_cells(names, trained):
 
 def test_the_composition_page_is_what_the_validator_and_the_matrix_give():
     assert DOC.read_text() == render(), "docs/composition.md is stale: run python tests/composition.py --write"
+
+
+def test_every_test_the_page_names_exists():
+    """Each test id docs/composition.md gives a command's cell names a test function of its file."""
+    for use in USES.values():
+        for where in use.exact.values():
+            path, _, function = where.partition("::")
+            assert f"def {function.split('[')[0]}(" in (ROOT / path).read_text(), where
