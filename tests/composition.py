@@ -10,9 +10,6 @@ the validator (``python tests/composition.py --write``); a test fails when they 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import io
 import itertools
 import sys
 from dataclasses import dataclass, field
@@ -24,6 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from models import GPTConfig  # noqa: E402
 from models.parallel import Layout  # noqa: E402
 from pipeline.job.layout import POST_TRAINING, LayoutCheck, refusal  # noqa: E402
+from parsers import built_parser  # noqa: E402
 
 SEQ = 16
 DENSE = dict(variant="gpt2", vocab_size=256, hidden_size=32, num_layers=4, num_heads=4, max_position_embeddings=SEQ,
@@ -193,21 +191,8 @@ USES = {
 
 
 def command_flags(module: str) -> set[str]:
-    """The long flags of a command's parser, as its ``parse_args(["--help"])`` builds it (help output captured)."""
-    built = []
-    format_help = argparse.ArgumentParser.format_help
-
-    def keep(parser):
-        built.append(parser)
-        return format_help(parser)
-
-    argparse.ArgumentParser.format_help = keep
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
-            importlib.import_module(module).parse_args(["--help"])
-    finally:
-        argparse.ArgumentParser.format_help = format_help
-    return {o for a in built[-1]._actions for o in a.option_strings if o.startswith("--")}
+    """The long flags of a command's parser, as its ``--help`` builds it."""
+    return {o for a in built_parser(module)[0]._actions for o in a.option_strings if o.startswith("--")}
 
 
 def use_refusal(use: Use, name: str) -> str | None:

@@ -15,30 +15,18 @@ HEAVY = ("torch", "deepspeed", "transformers", "datasets", "peft", "trl", "torch
 # torchrun's own parser (torch.distributed.run) is the launcher's: building it imports torch, nothing more
 TORCH_PARSERS = {"pipeline.launch": ("torch",)}
 
-# Each command's parse_args(["--help"]) as a user's --help runs it: the parser built, its help printed (captured),
-# SystemExit(0). argparse's format_help is wrapped to keep the parser it renders.
+# Each command's parser as a user's --help builds it (tests/parsers.py), in one fresh interpreter.
 PROBE = """
-import argparse, contextlib, importlib, io, json, sys
+import argparse, importlib, json, sys
+sys.path.insert(0, "tests")
+from parsers import built_parser
 heavy, allowed, modules = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
-rendered = []
-format_help = argparse.ArgumentParser.format_help
-def keep(parser):
-    rendered.append(parser)
-    return format_help(parser)
-argparse.ArgumentParser.format_help = keep
 report = {}
 for name in modules:
-    module = importlib.import_module(name)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            module.parse_args(["--help"])
-        except SystemExit as e:
-            assert e.code in (0, None), (name, e.code)
-    parser = rendered[-1]
+    parser, out = built_parser(name)
     loaded = sorted(m for m in heavy if m in sys.modules and m not in allowed.get(name, ()))
     actions = [a for a in parser._actions if a.help != argparse.SUPPRESS]
-    report[name] = {"loaded": loaded, "usage": out.getvalue().split("\\n")[0], "cli": callable(module.cli),
+    report[name] = {"loaded": loaded, "usage": out.split("\\n")[0], "cli": callable(importlib.import_module(name).cli),
                     "no_help": [a.dest for a in actions if not (a.help or "").strip()],
                     "default_unshown": [a.dest for a in actions if a.option_strings and a.default not in
                                         (None, False, argparse.SUPPRESS) and "default" not in
