@@ -12,6 +12,8 @@ Tiles are per token, so they are exact: the tiled loss is the sum of the tiles' 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP, sequence_tiled_compute
 
@@ -21,6 +23,15 @@ from .parallel import vocab_parallel_cross_entropy
 def tiled_mlp(fn, module: torch.nn.Module, x: torch.Tensor, tiles: int) -> torch.Tensor:
     """``fn(module, x)`` (a per-token MLP over [..., s, h]) on ``tiles`` tiles of the sequence."""
     return TiledMLP.apply(fn, module, x, tiles, list(module.parameters()))
+
+
+def row_tiles(rows: int, tiles: int) -> int:
+    """The tiles ``torch.chunk`` cuts ``rows`` rows into when asked for at most ``tiles``: fewer where the rows do not
+    fill them (5 rows in 4 tiles of 2: 3). DeepSpeed's TiledMLP marks the weights' gradients ready for ZeRO at the
+    tile it counts as the last, so it must be told the count the rows make."""
+    if rows <= 1 or tiles <= 1:
+        return 1
+    return math.ceil(rows / math.ceil(rows / tiles))
 
 
 def tiled_cross_entropy(logits_fn, params, hidden: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,

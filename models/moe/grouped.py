@@ -7,15 +7,21 @@ fp16 on a CPU, bf16 on a GPU; both widths a multiple of 16 bytes) the rows are p
 [E, max rows, in] batch for one ``torch.bmm``. The experts keep their modules and parameters (DeepSpeed's
 ``Experts`` container, their TP split and names): the TP collectives run once for all experts instead of once
 per expert, the column-parallel f op on the input and the row-parallel all-reduce on the output.
+
+Under ALST's tiled MLP (``--tiled-mlp N``) the grouped rows run in N tiles of rows through DeepSpeed's TiledMLP, as
+one expert's rows do: each tile one grouped product over the experts whose rows it holds, recomputed in the backward,
+so the [rows, ffn / tp] activations of all local experts are never held whole.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
 
 from ..parallel import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from ..recompute import DiscardedOutput
+from ..tiling import row_tiles, tiled_mlp
 
 GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 
@@ -73,3 +79,21 @@ def grouped_experts(experts: Sequence[torch.nn.Module], rows: torch.Tensor, size
     y = reduce_from_tensor_parallel_region(y)
     bias_out = _per_row([e.fc_out.bias for e in experts], counts)
     return y if bias_out is None else y + bias_out
+
+
+def tiled_grouped_experts(experts: torch.nn.ModuleList, rows: torch.Tensor, sizes: Sequence[int],
+                          tiles: int) -> torch.Tensor:
+    """``grouped_experts`` on ``tiles`` tiles of the rows (DeepSpeed's TiledMLP: each tile's products recomputed in
+    the backward). A tile is a view of ``rows`` (TiledMLP cuts the same tensor in the same places, forward and
+    backward), so its first row's index, and with it the experts' shares of the tile, follow from where it lies."""
+    starts = list(itertools.accumulate(sizes, initial=0))
+    row_bytes = rows.stride(0) * rows.element_size()
+
+    def tile(module, part: torch.Tensor) -> torch.Tensor:
+        first = (part.data_ptr() - rows.data_ptr()) // row_bytes
+        last = first + part.shape[0]
+        shares = [max(0, min(end, last) - max(start, first)) for start, end in zip(starts, starts[1:])]
+        return grouped_experts(module, part, shares)
+
+    rows = rows.contiguous()
+    return tiled_mlp(tile, experts, rows, row_tiles(rows.shape[0], tiles))

@@ -32,12 +32,12 @@ from torch import nn
 
 from ..config import GPTConfig
 from ..feed_forward import FeedForward
-from .grouped import grouped_experts
+from .grouped import grouped_experts, tiled_grouped_experts
 from ..parallel import (ColumnParallelLinear, Layout, RowParallelLinear, collectives, cp_world_size,
                        gather_from_sequence_parallel_region, get_parallel_state, get_shard_spec, normal_init,
                        reduce_from_context_parallel_region, scatter_to_sequence_parallel_region, tp_rank,
                        tp_world_size)
-from ..tiling import tiled_mlp
+from ..tiling import row_tiles, tiled_mlp
 from ..parallel.sharding import set_shard_spec
 from .router import RouterPolicy, balance_loss, expert_scores, select_experts, updated_expert_bias
 
@@ -62,7 +62,7 @@ class ExpertMLP(FeedForward):
         self.fc_out = RowParallelLinear(ffn, h, bias=config.bias, input_is_parallel=True, init_method=nn.init.zeros_)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tiles = min(self.tiles, x.shape[0])  # [routed tokens, h]: DeepSpeed's TiledMLP takes expert rows as they are
+        tiles = row_tiles(x.shape[0], self.tiles)  # [routed tokens, h]: TiledMLP takes expert rows as they are
         if tiles > 1:
             return tiled_mlp(FeedForward._compute, self, x, tiles)
         return super().forward(x)
@@ -223,7 +223,9 @@ def dispatch(self, x: torch.Tensor, used_token=None) -> torch.Tensor:
     else:
         sizes = counts.tolist()
     local_experts = self.experts.deepspeed_experts
-    if self.grouped_gemm:
+    if self.grouped_gemm and local_experts[0].tiles > 1:
+        out = tiled_grouped_experts(local_experts, rows, sizes, local_experts[0].tiles)
+    elif self.grouped_gemm:
         out = grouped_experts(local_experts, rows, sizes)
     else:
         out = torch.cat([expert(part) for expert, part in zip(local_experts, rows.split(sizes))])

@@ -206,18 +206,16 @@ def experts_move_between_layouts(c: LayoutCheck) -> str | None:
 
 @rule
 def deepseek_options_where_built(c: LayoutCheck) -> str | None:
-    """The grouped experts and a dense model's multi-token prediction on pipeline stages run where they were built
-    (otherwise latent attention and multi-token prediction train as one process at TP with or without SP, CP, PP,
-    EP, ZeRO 1-2 and the tiled loss: tests/pipeline/job/test_deepseek_layouts.py)."""
+    """A dense model's multi-token prediction on pipeline stages runs where it was built (otherwise latent
+    attention and multi-token prediction train as one process at TP with or without SP, CP, PP, EP, ZeRO 1-2 and the
+    tiled loss, and the grouped experts with the tiled MLP: tests/pipeline/job/test_deepseek_layouts.py,
+    tests/pipeline/job/test_composition.py)."""
     L, cfg = c.layout, c.config
     if (getattr(cfg, "mtp_num_layers", 0) and not getattr(cfg, "num_experts", 0) and L.pipeline > 1
             and L.recompute == "full"):
         return ("mtp_num_layers with --pipeline-parallel and --recompute full on a model without experts: its stages' "
                 "layers carry the input ids to the multi-token prediction on the last stage and are not among "
                 "DeepSpeed's checkpointed layers; use --recompute selective or set mtp_num_layers 0")
-    if getattr(cfg, "moe_grouped_gemm", False) and L.tiled_mlp > 1:
-        return ("--tiled-mlp with moe_grouped_gemm: the grouped product runs every local expert's tokens at once, "
-                "untiled; drop --tiled-mlp or set moe_grouped_gemm false")
     return None
 
 

@@ -12,6 +12,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Atte
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
 from dist import run_distributed
+
+import models.moe.grouped
+import models.moe.layer
 from models.config import ConfigError, GPTConfig
 from models.gpt import GPT, RotaryEmbedding
 from models.kv_cache import KVCache
@@ -112,6 +115,32 @@ def test_group_limit_keeps_each_token_within_its_best_groups():
     assert all(set((experts[t] // 4).tolist()) <= set(groups[t].tolist()) for t in range(64))
     _, free = select_experts(scores, K, RouterPolicy("sigmoid"), normalize=True)
     assert not torch.equal(free.sort(-1)[0], experts.sort(-1)[0])  # the limit changed some tokens' experts
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_tiled_experts_equal_untiled_and_mark_every_gradient_ready(grouped, monkeypatch):
+    """--tiled-mlp on the experts (each expert's rows, or the grouped rows of all local experts as one, each tile one
+    grouped product over the experts it holds rows of), forward and backward, against untiled. 13 tiles of the 96
+    grouped rows (24 tokens x top-4) are 12 as torch.chunk cuts them (8 rows each): TiledMLP is told 12, so it marks
+    the weights' gradients ready for ZeRO after the last tile (the flag stays False if it counts to 13)."""
+    counted = []
+    for module in (models.moe.layer, models.moe.grouped):
+        real = module.tiled_mlp
+        monkeypatch.setattr(module, "tiled_mlp", lambda *a, _real=real: counted.append(a[3]) or _real(*a))
+    results = {}
+    for tiles in (1, 13):
+        torch.manual_seed(0)
+        config = GPTConfig(**{**DEEPSEEK, "moe_grouped_gemm": grouped})
+        ours = MoEMLP(config, Layout(tiled_mlp=tiles), 0.02, 0.01).train()
+        x = _input().requires_grad_()
+        out = ours(x)
+        (out * _input(2)).sum().backward()
+        results[tiles] = [out.detach(), x.grad] + [p.grad for p in ours.parameters() if p.requires_grad]
+        assert all(getattr(p, "ds_grad_is_ready", True) for p in ours.moe.deepspeed_moe.experts.parameters())
+    assert counted == [12] if grouped else counted and max(counted) > 1
+    diffs = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(results[13], results[1])]
+    print(f"tiled vs untiled (grouped={grouped}): max relative difference {max(diffs):.1e}")
+    assert max(diffs) < 1e-6
 
 
 def test_grouped_experts_equal_the_loop_with_gradients():

@@ -16,6 +16,7 @@ from dist import run_distributed
 from engine_utils import GlobalBatchLoader, real_text_tokens
 
 import models.gpt
+import models.moe.grouped
 import models.moe.layer
 from models.parallel import cross_entropy
 from models.parallel.fp8 import Float8Matmul
@@ -46,6 +47,7 @@ def _count(module, name: str, key: str) -> None:
 def _counting() -> None:
     _count(models.gpt, "tiled_mlp", "tiled_mlp")
     _count(models.moe.layer, "tiled_mlp", "tiled_mlp")
+    _count(models.moe.grouped, "tiled_mlp", "tiled_mlp")
     _count(models.gpt, "tiled_cross_entropy", "tiled_loss")
     recompute = DiscardedOutput._recompute
     DiscardedOutput._recompute = lambda self, grad: COUNTED.update(["recomputed"]) or recompute(self, grad)

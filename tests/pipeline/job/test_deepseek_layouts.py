@@ -10,7 +10,8 @@ Each cell shows its layout was in force (``test_composition.assert_in_force``; t
 tiled too).
 
 On pipeline stages the MTP depth runs on the last stage (the input ids carried from the first, the embedding tied
-between them); a dense llama with one MTP depth and tied embeddings trains at PP2 as its own one process too. One 4-rank launch (every cell at world 4: EP2 over DP4, or beside TP2, PP2, CP2, the tiled loss or
+between them); a dense llama with one MTP depth and tied embeddings trains at PP2 and at (TP2, PP2) as its own one
+process too. One 4-rank launch (every cell at world 4: EP2 over DP4, or beside TP2, PP2, CP2, the tiled loss or
 ZeRO-2 over DP2 or DP4, or beside CP2 x PP2 or TP2+SP x tiled loss) and one 1-rank launch (the reference)."""
 import pytest
 import torch
@@ -36,7 +37,7 @@ MODELS = {"v3": V3, "dense mtp": DENSE_MTP}
 CELLS = {("EP2 V3 MoE",): "v3", ("TP2", "EP2 V3 MoE"): "v3", ("TP2+SP", "EP2 V3 MoE"): "v3",
          ("PP2", "EP2 V3 MoE"): "v3", ("CP2", "EP2 V3 MoE"): "v3", ("CP2", "PP2", "EP2 V3 MoE"): "v3",
          ("tiled loss", "EP2 V3 MoE"): "v3", ("TP2+SP", "tiled loss", "EP2 V3 MoE"): "v3",
-         ("DP2 ZeRO-2", "EP2 V3 MoE"): "v3", ("PP2",): "dense mtp"}
+         ("DP2 ZeRO-2", "EP2 V3 MoE"): "v3", ("PP2",): "dense mtp", ("TP2", "PP2"): "dense mtp"}
 # measured 2026-12-05 (fp32), the largest over the cells: losses 6.9e-8 (CP2 x PP2); the gradients of step 1 (the same
 # weights) 7.6e-7 in the worst tensor (max abs difference / max abs; PP2), those of steps 1-5 as one vector 5.6e-7
 # (TP2, TP2+SP). From
