@@ -26,7 +26,7 @@ from common import format_table  # noqa: E402
 from models import GPTConfig
 from pipeline.planning.hardware import hardware
 from pipeline.planning.layouts import Job, Candidate, step_collectives
-from pipeline.planning.shapes import gpt_shape
+from pipeline.families.gpt.shape import gpt_shape
 
 LAYOUTS = {  # name: (tp, pp, dp, zero, sp); the world is tp x pp x dp ranks
     "tp2": (2, 1, 1, 0, False), "tp2-sp": (2, 1, 1, 0, True), "pp2": (1, 2, 1, 1, False),

@@ -37,7 +37,7 @@ from models import GPT, GPTConfig  # noqa: E402
 from models.gpt import select_recompute_modules  # noqa: E402
 from models.parallel import initialize_model_parallel, model_parallel_seed  # noqa: E402
 from pipeline.planning.memory import layer_activations  # noqa: E402
-from pipeline.planning.shapes import gpt_shape  # noqa: E402
+from pipeline.families.gpt.shape import gpt_shape  # noqa: E402
 
 
 _CENSUSES: list[SavedTensorCensus] = []

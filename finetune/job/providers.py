@@ -38,7 +38,6 @@ from pipeline.job.families import ModelFamily, family_of
 from pipeline.job.files import contents_digest
 from pipeline.job.loop import Job, is_rank0
 from pipeline.planning.memory import activations, model_states
-from pipeline.planning.shapes import model_shape
 
 # ------------------------------------------------------------------------------------------ providers
 
@@ -208,7 +207,7 @@ def fit_ds_config(args, base: Base, data: Splits, job: Job, device: torch.device
     micro = args.micro_batch_size
     if micro is None:
         longest = max(len(ids) for ids in data.encoded["train"])
-        shape = model_shape(base.config, "encoder", seq=longest)
+        shape = base.family.shape(base.config, "encoder", seq=longest)
         prec = precision(ds)
         sp = job.layout.sequence_parallel
         per_sequence = activations(shape, 1, state.tensor_parallel, 1, sp, "none", 1, prec)

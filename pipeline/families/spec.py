@@ -1,6 +1,7 @@
 """What a model family is to the commands (``ModelFamily``, in the spirit of torchtitan's ModelSpec): its config
 class, its builders, the layouts it trains at, its pipeline's parameter names, its Hugging Face exporter and
-verifier, and its evaluation scorer, generation decoder and finetuning encoder, as real callables. Each family's
+verifier, its evaluation scorer, generation decoder and finetuning encoder, and its shape for the planner, as real
+callables. Each family's
 entry is ``FAMILY`` in its folder, ``pipeline/families/<family>/``; ``pipeline.job.families`` registers them.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from models.parallel import Layout, get_parallel_state, get_shard_spec
 from pipeline.job.layout import LayoutCheck, validate
 
 # the family parts ``ModelFamily.get`` hands out by name
-PARTS = ("hf_exporter", "hf_verifier", "scorer", "encoder", "decoder")
+PARTS = ("hf_exporter", "hf_verifier", "scorer", "encoder", "decoder", "shape")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ModelFamily:
     scorer: Callable | None = None       # model -> an evaluation scorer
     encoder: Callable | None = None      # (config, init_seed=) -> a finetuning encoder
     decoder: Callable | None = None      # (model, use_cache=) -> a generation decoder
+    shape: Callable | None = None        # (config, name, seq) -> the planner's pipeline.planning.ModelShape
     hf_sequence_classification: bool = False  # a finetuned classifier exports to a transformers *ForSequence...
     pipeline_names: PipelineNames | None = None  # with pipeline_parallel_capable: its pipeline's parameter names
 

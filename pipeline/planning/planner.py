@@ -14,7 +14,7 @@ from pipeline.job.model_configs import read_model_config
 from .explain import deepspeed_command, explanation, fold, folded_label, headroom_bytes
 from .hardware import hardware
 from .layouts import Job, Prediction, divisors, fits, iter_layouts, predict
-from .shapes import ModelShape, model_shape
+from .shapes import ModelShape
 from .validation import Row
 
 GIB = 2**30
@@ -40,7 +40,7 @@ def load_shape(spec: str, seq: int | None) -> ModelShape:
         raise PlanError(f"{source}: num_experts {config.num_experts}: the planner models dense layers only (no "
                         f"expert parallelism, router or all-to-all); plan the dense model of the same width, or "
                         f"size the MoE run by hand (docs/moe.md)")
-    return model_shape(config, spec, seq)
+    return family.shape(config, spec, seq)
 
 
 def check_pinned(job: Job, pinned: dict) -> None:

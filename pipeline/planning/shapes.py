@@ -1,16 +1,14 @@
-"""What the planner needs of a model: its parameters by where they live and its FLOPs per token.
+"""What the planner needs of a model: its parameters by where they live and its FLOPs per token (``ModelShape``).
 
-Built from the project's own config classes (``models.GPTConfig``, ``models.MLSTMConfig``), so that a preset or
-a JSON file plans exactly what ``pipeline.pretrain`` would build (the vocabulary padded as the model pads it).
+Each family builds its own from its config class (``ModelFamily.shape``: ``pipeline/families/<family>/shape.py``),
+so that a preset or a JSON file plans exactly what ``pipeline.pretrain`` would build (the vocabulary padded as the
+model pads it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models import GPTConfig, MLSTMConfig
-
-
-def _pad(n: int, multiple: int) -> int:
+def padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
@@ -67,45 +65,3 @@ class ModelShape:
             return per_stage + embedding + norm + (0 if self.tied else output)
         sizes = {"first": per_stage + embedding, "last": per_stage + norm + output}
         return sizes[stage] if stage else max(sizes.values())
-
-
-def gpt_shape(c: GPTConfig, name: str = "gpt", seq: int | None = None) -> ModelShape:
-    s = seq or c.seq_length
-    vocab = _pad(c.vocab_size, c.make_vocab_size_divisible_by)
-    q = c.num_heads * c.head_dim
-    full = c.num_parameters()
-    positions = c.max_position_embeddings * c.hidden_size if c.learned_positions else 0
-    norm_tensors = 2 if c.norm_has_bias else 1  # a LayerNorm's weight and bias, an RMSNorm's weight
-    embedding = vocab * c.hidden_size + positions
-    final_norm = norm_tensors * c.hidden_size
-    head = (0 if c.tie_embeddings else vocab * c.hidden_size) + final_norm
-    unpadded_rest = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
-    layer = (full - unpadded_rest - positions - final_norm) // c.num_layers
-    return ModelShape(
-        name=name, recurrent=False, hidden=c.hidden_size, layers=c.num_layers, heads=c.num_heads,
-        kv_heads=c.num_kv_heads, head_dim=c.head_dim, ffn=c.ffn_hidden_size, vocab=vocab, seq=s,
-        gated_mlp=c.gated_mlp, hidden_dropout=c.hidden_dropout > 0,
-        attention_dropout=c.attention_dropout > 0, layer_params=layer, embedding_params=embedding,
-        head_params=head, flops_per_token=c.flops_per_token(s),
-        attention_flops_per_token=12.0 * c.num_layers * q * s,
-        # a layer's two norms and its row-parallel biases (attention's dense, the MLP's fc_out)
-        replicated_per_layer=(c.hidden_size,) * (2 * norm_tensors + (2 if c.bias else 0)),
-        replicated_outside=(c.hidden_size,) * norm_tensors + ((positions,) if positions else ()))
-
-
-def mlstm_shape(c: MLSTMConfig, name: str = "mlstm", seq: int | None = None) -> ModelShape:
-    full = c.num_parameters()
-    head = c.hidden_size * c.vocab_size + c.vocab_size
-    embedding = c.vocab_size * c.embed_dim
-    return ModelShape(
-        name=name, recurrent=True, hidden=c.hidden_size, layers=c.num_layers, heads=1, kv_heads=1,
-        head_dim=c.hidden_size, ffn=0, vocab=c.vocab_size, seq=seq or c.seq_length, gated_mlp=False,
-        hidden_dropout=c.dropout > 0, attention_dropout=False,
-        layer_params=(full - head - embedding) // c.num_layers, embedding_params=embedding, head_params=head,
-        flops_per_token=c.flops_per_token(), attention_flops_per_token=0.0)
-
-
-def model_shape(config, name: str, seq: int | None = None) -> ModelShape:
-    if isinstance(config, MLSTMConfig):
-        return mlstm_shape(config, name, seq)
-    return gpt_shape(config, name, seq)

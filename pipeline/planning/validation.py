@@ -26,7 +26,8 @@ from pipeline.job.files import atomic_write_figure
 
 from .hardware import hardware
 from .layouts import Job, Candidate, predict
-from .shapes import model_shape
+from pipeline.families.gpt.shape import gpt_shape
+from pipeline.families.mlstm.shape import mlstm_shape
 
 MEGATRON_RATE = 39e12
 
@@ -49,7 +50,7 @@ class Row:
 
 
 def megatron_gpt(hidden: int, layers: int, heads: int):
-    shape = model_shape(GPTConfig(variant="gpt2", vocab_size=51200, hidden_size=hidden, num_layers=layers,
+    shape = gpt_shape(GPTConfig(variant="gpt2", vocab_size=51200, hidden_size=hidden, num_layers=layers,
                                   num_heads=heads, max_position_embeddings=1024, make_vocab_size_divisible_by=128),
                         f"GPT {hidden}x{layers}")
     return replace(shape, fused_attention=False)  # 2019: softmax(QK^T) materialised
@@ -100,7 +101,7 @@ MLSTM_CURVES = (
 
 def mlstm_speedups(curve: ScalingCurve, gpus: tuple = (1, 8, 16, 32, 64, 128)) -> dict:
     hw = replace(hardware("v100-dgx1"), ib_bytes_per_s_per_server=curve.network_bytes_per_s)
-    shape = model_shape(MLSTMConfig(hidden_size=curve.hidden, embed_dim=64, seq_length=256), f"mLSTM {curve.hidden}")
+    shape = mlstm_shape(MLSTMConfig(hidden_size=curve.hidden, embed_dim=64, seq_length=256), f"mLSTM {curve.hidden}")
     rate = {n: predict(Job(shape, hw, gpus=n, global_batch=256 * n, precision="fp16", overlap_dp=False),
                        Candidate(1, 1, n, 0, False, "none", 256)).model_tflops_per_gpu for n in {1, *gpus}}
     return {n: n * rate[n] / rate[1] for n in gpus}

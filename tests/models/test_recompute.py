@@ -13,7 +13,7 @@ from models.gpt import select_recompute_modules
 from pipeline.job.errors import UserError
 from pipeline.pretrain import parse_args
 from pipeline.planning.memory import recompute_savings
-from pipeline.planning.shapes import gpt_shape
+from pipeline.families.gpt.shape import gpt_shape
 
 sys.path.insert(0, str(ROOT / "bench"))
 from activation_memory import SavedTensorCensus, _param_storages  # noqa: E402

@@ -7,6 +7,7 @@ from models.parallel import Layout
 from pipeline.engine.pipe_model import TIED_KEY, gpt_to_pipe_name, pipe_to_gpt_name
 from pipeline.families.gpt.hf import export_gpt, gpt_logits
 from pipeline.families.gpt.parts import GPTDecoder, GPTEncoder, GPTScorer
+from pipeline.families.gpt.shape import gpt_shape
 from pipeline.families.spec import ModelFamily, PipelineNames
 
 
@@ -19,5 +20,5 @@ FAMILY = ModelFamily(
     layouts="tensor, pipeline and data parallelism", build_module=build_gpt, stream_data=False,
     pipeline_parallel_capable=True, tensor_parallel_capable=True,
     hf_exporter=export_gpt, hf_verifier=gpt_logits, scorer=GPTScorer, encoder=GPTEncoder, decoder=GPTDecoder,
-    hf_sequence_classification=True,
+    shape=gpt_shape, hf_sequence_classification=True,
     pipeline_names=PipelineNames(gpt_to_pipe_name, pipe_to_gpt_name, (f"^tied_modules\\.{TIED_KEY}\\.",)))

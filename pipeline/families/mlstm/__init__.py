@@ -8,6 +8,7 @@ from models import MLSTM, MLSTMConfig
 from models.parallel import Layout
 from pipeline.families.mlstm.hf import export_mlstm, mlstm_logits
 from pipeline.families.mlstm.parts import MLSTMDecoder, MLSTMEncoder, MLSTMScorer
+from pipeline.families.mlstm.shape import mlstm_shape
 from pipeline.families.spec import ModelFamily
 
 
@@ -23,4 +24,4 @@ FAMILY = ModelFamily(
     layouts="data parallelism (and ZeRO)", build_module=build_mlstm, stream_data=True,
     pipeline_parallel_capable=False, tensor_parallel_capable=False,
     hf_exporter=export_mlstm, hf_verifier=mlstm_logits, scorer=MLSTMScorer, encoder=MLSTMEncoder,
-    decoder=MLSTMDecoder)
+    decoder=MLSTMDecoder, shape=mlstm_shape)

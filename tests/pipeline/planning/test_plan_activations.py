@@ -7,7 +7,7 @@ import pytest
 
 from models import GPTConfig
 from pipeline.planning.memory import layer_activations
-from pipeline.planning.shapes import gpt_shape
+from pipeline.families.gpt.shape import gpt_shape
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -20,7 +20,7 @@ def test_model_states_match_the_census_within_5_percent():
     sys.path.insert(0, str(ROOT / "bench"))
     import common
     from pipeline.planning.memory import model_states
-    from pipeline.planning.shapes import gpt_shape
+    from pipeline.families.gpt.shape import gpt_shape
     shape = gpt_shape(common.model_config(common.CPU_SIZES["small"], "gpt2"))
     results = run_distributed(_census, 2, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
     for stage in STAGES:
