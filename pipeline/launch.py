@@ -5,8 +5,9 @@
 This is torchrun's own code (``torch.distributed.run.parse_args`` and ``run``: the same elastic agent,
 rendezvous, restarts and environment as ``torchrun``), minus its ``main``'s ``@record``, which re-raises the
 agent's ``ChildFailedError`` as a launcher traceback and a summary block. Here that error becomes one line,
-naming the first rank that failed, its exit code or signal and its own line (the worker's error file,
-``TORCHELASTIC_ERROR_FILE``, which the project's commands fill with their ``error: ...`` line):
+naming the first rank that exited with an error (else the first stopped), its exit code or signal and its own
+line (the worker's error file, ``TORCHELASTIC_ERROR_FILE``, which the project's commands fill with their
+``error: ...`` line):
 
     error: torchrun: rank 0 (pid 4242) failed first, exit code 2 (2 worker(s) failed): invalid model config ...
 
@@ -29,9 +30,19 @@ from pipeline.job.numbers import int_in
 __all__ = ["main", "summary"]
 
 
+def first_failure(error: ChildFailedError):
+    """(rank, failure) of the worker that failed first by its own exit: the earliest of those with an exit code,
+    else the earliest. A worker the agent stopped (SIGTERM) after another exited can carry the earlier time (that of
+    the error file it wrote before it was stopped), and would give the job a signal's exit code, not its error's."""
+    exited = {rank: f for rank, f in error.failures.items() if f.exitcode > 0}
+    failures = exited or error.failures
+    rank = min(failures, key=lambda r: failures[r].timestamp)
+    return rank, failures[rank]
+
+
 def summary(error: ChildFailedError) -> tuple[str, int]:
     """The one line of a failed job and the exit code to leave with."""
-    rank, failure = error.get_first_failure()
+    rank, failure = first_failure(error)
     how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"killed by {failure.signal_name()}"
     message = failure.message
     if isinstance(message, dict):  # an error file in torch's own format {"message": {"message": ...}}

@@ -150,3 +150,17 @@ def test_layout_refusal_under_torchrun(work):
                                                                                   f"failed): {line}"), errors
     assert len(errors) == 2 and "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
     assert "SIGTERM received" not in proc.stderr  # the agent's stop of rank 1 is not a preemption
+
+
+def test_the_launcher_names_the_worker_that_exited_not_the_one_it_stopped(tmp_path):
+    """Rank 1 wrote its error file first, then the agent stopped it (SIGTERM) when rank 0 exited with 2: the line
+    names rank 0 and the job exits 2, not 1 (a signal's); with signals only, the earliest and 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from pipeline.launch import summary
+    exited, stopped = (ProcessFailure(r, 100 + r, code, str(tmp_path / "none")) for r, code in ((0, 2), (1, -15)))
+    exited.timestamp, stopped.timestamp = 20, 10
+    line, code = summary(ChildFailedError("pretrain.py", {0: exited, 1: stopped}))
+    assert code == 2 and line.startswith("error: torchrun: rank 0 (pid 100) failed first, exit code 2"), line
+    line, code = summary(ChildFailedError("pretrain.py", {1: stopped}))
+    assert code == 1 and "rank 1 (pid 101) failed first, killed by SIGTERM" in line, line
