@@ -193,6 +193,13 @@ def test_bf16_zero_skips_a_nan_step_by_the_gradient_norm():
             assert r[stage, "averaged"], (stage, r)
 
 
+def _same_losses(recomputed: list, kept: list) -> bool:
+    """Recomputation runs the same modules on the same inputs, but a recomputed activation can differ in its last
+    bit where a vectorized CPU kernel meets a view at another offset (measured 2026-12-05 on an AVX-512 CPU: llama's
+    losses 8.9e-8 apart at PP2, 4.3e-8 at CP2; gpt2's equal; bit for bit on an earlier CPU)."""
+    return len(recomputed) == len(kept) and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(recomputed, kept))
+
+
 def _recompute_zero3_and_pipeline_worker(rank):
     """Every module recomputed (core_attn, mlp_act, layernorm) against none, DP 2 at ZeRO-3 and PP 2 at ZeRO-1,
     gpt2 with dropout 0.1 and untied llama, one launch; the recomputations counted."""
@@ -220,7 +227,7 @@ def test_selective_recomputation_under_zero3_and_pipeline_stages():
     for r in run_distributed(_recompute_zero3_and_pipeline_worker, 2):
         for layout in ("ZeRO-3", "PP2"):
             for variant in ("gpt2", "llama"):
-                assert r[layout, variant, "selective"] == r[layout, variant, "none"], (layout, variant, r)
+                assert _same_losses(r[layout, variant, "selective"], r[layout, variant, "none"]), (layout, variant, r)
                 assert r[layout, variant, "none", "recomputed"] == 0
                 assert r[layout, variant, "selective", "recomputed"] > 0, (layout, variant, r)
 
@@ -257,6 +264,6 @@ def test_selective_recomputation_under_context_parallelism():
     # the core attention is recomputed between Ulysses' all-to-alls (Attention._attend), which are not repeated
     for r in run_distributed(_recompute_context_parallel_worker, 2):
         for variant in ("gpt2", "llama"):
-            assert r[variant, "selective"] == r[variant, "none"], (variant, r)
+            assert _same_losses(r[variant, "selective"], r[variant, "none"]), (variant, r)
             assert r[variant, "none", "core_attn checkpoints"] == 0
             assert r[variant, "selective", "core_attn checkpoints"] == 3 * 2 * TINY["num_layers"], (variant, r)
