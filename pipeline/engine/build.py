@@ -23,11 +23,11 @@ from models.parallel import ParallelState
 
 from pipeline.checkpoints import safe_load
 from pipeline.engine.host_memory import keep_freed_host_memory
-from pipeline.engine.pipe_model import gpt_pipeline, pipe_to_gpt_name
+from pipeline.engine.pipe_model import carries_several, gpt_pipeline, pipe_to_gpt_name
 from pipeline.engine.schedules import LRSchedule, Scheduler
 from pipeline.checkpoints.state_dicts import load_full_state_dict
 from pipeline.checkpoints.universal import attach_info
-from pipeline.engine.ds_config import (EngineConfigError, context_parallel_ds_config, sequence_parallel_ds_config,
+from pipeline.engine.ds_config import (EngineConfigError, context_parallel_ds_config, whole_stage_activations_ds_config,
                                        zero_stage)
 
 
@@ -114,8 +114,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     recompute = Recompute(recompute, recompute_modules or layout.recompute_modules or ("core_attn",))
     if get_accelerator().device_name() == "cpu":
         keep_freed_host_memory()  # DeepSpeed's per-step gradient buffers would be faulted in again every step
-    if layout.sequence_parallel:
-        ds_config = sequence_parallel_ds_config(ds_config, state)
+    if layout.sequence_parallel or carries_several(model_config):
+        ds_config = whole_stage_activations_ds_config(ds_config, state)
     checkpoint_fn = recompute.checkpoint_fn(state, ds_config)
     model = construct(model_config, state, init_seed, model_builder=model_builder, full_state_dict=full_state_dict,
                       checkpoint_fn=checkpoint_fn if recompute.policy == "full" else None)

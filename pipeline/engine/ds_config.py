@@ -111,16 +111,19 @@ def context_parallel_ds_config(ds: dict, source: str = "DeepSpeed config", large
     return ds
 
 
-def sequence_parallel_ds_config(ds: dict, state: ParallelState) -> dict:
-    """The DeepSpeed config for a sequence-parallel model; refuses what would mix up the ranks' chunks.
+def whole_stage_activations_ds_config(ds: dict, state: ParallelState) -> dict:
+    """The DeepSpeed config of a pipeline whose stages must send their activations whole.
 
     DeepSpeed's pipeline engine by default splits each activation sent between stages (and its gradient)
     across the TP ranks and joins the pieces on arrival, assuming every TP rank holds the same tensor;
     its activation checkpointing can do the same with ``partition_activations``. Under sequence
-    parallelism each rank holds its own chunk (already 1/tp of the tensor), so both must be off.
+    parallelism each rank holds its own chunk (already 1/tp of the tensor); a model whose stages carry several
+    tensors (an MoE's auxiliary loss, multi-token prediction's input ids: ``pipe_model.carries_several``) has only
+    the first split, and DeepSpeed asserts the others need no gradient, which the auxiliary loss does. Both off
+    (a config that sets them is refused by ``pipeline.job.layout``).
     """
     ds = copy.deepcopy(ds)
-    if state.pipeline_parallel > 1:  # (a config setting them true is refused by pipeline.job.layout)
+    if state.pipeline_parallel > 1:
         pipe = ds.setdefault("pipeline", {})
         for key in ("pipe_partitioned", "grad_partitioned"):
             pipe[key] = False

@@ -163,11 +163,17 @@ class PipeMTP(MultiTokenPrediction):
         return hidden, aux, *depths
 
 
+def carries_several(config) -> bool:
+    """Whether the stages pass (hidden, aux, ...) between them: a model with experts (their auxiliary losses) or
+    multi-token prediction (the input ids, for the last stage's depths)."""
+    return bool(getattr(config, "num_experts", 0)) or bool(getattr(config, "mtp_num_layers", 0))
+
+
 def layer_specs(config: GPTConfig, layout: Layout, init_seed: int) -> list:
     """The stages in order; each draws its initial weights from the seed ``models.gpt.GPT`` gives it. A model with
     experts or multi-token prediction carries (hidden, aux, ...) between its layers."""
     L, mtp = config.num_layers, bool(config.mtp_num_layers)
-    carried = bool(config.num_experts) or mtp
+    carried = carries_several(config)
     embedding = IdsCarryingEmbedding if mtp else Embedding
 
     def tied(**kwargs):

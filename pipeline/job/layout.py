@@ -373,11 +373,25 @@ def sequence_parallel_activations_whole(c: LayoutCheck) -> str | None:
         return (f"{c.source}: activation_checkpointing.partition_activations with --sequence-parallel: "
                 f"partition_activations splits activations that sequence parallelism has already split across the "
                 f"TP ranks; set it to false")
-    if c.layout.pipeline > 1:
+    return _stage_activations_split(c, "--sequence-parallel: each TP rank sends its own sequence chunk between "
+                                          "stages")
+
+
+@rule
+def several_stage_activations_whole(c: LayoutCheck) -> str | None:
+    cfg = c.config
+    if getattr(cfg, "num_experts", 0) or getattr(cfg, "mtp_num_layers", 0):
+        return _stage_activations_split(c, "MoE layers or multi-token prediction: the stages carry several tensors "
+                                           "(the auxiliary loss, the input ids), and DeepSpeed splits only the first")
+    return None
+
+
+def _stage_activations_split(c: LayoutCheck, why: str) -> str | None:
+    """One line when the config asks DeepSpeed's pipeline to split what must go between stages whole."""
+    if c.layout.pipeline > 1 and c.layout.tensor > 1:
         for key in ("pipe_partitioned", "grad_partitioned"):
             if c.ds.get("pipeline", {}).get(key):
-                return (f"{c.source}: pipeline.{key} with --sequence-parallel: each TP rank sends its own sequence "
-                        f"chunk between stages; set it to false (or leave it out)")
+                return f"{c.source}: pipeline.{key} with {why}; set it to false (or leave it out)"
     return None
 
 

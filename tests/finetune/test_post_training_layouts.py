@@ -1,7 +1,8 @@
 """SFT over packed conversations and DPO through DeepSpeed's engine at the layouts beyond TP x DP (ZeRO-3, tiled
 MLP and loss, expert parallelism, Megatron sequence parallelism, context parallelism) equal one process: the
 per-step losses and DeepSpeed's global gradient norm, each layout shown to be in force; under sequence and context
-parallelism a packed row still gives what its conversations give alone. One 2-rank launch holds every cell, one
+parallelism a packed row still gives what its conversations give alone. DPO's reference is live: the initial
+weights frozen at the layout, as the job's frozen copy of the base. One 2-rank launch holds every cell, one
 1-rank launch the references (fp32)."""
 import collections
 
@@ -22,7 +23,7 @@ from finetune.lm.dpo import collate_pairs, tokenize_pairs
 from finetune.lm.job.jobs import sft_forward
 from finetune.lm.job.preference import dpo_forward, sequence_multiple
 from finetune.lm.packing import collate, pack_conversations, unpacked
-from models import GPTConfig
+from models import GPT, GPTConfig
 from models.parallel import Layout, destroy_model_parallel, initialize_model_parallel, model_parallel_seed
 from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import resolve_ds_config
@@ -48,6 +49,7 @@ CELLS = {
     "SFT TP2+SP llama": ("SFT", "llama", {"tensor": 2, "sequence_parallel": True}),
     "SFT CP2 gpt2": ("SFT", "gpt2", {"context": 2}),
     "SFT CP2 llama": ("SFT", "llama", {"context": 2}),
+    "DPO DP2 ZeRO-2": ("DPO", "gpt2", {"zero_stage": 2}),
     "DPO DP2 ZeRO-3": ("DPO", "llama", {"zero_stage": 3}),
     "DPO TP2 tiled MLP": ("DPO", "llama", {"tensor": 2, "tiled_mlp": 2}),
     "DPO EP2 MoE": ("DPO", "moe", {"expert": 2}),
@@ -76,7 +78,8 @@ def _engine(layout: Layout, model: str, vocab: int):
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every weight partitioned
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, micro_batch_size=MICRO_BATCH)
     config = GPTConfig(vocab_size=vocab, **MODELS[model])
-    return state, build_engine(config, ds, state, init_seed=1234, schedule=LRSchedule(LR, 0, STEPS, "constant"))
+    engine = build_engine(config, ds, state, init_seed=1234, schedule=LRSchedule(LR, 0, STEPS, "constant"))
+    return state, engine, config
 
 
 def _batches(rows: list, state, make):
@@ -89,22 +92,23 @@ def _batches(rows: list, state, make):
 
 def _train(what: str, layout: Layout, model: str, data: dict) -> dict:
     COUNTED.clear()
-    state, engine = _engine(layout, model, data["vocab"])
+    state, engine, config = _engine(layout, model, data["vocab"])
     seen = []  # the embedding's output length: this rank's chunk of the sequence under SP / CP
     engine.module.embedding.register_forward_hook(lambda m, i, out: seen.append(out.shape[1]))
     if what == "SFT":
         batches = _batches(data["sft"], state, lambda rows: collate(rows, data["seq_length"], data["pad"]))
         forward = sft_forward
-    else:  # the reference's log-probabilities given (0): the policy's forward at the layout is what is compared
-        multiple = sequence_multiple(layout)
-        batches = _batches(data["pairs"], state, lambda rows: (*collate_pairs(rows, data["pad"], multiple),
-                                                               torch.zeros(2 * len(rows))))
-        forward = dpo_forward(0.1, None)
-    losses, norms = [], []
+    else:  # the live reference: the initial weights frozen, at this rank's shard of the layout (as the job's
+        multiple = sequence_multiple(layout)  # frozen copy of the base), its forward at the layout as the policy's
+        batches = _batches(data["pairs"], state, lambda rows: (*collate_pairs(rows, data["pad"], multiple), None))
+        forward = dpo_forward(0.1, GPT(config, init_seed=1234).eval().requires_grad_(False))
+    losses, norms, margins = [], [], []
     for _ in range(STEPS):
-        losses.append(optimizer_step(engine, batches, forward)["loss"])
+        record = optimizer_step(engine, batches, forward)
+        losses.append(record["loss"])
+        margins.append(record.get("rewards/margins"))
         norms.append(float(engine.get_global_grad_norm()))
-    out = {"losses": losses, "norms": norms, "counted": dict(COUNTED), "chunk": seen[0],
+    out = {"losses": losses, "norms": norms, "margins": margins, "counted": dict(COUNTED), "chunk": seen[0],
            "sizes": (state.tensor_parallel, state.context_parallel, state.data_parallel),
            "zero": engine.zero_optimization_stage(),
            "ep": groups._get_expert_parallel_world_size("ep_size_2") if layout.expert > 1 else 1}
@@ -168,6 +172,10 @@ def test_post_training_layout_equals_one_process(name, trained):
     # 2.2e-7, EP2 9.6e-8 / 0, TP2+SP 0 / 1.4e-7, CP2 8.0e-8 / 9.5e-8; DPO ZeRO-3 2.7e-7 / 3.2e-7, tiled MLP 2.7e-7 / 2.9e-7,
     # EP2 3.0e-7 / 3.0e-7, TP2+SP 2.7e-7 / 2.9e-7, CP2 4.4e-8 / 8.4e-8
     assert loss < 2e-6 and norm < 2e-6
+    if what == "DPO":  # the live reference: no margin at step 1 (the policy is the reference), then one process's
+        margins = _rel(got["margins"][1:], ref["margins"][1:])
+        print(f"{name}: reward margins {got['margins']}, {margins:.1e} from one process")
+        assert ref["margins"][0] == 0.0 and abs(got["margins"][0]) < 1e-6 and margins < 1e-4
     assert ref["losses"][-1] < ref["losses"][0]
     # the layout was in force
     assert got["sizes"] == (layout.tensor, layout.context, layout.data) and got["zero"] == layout.zero_stage
