@@ -4,6 +4,8 @@ does. One 2-rank launch holds the stopped halves (and one continuation), one Pyt
 
 * full SFT at DP2 with ZeRO-2, stopped after step 2, refused while --data's contents differ, continued at TP2
   with ZeRO-1;
+* full SFT at CP2 (packed conversations split over the context ranks), stopped after step 2, continued at TP2 with
+  sequence parallelism;
 * LoRA DPO at TP2 with ZeRO-1, continued at TP1 with ZeRO-2: the reference (the base, the adapters off) the same, its rewards logged equal;
 * full DPO at DP2 with --precompute-ref-log-probs, continued at TP1 from the stored SAVE/reference_logps.jsonl
   (reused, not recomputed: the file untouched), and refused while --data differs from the pairs it holds;
@@ -63,6 +65,7 @@ def runs(work, tmp_path_factory):  # noqa: F811
     changed = pairs.replace("Paris.", "Paris!", 1)
     sft = _args(work, "chats.jsonl", d / "sft", "--seq-length", 64)
     sft_ref = _args(work, "chats.jsonl", d / "sft_ref", "--seq-length", 64)
+    sft_cp = _args(work, "chats.jsonl", d / "sft_cp", "--seq-length", 64)
     lora, lora_ref = (_args(work, "pairs.jsonl", d / name, *BETA, *LORA) for name in ("lora", "lora_ref"))
     pre, pre_ref = (_args(work, d / "pre_pairs.jsonl", d / name, *BETA, "--precompute-ref-log-probs")
                     for name in ("pre", "pre_ref"))
@@ -78,6 +81,8 @@ def runs(work, tmp_path_factory):  # noqa: F811
         ("write", d / "pre_pairs.jsonl", changed),
         (DPO, pre, {}),  # refused: not the pairs of the stored reference log-probabilities
         ("write", d / "pre_pairs.jsonl", pairs),
+        (SFT, [*sft_cp, "--context-parallel", 2], STOP),
+        (SFT, [*sft_cp, "--tensor-parallel", 2, "--sequence-parallel"], {}),
     ])
     stored = d / "pre" / "reference_logps.jsonl"
     before = (stored.stat().st_ino, stored.stat().st_mtime_ns, stored.read_bytes())
@@ -123,6 +128,21 @@ def test_full_sft_stopped_at_dp2_zero2_continued_at_tp2_equals_one_process(runs)
           f"weights {weights:.1e}")
     assert losses < 1e-6 and weights < 2e-5  # measured 0.0 and 1.6e-6 (fp32: TP2's gradients round apart from TP1's
     # by ~1e-6, test_post_training_tp; too little to move a logged loss)
+
+
+def test_full_sft_stopped_at_cp2_continued_at_tp2_with_sp_equals_one_process(runs):
+    d, ranks, _, forked = runs
+    for rank in ranks:
+        _ok(rank[6])
+        _ok(rank[7])
+    assert "through a universal checkpoint" in ranks[0][7][1], ranks[0][7][1]
+    _ok(forked[0])
+    losses, weights = (_metrics_diff(_steps(d / "sft_cp"), _steps(d / "sft_ref")),
+                       _weights_diff(d / "sft_cp", d / "sft_ref"))
+    print(f"full SFT CP2 stopped after step 2, continued at TP2 + SP vs one process: losses {losses:.1e}, "
+          f"weights {weights:.1e}")
+    assert losses < 1e-6 and weights < 5e-5  # measured 0.0 and 1.1e-5 (fp32: Adam divides each entry by its own
+    # magnitude, so a near-zero gradient entry's rounding at CP2 or TP2 moves its weight the most)
 
 
 def test_lora_dpo_stopped_at_tp2_zero1_continued_at_tp1_zero2_equals_one_process(runs):
