@@ -32,7 +32,7 @@ from .feed_forward import FeedForward
 from .deepseek import MultiLatentAttention, MultiTokenPrediction, shifted
 from .moe import ExpertMLP, MoEMLP, is_moe_layer
 from .recompute import DiscardedOutput
-from .tiling import tiled_cross_entropy, tiled_mlp
+from .tiling import tiled_cross_entropy, tiled_mlp, tiled_row_cross_entropy
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, Layout, RowParallelLinear, SequenceParallelLayerNorm,
                        SequenceParallelRMSNorm, UlyssesAttention, VocabParallelEmbedding, chunk_start, context_chunk,
                        copy_to_tensor_parallel_region, cp_world_size, gather_from_context_parallel_region,
@@ -508,8 +508,11 @@ class GPT(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
                 reduction: str = "mean", documents=None):
         """Full logits [b, s, vocab] without labels; the cross-entropy with (shifted) labels, plus, in training
-        with a mean reduction, the MoE layers' auxiliary losses (``moe_aux_loss``). ``documents``: packed rows'
-        boundaries (``models.documents.DocumentAttention``)."""
+        with a mean reduction, the MoE layers' auxiliary losses (``moe_aux_loss``). ``reduction``: mean, sum, none
+        (per token) or row_sum (each row's sum, [b]: what the tiled loss can give per row). ``documents``: packed
+        rows' boundaries (``models.documents.DocumentAttention``)."""
+        if reduction == "row_sum" and labels is not None and self.layout.tiled_loss == 1:
+            return self._forward(input_ids, labels, label_smoothing, "none", documents).sum(dim=1)
         out = self._forward(input_ids, labels, label_smoothing, reduction, documents)
         if labels is not None and self.training and reduction == "mean" and self.config.num_experts:
             out = out + self.moe_aux_loss()
@@ -550,8 +553,8 @@ class GPT(nn.Module):
 
     def _tiled_loss(self, input_ids, labels, label_smoothing: float, reduction: str, documents=None) -> torch.Tensor:
         """ALST's tiled output layer and loss (models/tiling.py): the [s, V / tp] logits are never held whole."""
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"the tiled loss reduces to a mean or a sum, not {reduction!r}")
+        if reduction not in ("mean", "sum", "row_sum"):
+            raise ValueError(f"the tiled loss reduces to a mean, a sum or each row's sum, not {reduction!r}")
         return self._tiled_cross_entropy(self._local_hidden_states(input_ids, documents=documents), labels,
                                          label_smoothing, reduction)
 
@@ -564,6 +567,13 @@ class GPT(nn.Module):
             h = gather_from_sequence_parallel_region(h, 1, tensor_parallel_output_grad=False)
         head = self.embedding if self.lm_head is None else self.lm_head
         logits_fn = self.embedding.logits if self.lm_head is None else self.lm_head
+        if reduction == "row_sum":
+            if label_smoothing:
+                raise ValueError("the tiled loss sums rows without label smoothing")
+            return reduce_from_context_parallel_region(tiled_row_cross_entropy(
+                lambda x: logits_fn(x, sequence_split=False), head.parameters(), h, labels,
+                vocab_size=self.config.vocab_size, tiles=self.layout.tiled_loss,
+                chunk_tokens=self.layout.loss_chunk_tokens or None))
         total = reduce_from_context_parallel_region(tiled_cross_entropy(
             lambda x: logits_fn(x, sequence_split=False), head.parameters(), h, labels,
             vocab_size=self.config.vocab_size, tiles=self.layout.tiled_loss, label_smoothing=label_smoothing,

@@ -8,7 +8,8 @@ each tile's logits). DeepSpeed's ``TiledFusedLogitsLoss`` is not used: it runs t
 with an incoming gradient of 1, which a loss divided afterwards (by the token count, by fp16's loss scale)
 would not reach the output layer's weight gradient with.
 
-Tiles are per token, so they are exact: the tiled loss is the sum of the tiles' sums.
+Tiles are per token, so they are exact: the tiled loss is the sum of the tiles' sums. Per-row sums (DPO's
+completion log-probabilities, ``tiled_row_cross_entropy``) are the sums of the tiles' per-row sums.
 """
 from __future__ import annotations
 
@@ -46,3 +47,47 @@ def tiled_cross_entropy(logits_fn, params, hidden: torch.Tensor, labels: torch.T
     return sequence_tiled_compute(tile_loss, hidden.shape[1], tiles, {"hidden": hidden, "labels": labels}, {},
                                   "hidden", compute_params=list(params), output_unshard_dimension=0,
                                   output_reduction="sum")
+
+
+class _TiledRowSums(torch.autograd.Function):
+    """``fn(hidden tile, labels tile)`` -> [b] (a per-row sum over the tile's tokens), summed over the tiles of the
+    sequence: each tile's forward without autograd, recomputed one tile at a time in the backward with the rows'
+    incoming gradient (as DeepSpeed's ``SequenceTiledCompute``, whose outputs are either reduced to one number or
+    shaped as the input: neither is a row's sum). The parameters' gradients are marked ready for ZeRO at the last
+    tile only, as DeepSpeed's tiled compute marks them."""
+
+    @staticmethod
+    def forward(ctx, fn, params, tiles: int, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.params = fn, [p for p in params if p.requires_grad]
+        ctx.step = math.ceil(hidden.shape[1] / tiles)
+        ctx.save_for_backward(hidden, labels)
+        with torch.no_grad():
+            return sum(fn(hidden[:, i:i + ctx.step], labels[:, i:i + ctx.step])
+                       for i in range(0, hidden.shape[1], ctx.step))
+
+    @staticmethod
+    def backward(ctx, grad_rows: torch.Tensor):
+        hidden, labels = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[3] else None
+        starts = range(0, hidden.shape[1], ctx.step)
+        for i in starts:
+            for p in ctx.params:
+                p.ds_grad_is_ready = i == starts[-1]
+            part = hidden[:, i:i + ctx.step].detach().requires_grad_(grad_hidden is not None)
+            with torch.enable_grad():
+                rows = ctx.fn(part, labels[:, i:i + ctx.step])
+            torch.autograd.backward(rows, grad_rows)
+            if grad_hidden is not None:
+                grad_hidden[:, i:i + ctx.step] = part.grad
+        return None, None, None, grad_hidden, None
+
+
+def tiled_row_cross_entropy(logits_fn, params, hidden: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
+                            tiles: int, chunk_tokens: int | None = None) -> torch.Tensor:
+    """Each row's summed vocabulary-parallel cross-entropy [b] of ``logits_fn(hidden)`` against ``labels``, on
+    ``tiles`` tiles of the sequence (DPO's per-completion log-probabilities without the [s, V/tp] logits whole)."""
+    def tile_rows(hidden, labels):
+        return vocab_parallel_cross_entropy(logits_fn(hidden), labels, vocab_size=vocab_size, reduction="none",
+                                            chunk_tokens=chunk_tokens).sum(dim=1)
+
+    return _TiledRowSums.apply(tile_rows, list(params), tiles, hidden, labels)

@@ -187,7 +187,8 @@ USES = {
         "TP2": "tests/finetune/test_post_training_tp.py::test_sft_and_dpo_tp2_equal_tp1",
         "TP2+SP": f"{POST}[DPO TP2+SP]", "CP2": f"{POST}[DPO CP2]", "DP2 ZeRO-2": f"{POST}[DPO DP2 ZeRO-2]",
         "DP2 ZeRO-3": f"{POST}[DPO DP2 ZeRO-3]",
-        "EP2 MoE": f"{POST}[DPO EP2 MoE]", "tiled MLP": f"{POST}[DPO TP2 tiled MLP]"}),
+        "EP2 MoE": f"{POST}[DPO EP2 MoE]", "tiled MLP": f"{POST}[DPO TP2 tiled MLP + tiled loss]",
+        "tiled loss": f"{POST}[DPO TP2 tiled MLP + tiled loss]"}),
 }
 
 

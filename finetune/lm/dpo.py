@@ -122,8 +122,8 @@ def precompute_reference_logps(model, rows: list[dict], batch_size: int, pad_id:
 
 def completion_logps(model, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Each row's summed log-probability of its completion tokens under the project's GPT (any TP / CP layout:
-    the model's own per-token cross-entropy)."""
-    return -model(input_ids[:, :-1], targets, reduction="none").sum(dim=1)
+    the model's own cross-entropy summed per row, tiled under ``--tiled-loss``)."""
+    return -model(input_ids[:, :-1], targets, reduction="row_sum")
 
 
 def reference_logps(model, input_ids: torch.Tensor, targets: torch.Tensor, reference=None) -> torch.Tensor:

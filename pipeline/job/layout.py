@@ -416,8 +416,8 @@ POST_TRAINING = "post_training"  # the extras key of the SFT and DPO commands: w
 @rule
 def post_training_layout(c: LayoutCheck) -> str | None:
     """SFT's packed rows and DPO's pairs go through the model's own forward at every layout but pipeline stages
-    (finetune/lm/job, models/documents.py); DPO reads per-token log-probabilities, which the tiled loss does not
-    keep."""
+    (finetune/lm/job, models/documents.py); under the tiled loss DPO's completions are summed row by row
+    (``models.tiling.tiled_row_cross_entropy``)."""
     what = c.extras.get(POST_TRAINING)
     if what is None:
         return None
@@ -426,9 +426,6 @@ def post_training_layout(c: LayoutCheck) -> str | None:
         return (f"{what} with --pipeline-parallel: its step runs the whole model on each rank, while DeepSpeed's "
                 f"pipeline engine runs the stages on its own schedule and loss, which would have to carry the rows' "
                 f"document boundaries from stage to stage; drop --pipeline-parallel")
-    if what == "DPO" and L.tiled_loss > 1:
-        return ("DPO with --tiled-loss: DPO sums each completion's per-token log-probabilities, and the tiled loss "
-                "keeps only their total; drop --tiled-loss")
     if getattr(c.config, "mtp_num_layers", 0):
         return (f"{what} of a model with multi-token prediction (mtp_num_layers {c.config.mtp_num_layers}): its rows "
                 f"are attended document by document, and the MTP depths would read each row across its documents; "

@@ -321,7 +321,6 @@ def test_refusals_in_one_line(work, tmp_path):
         "unknown target": (sft, args(work / "chats.jsonl", "--lora-target-modules", "q_projx"),
                            "'q_projx' names no linear"),
         "identical pair": ("finetune.lm.job.dpo", args(tmp_path / "same.jsonl"), "are the same"),
-        "tiled loss": ("finetune.lm.job.dpo", args(work / "pairs.jsonl", "--tiled-loss", 2), "DPO with --tiled-loss"),
         "--save not empty": (sft, args(work / "chats.jsonl", save=tmp_path / "full"), "not empty"),
         "--no-resume, --save not empty": (sft, args(work / "chats.jsonl", "--no-resume", save=tmp_path / "full"),
                                           "--no-resume starts a new run in a new or empty directory only"),
@@ -338,8 +337,6 @@ def test_refusals_in_one_line(work, tmp_path):
 def test_the_layout_rule_refuses_what_the_post_training_forward_does_not_do_and_nothing_else():
     pp = Layout(pipeline=2)
     assert "SFT with --pipeline-parallel" in refusal(LayoutCheck(pp, extras={POST_TRAINING: "SFT", "world": 2}))
-    assert "DPO with --tiled-loss" in refusal(LayoutCheck(Layout(tiled_loss=2), extras={POST_TRAINING: "DPO",
-                                                                                       "world": 1}))
     assert refusal(LayoutCheck(pp, extras={"world": 2})) is None  # pretraining's layout, untouched
     mtp = GPTConfig(variant="llama", hidden_size=32, num_layers=2, num_heads=4, vocab_size=64,
                     max_position_embeddings=16, mtp_num_layers=1)
@@ -347,4 +344,5 @@ def test_the_layout_rule_refuses_what_the_post_training_forward_does_not_do_and_
         POST_TRAINING: "SFT", "world": 1}))
     for layout in (Layout(tensor=2, sequence_parallel=True), Layout(context=2), Layout(zero_stage=3, data=2),
                    Layout(expert=2, data=2), Layout(tiled_mlp=2, tiled_loss=2)):  # (test_post_training_layouts.py)
-        assert refusal(LayoutCheck(layout, extras={POST_TRAINING: "SFT", "world": layout.world})) is None, layout
+        for what in ("SFT", "DPO"):
+            assert refusal(LayoutCheck(layout, extras={POST_TRAINING: what, "world": layout.world})) is None, layout
