@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch.distributed as dist
-
 from finetune.ensemble.predictor import EnsembleError
 from finetune.ensemble.tfidf import TFIDF_FILE, TfidfClassifier
 from finetune.job.args import parse_args as parse_finetune_args
 from finetune.job.run import run as train_classifier
 from finetune.recipes import DEFAULT_HOLDOUT, DEFAULT_HOLDOUT_SEED, RECIPES
 from finetune.saved import CLASSIFIER_FILE, LoadedClassifier
+from pipeline.job.errors import is_rank0
 
 MEMBERS_DIR = "members"
 
@@ -84,5 +83,5 @@ def fit_tfidf(save: Path, train, fit_idx, split: dict, normalizer) -> Path:
 
 
 def rank0_print(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if is_rank0():
         print(message, flush=True)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+
+from pipeline.job.errors import is_rank0
 
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo's names of the bf16 instructions
 CPUINFO = Path("/proc/cpuinfo")
@@ -36,5 +37,5 @@ def warn_if_bf16_is_emulated(precision: str) -> None:
     """Print ``bf16_cpu_warning`` for this machine once (rank 0)."""
     cpuinfo = CPUINFO.read_text() if CPUINFO.is_file() else ""
     line = bf16_cpu_warning(precision, get_accelerator().device_name(), cpu_flags(cpuinfo))
-    if line and (not dist.is_initialized() or dist.get_rank() == 0):
+    if line and is_rank0():
         print(line, file=sys.stderr, flush=True)
