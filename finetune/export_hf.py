@@ -20,10 +20,8 @@ texts first, as training did). The tokenizer adds no special tokens and pads on 
 """
 from __future__ import annotations
 
-import sys
-
 from pipeline.job.arguments import add_dtype_arg
-from pipeline.job.errors import ArgumentParser, command, console_script
+from pipeline.job.errors import ArgumentParser, job_command
 
 
 def parse_args(argv=None):
@@ -36,21 +34,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-@command
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from finetune.hf_export import compare_with_project, export_classifier  # noqa: PLC0415  (deferred: --help must not load torch)
-    out = export_classifier(args.model, args.out, dtype=args.dtype, force=args.force)
-    print(f"exported {args.model} to {out}")
-    if args.verify:
-        texts = ["I am so happy today!", "This is terrible, I'm furious #angry", "not sure what to expect tomorrow",
-                 "Thank you @user for the lovely flowers http://t.co/x"]
-        result = compare_with_project(args.model, out, texts)
-        print(f"max |p_hf - p_project| = {result['max_abs_diff']:.2e}; same tokens: {result['tokens_equal']}")
-    return 0
+def _job():
+    from finetune.hf_export import export_command  # noqa: PLC0415  (deferred: --help must not load torch)
+    return export_command
 
 
-cli = console_script(main)  # the console script (pyproject.toml)
-
-if __name__ == "__main__":
-    sys.exit(main())
+main, cli = job_command(parse_args, _job, __name__)  # cli: the console script (pyproject.toml)

@@ -116,6 +116,21 @@ def export_classifier(model_dir: str | Path, out: str | Path, *, dtype: torch.dt
     return Path(out)
 
 
+VERIFY_TEXTS = ["I am so happy today!", "This is terrible, I'm furious #angry", "not sure what to expect tomorrow",
+                "Thank you @user for the lovely flowers http://t.co/x"]
+
+
+def export_command(args) -> int:
+    """``mds-export-classifier``: export ``--model`` into ``--out``; with ``--verify``, reload it with transformers
+    and print how far its probabilities are from the project classifier's."""
+    out = export_classifier(args.model, args.out, dtype=args.dtype, force=args.force)
+    print(f"exported {args.model} to {out}")
+    if args.verify:
+        result = compare_with_project(args.model, out, VERIFY_TEXTS)
+        print(f"max |p_hf - p_project| = {result['max_abs_diff']:.2e}; same tokens: {result['tokens_equal']}")
+    return 0
+
+
 def _training_tokenization(directory: Path, info: dict) -> None:
     """Make the exported tokenizer encode as training did: no added special tokens, right padding with the
     training pad id, cut at the training length."""

@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a file: the project root, not finetune/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from pipeline.job.arguments import add_dtype_arg
-from pipeline.job.errors import ArgumentParser, command, console_script
+from pipeline.job.errors import ArgumentParser, job_command
 from pipeline.job.files import check_output_file, refuse_overlap
 from pipeline.job.numbers import positive_int, probability
 
@@ -60,14 +60,9 @@ def check_outputs(args) -> None:
         check_output_file(path, args.force, flag)
 
 
-@command
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def _job():
     from finetune.scoring.classify import classify_file  # noqa: PLC0415  (deferred: --help must not load torch)
-    return classify_file(args)
+    return classify_file
 
 
-cli = console_script(main)  # the console script (pyproject.toml)
-
-if __name__ == "__main__":
-    main()
+main, cli = job_command(parse_args, _job, __name__)  # cli: the console script (pyproject.toml)

@@ -26,22 +26,16 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher or torc
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from finetune.job import args as job_args
-from pipeline.job.errors import command, console_script
+from pipeline.job.errors import job_command
 
 
 def parse_args(argv=None):
     return job_args.parse_args(argv, description=__doc__)
 
 
-@command
-def main(argv=None) -> dict:
-    """Run the job; a bad argument or input is one line ``error: <what and where>`` and exit code 2."""
-    args = parse_args(argv)
+def _job():
     from finetune.job.run import run  # noqa: PLC0415  (deferred: --help must not load torch)
-    return run(args)
+    return run
 
 
-cli = console_script(main)  # the console script (pyproject.toml)
-
-if __name__ == "__main__":
-    main()
+main, cli = job_command(parse_args, _job, __name__)  # cli: the console script (pyproject.toml)

@@ -14,10 +14,9 @@ the directory writing, tokenizer and verification are shared.
 """
 from __future__ import annotations
 
-import sys
 
 from pipeline.job.arguments import add_dtype_arg
-from pipeline.job.errors import ArgumentParser, command, console_script
+from pipeline.job.errors import ArgumentParser, job_command
 
 
 # -- command line ------------------------------------------------------------------------------------------------------
@@ -34,14 +33,9 @@ def parse_args(argv: list[str] | None = None):
     return p.parse_args(argv)
 
 
-@command
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def _job():
     from pipeline.hf.run import export_checkpoint  # noqa: PLC0415  (deferred: --help must not load torch)
-    return export_checkpoint(args)
+    return export_checkpoint
 
 
-cli = console_script(main)  # the console script (pyproject.toml)
-
-if __name__ == "__main__":
-    sys.exit(main())
+main, cli = job_command(parse_args, _job, __name__)  # cli: the console script (pyproject.toml)

@@ -12,11 +12,10 @@ before anything is written, with the sizes that would.
 """
 from __future__ import annotations
 
-import sys
 
 
 from pipeline.job.arguments import add_dtype_arg
-from pipeline.job.errors import ArgumentParser, command, console_script
+from pipeline.job.errors import ArgumentParser, job_command
 from pipeline.job.numbers import positive_int
 
 
@@ -34,14 +33,9 @@ def parse_args(argv: list[str] | None = None):
     return p.parse_args(argv)
 
 
-@command
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def _job():
     from pipeline.hf.run import import_model  # noqa: PLC0415  (deferred: --help must not load torch)
-    return import_model(args)
+    return import_model
 
 
-cli = console_script(main)  # the console script (pyproject.toml)
-
-if __name__ == "__main__":
-    sys.exit(main())
+main, cli = job_command(parse_args, _job, __name__)  # cli: the console script (pyproject.toml)

@@ -30,10 +30,12 @@ def folders() -> set[str]:
 
 
 def command_modules() -> dict[str, list[str]]:
-    """Per folder, the modules that run as commands (an ``if __name__ == "__main__"`` block)."""
+    """Per folder, the modules that run as commands (an ``if __name__ == "__main__"`` block, or ``job_command``
+    given the module's ``__name__``)."""
     out = {}
     for top in ("pipeline", "finetune"):
-        out[top] = sorted(p.stem for p in (ROOT / top).glob("*.py") if '__name__ == "__main__"' in p.read_text())
+        out[top] = sorted(p.stem for p in (ROOT / top).glob("*.py")
+                          if re.search(r'__name__ == "__main__"|job_command\(.*__name__\)', p.read_text()))
     return out
 
 
@@ -57,7 +59,7 @@ def test_commands_are_thin_and_console_scripts():
             lines = len(path.read_text().splitlines())
             assert lines < 150, f"{path.relative_to(ROOT)}: {lines} lines"
             assert f"{top}.{name}" in targets, f"{top}.{name} has no console script"
-            assert re.search(r"^(cli = |def cli\()", path.read_text(), re.M), f"{path} has no cli()"
+            assert re.search(r"^(cli = |def cli\(|main, cli = )", path.read_text(), re.M), f"{path} has no cli()"
 
 
 def _imports(path) -> set[str]:

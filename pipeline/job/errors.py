@@ -199,6 +199,22 @@ def console_script(main: Callable) -> Callable[[], int]:
     return entry
 
 
+def job_command(parse_args: Callable, job: Callable[[], Callable], module_name: str
+                ) -> tuple[Callable, Callable[[], int]]:
+    """A command's ``main(argv=None)`` (as ``command``: user errors reported once) and its console script: the
+    arguments parsed, then ``job()`` gives the function that runs them, imported only then (``--help`` loads no
+    torch). ``module_name``: the command module's ``__name__``; run as ``python -m``, the command runs at once and
+    exits with the console script's status."""
+    @command
+    def main(argv: Sequence[str] | None = None):
+        return job()(parse_args(argv))
+
+    cli = console_script(main)
+    if module_name == "__main__":
+        sys.exit(cli())
+    return main, cli
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The description as written (the commands' docstrings hold their example lines), and each flag's default at
     the end of its help line, unless the line says it already or there is none to say (no value, a switch off)."""

@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a file (deepspeed launcher, torchrun): t
     sys.path[0] = str(Path(__file__).resolve().parents[3])
 
 from finetune.lm.job.arguments import add_reference_args, post_training_parser
-from pipeline.job.errors import command, console_script
+from pipeline.job.errors import job_command
 from pipeline.job.numbers import positive_float
 
 __all__ = ["main", "parse_args"]
@@ -34,15 +34,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-@command
-def main(argv=None) -> dict:
-    """The job (a user error is one line ``error: ...`` and exit code 2)."""
-    args = parse_args(argv)
+def _job():
     from finetune.lm.job.jobs import run_dpo  # noqa: PLC0415  (deferred: --help must not load torch)
-    return run_dpo(args)
+    return run_dpo
 
 
-cli = console_script(main)  # the console script (pyproject.toml)
-
-if __name__ == "__main__":
-    main()
+main, cli = job_command(parse_args, _job, __name__)  # cli: the console script (pyproject.toml)

@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a file (deepspeed launcher, torchrun): t
 
 from finetune.lm.job.arguments import post_training_parser
 from pipeline.job.arguments import add_sample_args
-from pipeline.job.errors import command, console_script
+from pipeline.job.errors import job_command
 
 __all__ = ["main", "parse_args"]
 
@@ -34,15 +34,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-@command
-def main(argv=None) -> dict:
-    """The job (a user error is one line ``error: ...`` and exit code 2)."""
-    args = parse_args(argv)
+def _job():
     from finetune.lm.job.jobs import run_sft  # noqa: PLC0415  (deferred: --help must not load torch)
-    return run_sft(args)
+    return run_sft
 
 
-cli = console_script(main)  # the console script (pyproject.toml)
-
-if __name__ == "__main__":
-    main()
+main, cli = job_command(parse_args, _job, __name__)  # cli: the console script (pyproject.toml)

@@ -250,8 +250,8 @@ def test_an_fp8_run_resumes_in_bf16_at_another_layout_and_back(setup, tmp_path):
             after = optimizer_state(save, f"global_step{step}")
             assert sorted(before) == sorted(after)
             for name, key in before:
-                count = torch.load(universal.cache_path(save, f"global_step{step}") / "zero" / name / "step.pt",
-                                   weights_only=True)
+                step_file = universal.cache_path(save, f"global_step{step}") / "zero" / name / "step.pt"
+                count = torch.load(step_file, weights_only=True)
                 assert int(count) == step, name
                 if key == "exp_avg_sq":
                     assert bool((after[name, key] >= 0.999 * before[name, key] * (1 - 1e-5)).all()), name
