@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from deepspeed.runtime.utils import partition_balanced
 
 from models import GPTConfig
 from models.deepseek import MultiTokenPrediction, depth_inputs, depths_loss
@@ -192,6 +193,15 @@ def layer_specs(config: GPTConfig, layout: Layout, init_seed: int) -> list:
     if mtp:  # the depths' embedded tokens (L + 2, the tied embedding's last-stage copy), the depths (L + 3)
         specs += [tied(forward_fn=_mtp_embedded), LayerSpec(PipeMTP, config, layout, init_seed)]
     return [*specs, head]
+
+
+def stage_layers(config: GPTConfig, pipeline: int) -> list[range]:
+    """The transformer layers (0-based) each stage holds: DeepSpeed's partition "type:TransformerLayer" of
+    ``layer_specs`` (the embedding, the layers, then the final norm and head, with MTP its two specs more)."""
+    L = config.num_layers
+    after = 4 if getattr(config, "mtp_num_layers", 0) else 2
+    parts = partition_balanced(weights=[0] + [1] * L + [0] * after, num_parts=pipeline)
+    return [range(min(max(start - 1, 0), L), min(max(stop - 1, 0), L)) for start, stop in zip(parts, parts[1:])]
 
 
 def gpt_pipeline(config: GPTConfig, state: ParallelState, init_seed: int, *, activation_checkpointing: bool = False,

@@ -20,6 +20,7 @@ from models.parallel.layout import FP8_RECIPES, PRECISIONS, RECOMPUTE_POLICIES
 
 from pipeline.engine.distributed import launched_world_size
 from pipeline.engine.ds_config import enabled, precision, zero_stage
+from pipeline.engine.pipe_model import stage_layers
 from pipeline.job.errors import UserError
 
 class LayoutError(UserError, ValueError):
@@ -406,6 +407,26 @@ def context_parallel_zero3_reduction(c: LayoutCheck) -> str | None:
                     f"stage 3: DeepSpeed would give 1/C of the summed gradients of the sequence chunks "
                     f"(docs/long_context.md); set it to {str(needed).lower()} (or leave it out)")
     return None
+
+
+@rule
+def experts_on_every_stage(c: LayoutCheck) -> str | None:
+    """DeepSpeed's ZeRO-1/2 reduces the experts' gradient norm over the model-parallel ranks (pipe x tensor) that
+    hold experts: a stage without an MoE layer never joins, and the run hangs at its first step."""
+    cfg, L = c.config, c.layout
+    if L.pipeline == 1 or not getattr(cfg, "num_experts", 0):
+        return None
+    stages = stage_layers(cfg, L.pipeline)
+    last_has_mtp = bool(getattr(cfg, "mtp_num_layers", 0))  # (its depths have experts too)
+    empty = [s for s, layers in enumerate(stages)
+             if not any(cfg.is_moe_layer(i) for i in layers) and not (last_has_mtp and s == L.pipeline - 1)]
+    if not empty:
+        return None
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    return (f"--pipeline-parallel {L.pipeline} with MoE layers {moe} of {cfg.num_layers}: stage(s) {empty} (layers "
+            f"{[list(stages[s]) for s in empty]}) would hold none, and DeepSpeed's ZeRO reduces the experts' gradient "
+            f"norm over the stages that have them (the run would hang); choose moe_layer_freq / first_k_dense_replace "
+            f"or --pipeline-parallel so that every stage holds one")
 
 
 # -- what else the run does ------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pipeline.job.options import EngineOptions
 GPT = GPTConfig(variant="gpt2", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16)
 MOE = GPTConfig(variant="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16,
                 num_experts=4)
+MOE_EVERY_OTHER = GPTConfig(**{**MOE.__dict__, "moe_layer_freq": 2})  # experts in layer 1 only
 MLSTM = MLSTMConfig(vocab_size=64, embed_dim=8, hidden_size=16, seq_length=8)
 
 
@@ -47,6 +48,7 @@ def test_the_layout_of_the_command_line():
     (LayoutCheck(Layout(expert=3, data=3), MOE), ("--expert-parallel 3", "num_experts 4")),
     (LayoutCheck(Layout(expert=2, data=1), MOE), ("--expert-parallel 2", "data x context parallel 1")),
     (LayoutCheck(Layout(zero_stage=3), MOE), ("stage 3", "MoE layers")),
+    (LayoutCheck(Layout(pipeline=2), MOE_EVERY_OTHER), ("--pipeline-parallel 2", "stage(s) [0] (layers [[0]])")),
     (LayoutCheck(Layout(tiled_loss=17), GPT), ("--tiled-loss 17", "16 tokens")),
     (LayoutCheck(Layout(context=2, tiled_mlp=9), GPT), ("--tiled-mlp 9", "context parallel 2")),
     (LayoutCheck(Layout(recompute="selective", recompute_modules=("moe_act",)), GPT), ("moe_act", "dense model")),
@@ -69,6 +71,7 @@ def test_each_refusal_is_one_line_naming_both_features(check, both):
 def test_what_the_rules_allow():
     allowed = [LayoutCheck(Layout()), LayoutCheck(Layout(tensor=2, sequence_parallel=True, context=2), GPT),
                LayoutCheck(Layout(expert=2, context=2), MOE),  # experts over data x context
+               LayoutCheck(Layout(pipeline=2), MOE),  # experts on both stages
                LayoutCheck(Layout(tiled_mlp=2, tiled_loss=2, expert=2, data=2), MOE),
                LayoutCheck(Layout(tensor=2, sequence_parallel=True, expert=2, data=2), MOE),
                LayoutCheck(Layout(data=4), MLSTM, family_of(MLSTM))]
