@@ -7,7 +7,7 @@ Also runs under ``torchrun``, as ``python -m finetune.lm.job.dpo`` and ``mds-dpo
 ``prompt``, ``chosen``, ``rejected`` (conversations or plain text), tokenized as TRL's ``DPOTrainer`` tokenizes
 them; the loss is TRL's sigmoid loss against the frozen base (with LoRA: the policy with its adapters off), and
 metrics.jsonl logs rewards/chosen, rewards/rejected, rewards/accuracies and rewards/margins as TRL names them.
-Dropout is off, as TRL's default. Runs at every layout but pipeline stages and --tiled-loss (docs/post_training.md);
+Dropout is off, as TRL's default. Runs at every layout but pipeline stages (docs/post_training.md);
 outputs and resuming as ``finetune.lm.job.sft``.
 """
 from __future__ import annotations
