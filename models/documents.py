@@ -66,6 +66,30 @@ class DocumentAttention:
         view.positions = context_chunk(self.positions)
         return view
 
+    @classmethod
+    def of_ids(cls, document_ids: torch.Tensor) -> "DocumentAttention":
+        """The boundaries of rows whose [b, s] ``document_ids`` number each token's document (0, 1, ... in order):
+        what a pipeline stage rebuilds from the ids that travel with the hidden states."""
+        view = cls.__new__(cls)
+        s = document_ids.shape[1]
+        index = torch.arange(s, device=document_ids.device).expand_as(document_ids)
+        first = torch.ones_like(document_ids, dtype=torch.bool)
+        first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        starts = torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
+        view.document_ids, view.positions = document_ids, index - starts
+        same = document_ids[:, :, None] == document_ids[:, None, :]
+        view.attn_mask = (same & torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril())[:, None]
+        view.is_causal = False
+        return view
+
+    def embedding_inputs(self, input_ids: torch.Tensor, sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the embedding takes for the rows' tokens at their documents' positions: this rank's chunk under
+        context (this view being ``chunk()``'s) and sequence parallelism."""
+        positions = self.positions
+        if sequence_parallel:  # the embedding's output is this TP rank's chunk of the sequence
+            positions = positions.chunk(tp_world_size(), dim=1)[tp_rank()]
+        return context_chunk(input_ids), positions
+
     def layers_output(self, model, input_ids: torch.Tensor) -> torch.Tensor:
         """A GPT's hidden states after its layers (before the final norm) over packed rows, each document seen
         alone: this rank's [b, s / cp, h], [b, s / cp / tp, h] under sequence parallelism. In training each layer
@@ -77,10 +101,7 @@ class DocumentAttention:
             raise ValueError("packed documents: multi-token prediction reads whole rows across documents; "
                              "set mtp_num_layers 0")
         documents = self.chunk()
-        positions = documents.positions
-        if model.layout.sequence_parallel:  # the embedding's output is this TP rank's chunk of the sequence
-            positions = positions.chunk(tp_world_size(), dim=1)[tp_rank()]
-        h = model.embedding(context_chunk(input_ids), positions)
+        h = model.embedding(*documents.embedding_inputs(input_ids, model.layout.sequence_parallel))
         recompute = model.checkpoint_fn if model.training and torch.is_grad_enabled() else None
         if recompute is not None and not h.requires_grad:  # a frozen embedding (LoRA): a reentrant checkpoint's
             h.requires_grad_()  # output has a gradient only if an input has one (enable_input_require_grads)

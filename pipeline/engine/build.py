@@ -94,7 +94,7 @@ def skip_reducing_over_one_rank(engine, state: ParallelState) -> None:
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
                  schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None,
                  full_state_dict: dict | None = None, param_groups_fn=None, recompute: str | None = None,
-                 recompute_modules=None):
+                 recompute_modules=None, packed_rows: bool = False):
     """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only) at
     the layout of ``state`` (``state.layout``, validated by ``pipeline.job.layout`` before the process groups were
     built), in three steps: ``construct`` the model at this rank's shard, ``parallelize`` it (recomputation, ZeRO-3's
@@ -107,7 +107,9 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     learning rate (e.g. layer-wise decay when finetuning). Returns the engine; ``engine.is_pipe``
     tells which training step to use. ``recompute``: none, selective (each layer's ``recompute_modules``:
     core_attn, Megatron-Core's default, mlp_act, layernorm; ``models.gpt.select_recompute_modules``) or full
-    (every layer; ``activation_checkpointing`` is its old name); by default the layout's.
+    (every layer; ``activation_checkpointing`` is its old name); by default the layout's. ``packed_rows``: the
+    pipeline's stages take (input ids, document ids), packed rows attending document by document
+    (``pipe_model.PackedRowsTransformerLayer``).
     """
     layout = state.layout
     recompute = "full" if activation_checkpointing else recompute or layout.recompute
@@ -118,7 +120,7 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
         ds_config = whole_stage_activations_ds_config(ds_config, state)
     checkpoint_fn = recompute.checkpoint_fn(state, ds_config)
     model = construct(model_config, state, init_seed, model_builder=model_builder, full_state_dict=full_state_dict,
-                      checkpoint_fn=checkpoint_fn if recompute.policy == "full" else None)
+                      checkpoint_fn=checkpoint_fn if recompute.policy == "full" else None, packed_rows=packed_rows)
     ds_config = parallelize(model, model_config, ds_config, state, recompute, checkpoint_fn)
     return optimize(model, model_config, ds_config, state, schedule, param_groups_fn)
 
@@ -141,15 +143,15 @@ class Recompute:
 
 
 def construct(model_config, state: ParallelState, init_seed: int, *, model_builder=None,
-              full_state_dict: dict | None = None, checkpoint_fn=None) -> torch.nn.Module:
-    """The model at this rank's shard of the layout: the GPT, a ``PipelineModule`` of its stages (PP > 1), or what
-    ``model_builder`` returns; ``full_state_dict`` loaded into the shards; ``checkpoint_fn`` around every layer
-    (full recomputation)."""
+              full_state_dict: dict | None = None, checkpoint_fn=None, packed_rows: bool = False) -> torch.nn.Module:
+    """The model at this rank's shard of the layout: the GPT, a ``PipelineModule`` of its stages (PP > 1; of packed
+    rows with ``packed_rows``), or what ``model_builder`` returns; ``full_state_dict`` loaded into the shards;
+    ``checkpoint_fn`` around every layer (full recomputation)."""
     if state.pipeline_parallel > 1:
         if model_builder is not None:
             raise EngineConfigError("pipeline parallelism is only available for the GPT models")
         model = gpt_pipeline(model_config, state, init_seed, activation_checkpointing=checkpoint_fn is not None,
-                             checkpoint_fn=checkpoint_fn)
+                             checkpoint_fn=checkpoint_fn, packed_rows=packed_rows)
         if full_state_dict is not None:
             load_full_state_dict(model, full_state_dict, partial=True, source="checkpoint weights",
                                  name_map=lambda n: pipe_to_gpt_name(n, model_config))

@@ -12,6 +12,11 @@ auxiliary losses, which DeepSpeed's sends carry and give no gradient), the embed
 and last stages (untied output layer or not), whose last-stage copy embeds each depth's shifted tokens; the depths
 (``PipeMTP``, named ``mtp.*`` as the GPT's) give their hidden states to the one output layer, and the loss adds
 lambda x the mean of the depths' cross-entropies (``MTPLoss``), as ``GPT.forward``.
+
+Packed rows (``packed_rows``: SFT's conversations, ``models.documents``) enter as (input ids, document ids); the
+document ids travel with the activations to the final norm, and each stage's layers rebuild from them the
+per-document positions and block-diagonal causal mask, so a row's conversations attend only to themselves, as
+``GPT.forward(documents=...)``.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from deepspeed.runtime.utils import partition_balanced
 
 from models import GPTConfig
 from models.deepseek import MultiTokenPrediction, depth_inputs, depths_loss
+from models.documents import DocumentAttention
 from models.gpt import (Embedding, FinalNorm, LMHead, TransformerLayer, context_parallel_cross_entropy, mtp_arguments,
                         stage_seed)
 from models.moe import MoEMLP, is_moe_layer
@@ -164,32 +170,70 @@ class PipeMTP(MultiTokenPrediction):
         return hidden, aux, *depths
 
 
+class PackedRowsEmbedding(Embedding):
+    """The first stage of packed rows: (input ids, document ids) -> (hidden, [aux,] document ids), the tokens
+    embedded at their documents' positions (aux for a model with experts, as ``MoETransformerLayer`` carries it)."""
+
+    def forward(self, inputs):
+        input_ids, document_ids = inputs
+        documents = DocumentAttention.of_ids(document_ids).chunk()
+        hidden = super().forward(*documents.embedding_inputs(input_ids, self.sequence_parallel))
+        carried = (_no_aux(hidden.device),) if self.config.num_experts else ()
+        return hidden, *carried, document_ids
+
+
+class PackedRowsTransformerLayer(TransformerLayer):
+    """A layer over packed rows: (hidden, [aux,] document ids), its attention within each document; a mixture of
+    experts' auxiliary loss added to aux (``MoETransformerLayer``). Recomputed under --recompute full, as the
+    GPT's dense layers on this path (``models.documents``); its document ids need no gradient."""
+
+    def forward(self, x):
+        hidden, *aux, document_ids = x
+        hidden = super().forward(hidden, DocumentAttention.of_ids(document_ids).chunk())
+        if aux and isinstance(self.mlp, MoEMLP) and self.training:
+            aux = [aux[0] + self.mlp.aux_loss.float().reshape(1)]
+        return hidden, *aux, document_ids
+
+
+class PackedRowsFinalNorm(FinalNorm):
+    """(hidden, [aux,] document ids) -> the normed hidden states (with aux): the boundaries end here."""
+
+    def forward(self, x):
+        hidden, *aux, _ = x
+        return (self.norm(hidden), *aux) if aux else self.norm(hidden)
+
+
 def carries_several(config) -> bool:
     """Whether the stages pass (hidden, aux, ...) between them: a model with experts (their auxiliary losses) or
     multi-token prediction (the input ids, for the last stage's depths)."""
     return bool(getattr(config, "num_experts", 0)) or bool(getattr(config, "mtp_num_layers", 0))
 
 
-def layer_specs(config: GPTConfig, layout: Layout, init_seed: int) -> list:
+def layer_specs(config: GPTConfig, layout: Layout, init_seed: int, packed_rows: bool = False) -> list:
     """The stages in order; each draws its initial weights from the seed ``models.gpt.GPT`` gives it. A model with
-    experts or multi-token prediction carries (hidden, aux, ...) between its layers."""
+    experts or multi-token prediction carries (hidden, aux, ...) between its layers; ``packed_rows``: the
+    document ids too (``PackedRowsTransformerLayer``)."""
     L, mtp = config.num_layers, bool(config.mtp_num_layers)
+    if packed_rows and mtp:
+        raise ValueError("packed rows on pipeline stages: multi-token prediction reads whole rows across documents")
     carried = carries_several(config)
-    embedding = IdsCarryingEmbedding if mtp else Embedding
+    embedding = PackedRowsEmbedding if packed_rows else IdsCarryingEmbedding if mtp else Embedding
 
     def tied(**kwargs):
         return TiedLayerSpec(TIED_KEY, embedding, config, layout, stage_seed(init_seed, 0),
                              tied_weight_attr=["word_embeddings.weight"], **kwargs)
 
-    first = tied() if config.tie_embeddings or mtp else LayerSpec(Embedding, config, layout, stage_seed(init_seed, 0))
+    first = (tied() if config.tie_embeddings or mtp else
+             LayerSpec(embedding, config, layout, stage_seed(init_seed, 0)))
     if config.tie_embeddings:
         head = tied(forward_fn=_tied_logits_aux if carried else _tied_logits)
     else:
         head = LayerSpec(MoELMHead if carried else LMHead, config, layout, stage_seed(init_seed, L + 2))
-    layer = MoETransformerLayer if carried else TransformerLayer
+    layer = PackedRowsTransformerLayer if packed_rows else MoETransformerLayer if carried else TransformerLayer
+    final_norm = PackedRowsFinalNorm if packed_rows else MoEFinalNorm if carried else FinalNorm
     specs = [first, *(LayerSpec(layer, config, layout, stage_seed(init_seed, i + 1), is_moe_layer(config, i))
                       for i in range(L)),
-             LayerSpec(MoEFinalNorm if carried else FinalNorm, config, layout)]
+             LayerSpec(final_norm, config, layout)]
     if mtp:  # the depths' embedded tokens (L + 2, the tied embedding's last-stage copy), the depths (L + 3)
         specs += [tied(forward_fn=_mtp_embedded), LayerSpec(PipeMTP, config, layout, init_seed)]
     return [*specs, head]
@@ -205,18 +249,20 @@ def stage_layers(config: GPTConfig, pipeline: int) -> list[range]:
 
 
 def gpt_pipeline(config: GPTConfig, state: ParallelState, init_seed: int, *, activation_checkpointing: bool = False,
-                 checkpoint_fn=None) -> PipelineModule:
+                 checkpoint_fn=None, packed_rows: bool = False) -> PipelineModule:
+    """The GPT's stages at ``state``'s layout; ``packed_rows``: its inputs are (input ids, document ids)."""
     layout = state.layout
     config.check_parallel(layout.tensor, layout.pipeline, layout.context, sequence_parallel=layout.sequence_parallel)
     kwargs = {}
-    if activation_checkpointing:
-        kwargs.update(activation_checkpoint_interval=1, checkpointable_layers=["TransformerLayer"])
+    if activation_checkpointing:  # (the MoE layers are not: their auxiliary loss keeps its forward's graph)
+        recomputed = ["TransformerLayer"] + ([] if config.num_experts else ["PackedRowsTransformerLayer"])
+        kwargs.update(activation_checkpoint_interval=1, checkpointable_layers=recomputed)
         if checkpoint_fn is not None:
             kwargs["activation_checkpoint_func"] = checkpoint_fn
     chunk = layout.loss_chunk_tokens or None
     loss_fn = (MTPLoss(config.vocab_size, config.mtp_loss_scaling_factor, state.context_parallel, chunk)
                if config.mtp_num_layers else VocabParallelLoss(config.vocab_size, state.context_parallel, chunk))
-    return PipelineModule(layers=layer_specs(config, layout, init_seed), loss_fn=loss_fn,
+    return PipelineModule(layers=layer_specs(config, layout, init_seed, packed_rows), loss_fn=loss_fn,
                           topology=pipe_topology(state), partition_method="type:TransformerLayer", **kwargs)
 
 

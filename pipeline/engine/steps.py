@@ -68,6 +68,25 @@ def optimizer_step(engine, batches, forward: Callable = lm_forward, *, counts: S
     return {k: float(v) for k, v in zip(keys, totals)}
 
 
+def pipeline_step(engine, batches, to_pipe: Callable, *, data_group=None) -> dict:
+    """One optimizer step of a pipeline engine over the global batch's micro-batches. Every stage takes them from
+    ``batches`` (its loader keeps step with the others', as without stages; DeepSpeed's schedule reads them on the
+    first and last stage only), each given to the schedule as ``to_pipe(batch)``'s (inputs, labels); its third
+    item, {name: count} (tokens, say), is summed over the micro-batches and ``data_group`` (the data-parallel
+    ranks, not the context-parallel ones that hold the same rows). The loss: DeepSpeed's mean over the
+    micro-batches and its data-parallel ranks. Returns floats, after one device sync."""
+    micro = [to_pipe(next(batches)) for _ in range(engine.gradient_accumulation_steps())]
+    loss = engine.train_batch(data_iter=iter([(inputs, labels) for inputs, labels, _ in micro]))
+    keys = list(micro[0][2])
+    counts = torch.tensor([sum(float(m[2][k]) for m in micro) for k in keys], dtype=torch.float64,
+                          device=engine.device)
+    if keys and data_group is not None and torch.distributed.get_world_size(data_group) > 1:
+        collectives.all_reduce(counts, data_group, name="dp/counts")
+    loss = torch.as_tensor(loss).to(device=engine.device, dtype=torch.float64).reshape(1)
+    values = _read(watch(engine), torch.cat([loss, counts]))
+    return {"loss": float(values[0]), **{k: float(v) for k, v in zip(keys, values[1:])}}
+
+
 def _read(grads, values: torch.Tensor) -> torch.Tensor:
     """``values`` on the host, with the step's gradient check in the same copy when there is one."""
     global _nonfinite_grad
