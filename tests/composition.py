@@ -178,7 +178,7 @@ USES = {
     # packed documents: each conversation attends only to itself (models/documents.py)
     "SFT over packed documents (`mds-sft`)": Use("finetune.lm.job.sft", {POST_TRAINING: "SFT"}, {
         "TP2": "tests/finetune/test_post_training_tp.py::test_sft_and_dpo_tp2_equal_tp1",
-        "TP2+SP": f"{POST}[SFT TP2+SP gpt2]", "CP2": f"{POST}[SFT CP2 gpt2]",
+        "TP2+SP": f"{POST}[SFT TP2+SP gpt2]", "CP2": f"{POST}[SFT CP2 gpt2]", "PP2": f"{POST}[SFT PP2 gpt2]",
         "DP2 ZeRO-2": f"{POST}[SFT DP2 ZeRO-2]", "DP2 ZeRO-3": f"{POST}[SFT DP2 ZeRO-3]",
         "EP2 MoE": f"{POST}[SFT EP2 MoE]", "tiled MLP": f"{POST}[SFT TP2 tiled MLP + tiled loss]",
         "tiled loss": f"{POST}[SFT TP2 tiled MLP + tiled loss]",

@@ -4,6 +4,7 @@ and the full fp32 weights gathered over TP at the end.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.utils import safe_get_full_fp32_param
 
@@ -36,14 +37,31 @@ def finetune_step(engine, batches) -> dict:
 
 
 def full_fp32_state(engine) -> dict[str, torch.Tensor]:
-    """The classifier's full TP=1, EP=1 state dict from the fp32 master weights (collective over all ranks)."""
+    """The model's full TP=1, EP=1 state dict from the fp32 master weights (collective over all ranks); of a
+    pipeline engine the whole model's under the GPT's names, on its pipeline's first stage (empty elsewhere)."""
 
     out = {}
     for name, p in engine.module.named_parameters():
         master = safe_get_full_fp32_param(p) if p.requires_grad else None
         value = (master if master is not None else p.detach()).float()
         out[name] = gather_full(value, get_shard_spec(p)).cpu()
-    return gather_experts(out, engine.module)
+    out = gather_experts(out, engine.module)
+    return _stages_state(engine, out) if getattr(engine, "is_pipe", False) else out
+
+
+def _stages_state(engine, stage: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every stage's weights, renamed as the GPT names them, gathered on the first stage. A tied embedding's
+    last-stage copy (its position table never trained there) gives way to the first stage's."""
+    grid = engine.grid
+    first = grid.stage_to_global(0)
+    parts = [None] * grid.get_pipe_parallel_world_size() if dist.get_rank() == first else None
+    dist.gather_object({engine.param_display_name(k): v for k, v in stage.items()}, parts, dst=first,
+                       group=grid.get_pipe_parallel_group())
+    full: dict[str, torch.Tensor] = {}
+    for part in parts or ():
+        for name, value in part.items():
+            full.setdefault(name, value)
+    return full
 
 
 def loop_hooks(args, engine, data: Splits, predict, metrics, schedule, steps_per_epoch: int, global_batch: int,

@@ -6,6 +6,8 @@ does. One 2-rank launch holds the stopped halves (and one continuation), one Pyt
   with ZeRO-1;
 * full SFT at CP2 (packed conversations split over the context ranks), stopped after step 2, continued at TP2 with
   sequence parallelism;
+* full SFT on two pipeline stages (the document ids travel with the activations), stopped after step 2, continued
+  on them (its exports gathered from both stages), and stopped there again, continued at TP2;
 * LoRA DPO at TP2 with ZeRO-1, continued at TP1 with ZeRO-2: the reference (the base, the adapters off) the same, its rewards logged equal;
 * full DPO at DP2 with --precompute-ref-log-probs, continued at TP1 from the stored SAVE/reference_logps.jsonl
   (reused, not recomputed: the file untouched), and refused while --data differs from the pairs it holds;
@@ -66,6 +68,7 @@ def runs(work, tmp_path_factory):  # noqa: F811
     sft = _args(work, "chats.jsonl", d / "sft", "--seq-length", 64)
     sft_ref = _args(work, "chats.jsonl", d / "sft_ref", "--seq-length", 64)
     sft_cp = _args(work, "chats.jsonl", d / "sft_cp", "--seq-length", 64)
+    sft_pp, sft_pp_tp = (_args(work, "chats.jsonl", d / name, "--seq-length", 64) for name in ("sft_pp", "sft_pp_tp"))
     lora, lora_ref = (_args(work, "pairs.jsonl", d / name, *BETA, *LORA) for name in ("lora", "lora_ref"))
     pre, pre_ref = (_args(work, d / "pre_pairs.jsonl", d / name, *BETA, "--precompute-ref-log-probs")
                     for name in ("pre", "pre_ref"))
@@ -83,6 +86,10 @@ def runs(work, tmp_path_factory):  # noqa: F811
         ("write", d / "pre_pairs.jsonl", pairs),
         (SFT, [*sft_cp, "--context-parallel", 2], STOP),
         (SFT, [*sft_cp, "--tensor-parallel", 2, "--sequence-parallel"], {}),
+        (SFT, [*sft_pp, "--pipeline-parallel", 2], STOP),
+        (SFT, [*sft_pp, "--pipeline-parallel", 2], {}),
+        (SFT, [*sft_pp_tp, "--pipeline-parallel", 2], STOP),
+        (SFT, [*sft_pp_tp, "--tensor-parallel", 2], {}),
     ])
     stored = d / "pre" / "reference_logps.jsonl"
     before = (stored.stat().st_ino, stored.stat().st_mtime_ns, stored.read_bytes())
@@ -143,6 +150,23 @@ def test_full_sft_stopped_at_cp2_continued_at_tp2_with_sp_equals_one_process(run
           f"weights {weights:.1e}")
     assert losses < 1e-6 and weights < 5e-5  # measured 0.0 and 1.1e-5 (fp32: Adam divides each entry by its own
     # magnitude, so a near-zero gradient entry's rounding at CP2 or TP2 moves its weight the most)
+
+
+def test_full_sft_on_pipeline_stages_stopped_and_continued_equals_one_process(runs):
+    """On the stages and from them at TP2: the losses and the exported weights (gathered from both stages: the
+    tied embedding's first-stage copy) of the run done in one go at one process."""
+    d, ranks, _, forked = runs
+    for rank in ranks:
+        for i in (8, 9, 10, 11):
+            _ok(rank[i])
+    assert "(saved at TP 1, PP 2, DP 1, EP 1, ZeRO 1) at TP 2, PP 1, DP 1, EP 1, ZeRO 1: through a universal " \
+           "checkpoint" in ranks[0][11][1], ranks[0][11][1]
+    _ok(forked[0])
+    for name in ("sft_pp", "sft_pp_tp"):
+        losses, weights = _metrics_diff(_steps(d / name), _steps(d / "sft_ref")), _weights_diff(d / name, d / "sft_ref")
+        print(f"full SFT PP2 stopped after step 2, continued at {'PP2' if name == 'sft_pp' else 'TP2'} vs one "
+              f"process: losses {losses:.1e}, weights {weights:.1e}")
+        assert losses < 1e-6 and weights < 2e-5  # measured 4.8e-8 / 0.0 (continued at PP2), 4.5e-8 / 1.1e-6 (TP2)
 
 
 def test_lora_dpo_stopped_at_tp2_zero1_continued_at_tp1_zero2_equals_one_process(runs):

@@ -33,7 +33,7 @@ from pipeline.data.loaders import DistributedBatchLoader
 from pipeline.engine.distributed import free_port
 from pipeline.hf.convert import from_hf
 from pipeline.hf.peft_adapter import adapter_from_peft, add_peft_lora, read_peft_adapter
-from pipeline.job.layout import LayoutCheck, refusal
+from pipeline.job.layout import LORA as LORA_KEY, LayoutCheck, refusal
 
 BIN = Path(sys.executable).parent
 STEPS, LR, BETA = 4, 1e-2, 0.1
@@ -336,8 +336,11 @@ def test_refusals_in_one_line(work, tmp_path):
 
 def test_the_layout_rule_refuses_what_the_post_training_forward_does_not_do_and_nothing_else():
     pp = Layout(pipeline=2)
-    assert "SFT with --pipeline-parallel" in refusal(LayoutCheck(pp, extras={POST_TRAINING: "SFT", "world": 2}))
-    assert refusal(LayoutCheck(pp, extras={"world": 2})) is None  # pretraining's layout, untouched
+    assert refusal(LayoutCheck(pp, extras={POST_TRAINING: "SFT", "world": 2})) is None  # (full SFT on stages)
+    assert "--lora-r with --pipeline-parallel" in refusal(LayoutCheck(pp, extras={POST_TRAINING: "SFT", LORA_KEY: True,
+                                                                                  "world": 2}))
+    assert "DPO with --pipeline-parallel" in refusal(LayoutCheck(pp, extras={POST_TRAINING: "DPO", "world": 2}))
+    assert refusal(LayoutCheck(pp, extras={LORA_KEY: True, "world": 2})) is None  # pretraining's layout, untouched
     mtp = GPTConfig(variant="llama", hidden_size=32, num_layers=2, num_heads=4, vocab_size=64,
                     max_position_embeddings=16, mtp_num_layers=1)
     assert "SFT of a model with multi-token prediction" in refusal(LayoutCheck(Layout(), mtp, extras={

@@ -1,12 +1,13 @@
 """SFT over packed conversations and DPO through DeepSpeed's engine at the layouts beyond TP x DP (ZeRO-3, tiled
-MLP and loss, expert parallelism, Megatron sequence parallelism, context parallelism) equal one process: the
-per-step losses and DeepSpeed's global gradient norm, each layout shown to be in force; under sequence and context
-parallelism a packed row still gives what its conversations give alone. DPO's reference is live: the initial
+MLP and loss, expert parallelism, Megatron sequence parallelism, context parallelism; SFT on pipeline stages) equal
+one process: the per-step losses and DeepSpeed's global gradient norm, each layout shown to be in force; under
+sequence and context parallelism a packed row still gives what its conversations give alone. DPO's reference is live: the initial
 weights frozen at the layout, as the job's frozen copy of the base. One 2-rank launch holds every cell, one
 1-rank launch the references (fp32)."""
 import collections
 
 import datasets
+import deepspeed
 import pytest
 import torch
 from composition import FEATURES, POST, USES, use_refusal
@@ -20,7 +21,7 @@ import models.documents
 import models.gpt
 from finetune.lm.chat import tokenize_conversations, training_chat_template
 from finetune.lm.dpo import collate_pairs, tokenize_pairs
-from finetune.lm.job.jobs import sft_forward
+from finetune.lm.job.jobs import sft_forward, sft_pipe_batch
 from finetune.lm.job.preference import dpo_forward, sequence_multiple
 from finetune.lm.packing import collate, pack_conversations, unpacked
 from models import GPT, GPTConfig
@@ -28,7 +29,7 @@ from models.parallel import Layout, destroy_model_parallel, initialize_model_par
 from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import resolve_ds_config
 from pipeline.engine.schedules import LRSchedule
-from pipeline.engine.steps import optimizer_step
+from pipeline.engine.steps import optimizer_step, pipeline_step
 from pipeline.job.layout import POST_TRAINING, LayoutCheck, refusal
 
 STEPS, GLOBAL_BATCH, MICRO_BATCH, LR = 3, 4, 2, 1e-2
@@ -39,6 +40,7 @@ MODELS = {"gpt2": dict(variant="gpt2", hidden_size=16, **SMALL),  # tied embeddi
                         **SMALL),  # RoPE, grouped-query attention
           "moe": dict(variant="gpt2", hidden_size=16, num_experts=4, moe_top_k=2, moe_layer_freq=2,
                       moe_aux_loss_coeff=0.01, **SMALL)}
+MODELS["moe on every stage"] = {**MODELS["moe"], "moe_layer_freq": 1}  # (pipeline.job.layout.experts_on_every_stage)
 # (what, model, the layout's fields at 2 ranks)
 CELLS = {
     "SFT DP2 ZeRO-2": ("SFT", "gpt2", {"zero_stage": 2}),
@@ -49,6 +51,9 @@ CELLS = {
     "SFT TP2+SP llama": ("SFT", "llama", {"tensor": 2, "sequence_parallel": True}),
     "SFT CP2 gpt2": ("SFT", "gpt2", {"context": 2}),
     "SFT CP2 llama": ("SFT", "llama", {"context": 2}),
+    "SFT PP2 gpt2": ("SFT", "gpt2", {"pipeline": 2}),
+    "SFT PP2 llama recompute full": ("SFT", "llama", {"pipeline": 2, "recompute": "full"}),
+    "SFT PP2 MoE": ("SFT", "moe on every stage", {"pipeline": 2}),
     "DPO DP2 ZeRO-2": ("DPO", "gpt2", {"zero_stage": 2}),
     "DPO DP2 ZeRO-3": ("DPO", "llama", {"zero_stage": 3}),
     "DPO TP2 tiled MLP + tiled loss": ("DPO", "llama", {"tensor": 2, "tiled_mlp": 2, "tiled_loss": 2}),
@@ -78,7 +83,8 @@ def _engine(layout: Layout, model: str, vocab: int):
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every weight partitioned
     ds = resolve_ds_config(ds, data_parallel=state.data_parallel, micro_batch_size=MICRO_BATCH)
     config = GPTConfig(vocab_size=vocab, **MODELS[model])
-    engine = build_engine(config, ds, state, init_seed=1234, schedule=LRSchedule(LR, 0, STEPS, "constant"))
+    engine = build_engine(config, ds, state, init_seed=1234, schedule=LRSchedule(LR, 0, STEPS, "constant"),
+                          packed_rows=layout.pipeline > 1)
     return state, engine, config
 
 
@@ -94,7 +100,9 @@ def _train(what: str, layout: Layout, model: str, data: dict) -> dict:
     COUNTED.clear()
     state, engine, config = _engine(layout, model, data["vocab"])
     seen = []  # the embedding's output length: this rank's chunk of the sequence under SP / CP
-    engine.module.embedding.register_forward_hook(lambda m, i, out: seen.append(out.shape[1]))
+    for embedding in (m for m in engine.module.modules() if isinstance(m, models.gpt.Embedding)):
+        embedding.register_forward_hook(lambda m, i, out: seen.append((out[0] if isinstance(out, tuple) else out)
+                                                                      .shape[1]))
     if what == "SFT":
         batches = _batches(data["sft"], state, lambda rows: collate(rows, data["seq_length"], data["pad"]))
         forward = sft_forward
@@ -102,14 +110,19 @@ def _train(what: str, layout: Layout, model: str, data: dict) -> dict:
         multiple = sequence_multiple(layout)  # frozen copy of the base), its forward at the layout as the policy's
         batches = _batches(data["pairs"], state, lambda rows: (*collate_pairs(rows, data["pad"], multiple), None))
         forward = dpo_forward(0.1, GPT(config, init_seed=1234).eval().requires_grad_(False))
-    losses, norms, margins = [], [], []
+    losses, norms, margins, tokens = [], [], [], []
     for _ in range(STEPS):
-        record = optimizer_step(engine, batches, forward)
+        if engine.is_pipe:  # (the validator allows stages to SFT only)
+            record = pipeline_step(engine, batches, sft_pipe_batch, data_group=state.get_data_parallel_group())
+        else:
+            record = optimizer_step(engine, batches, forward, counts=("tokens",) if what == "SFT" else ())
         losses.append(record["loss"])
+        tokens.append(record.get("tokens"))
         margins.append(record.get("rewards/margins"))
         norms.append(float(engine.get_global_grad_norm()))
-    out = {"losses": losses, "norms": norms, "margins": margins, "counted": dict(COUNTED), "chunk": seen[0],
-           "sizes": (state.tensor_parallel, state.context_parallel, state.data_parallel),
+    out = {"losses": losses, "norms": norms, "margins": margins, "tokens": tokens, "counted": dict(COUNTED),
+           "chunk": seen[0] if seen else None, "pipe": engine.is_pipe,  # (a last stage embeds nothing)
+           "sizes": (state.tensor_parallel, state.context_parallel, state.data_parallel, state.pipeline_parallel),
            "zero": engine.zero_optimization_stage(),
            "ep": groups._get_expert_parallel_world_size("ep_size_2") if layout.expert > 1 else 1}
     if what == "SFT" and (layout.sequence_parallel or layout.context > 1):
@@ -130,6 +143,7 @@ def _worker(rank, todo: dict, data: dict) -> dict:
     _count(models.gpt, "tiled_cross_entropy")
     _count(models.gpt, "tiled_row_cross_entropy")  # DPO's completions, row by row
     _count(models.documents, "UlyssesAttention")  # the packed rows' masked core under context parallelism
+    _count(deepspeed.checkpointing, "checkpoint")  # full recomputation (the pipeline's layers)
     return {key: _train(*cell, data) for key, cell in todo.items()}
 
 
@@ -150,8 +164,9 @@ def trained():
     data = _data()
     refs = {("reference", what, model): (what, Layout(zero_stage=1), model) for what, model, _ in CELLS.values()}
     cells = {name: (what, _layout(fields, 2), model) for name, (what, model, fields) in CELLS.items()}
-    for name, (what, layout, _) in cells.items():
-        assert refusal(LayoutCheck(layout, extras={POST_TRAINING: what, "world": 2})) is None, name
+    for name, (what, layout, model) in cells.items():
+        config = GPTConfig(vocab_size=data["vocab"], **MODELS[model])
+        assert refusal(LayoutCheck(layout, config, extras={POST_TRAINING: what, "world": 2})) is None, name
     destroy_model_parallel()
     out = run_distributed(_worker, 1, refs, data, env={"OMP_NUM_THREADS": "1"})[0]
     out.update(run_distributed(_worker, 2, cells, data, env={"OMP_NUM_THREADS": "1"})[0])
@@ -172,15 +187,20 @@ def test_post_training_layout_equals_one_process(name, trained):
     # measured (fp32), losses / gradient norms: SFT ZeRO-2 0 / 0, ZeRO-3 5.2e-8 / 8.6e-8, tiled MLP + loss 4.6e-8 /
     # 2.2e-7, EP2 9.6e-8 / 0, TP2+SP 0 / 1.4e-7, CP2 8.0e-8 / 9.5e-8; DPO with its live reference (an AVX-512 CPU)
     # ZeRO-2 0 / 6.4e-8, ZeRO-3 4.6e-7 / 4.8e-7, tiled MLP + loss 8.0e-7 / 6.9e-7, EP2 9.9e-8 / 8.6e-8, TP2+SP
-    # 5.6e-7 / 3.5e-7, CP2 0 / 0
+    # 5.6e-7 / 3.5e-7, CP2 0 / 0; SFT on pipeline stages PP2 gpt2 9.7e-8 / 6.1e-8, llama (recompute full)
+    # 4.6e-8 / 7.5e-8, MoE 5.4e-8 / 1.0e-7
     assert loss < 2e-6 and norm < 2e-6
+    if what == "SFT":  # the assistant tokens counted over the global batch, as one process counts them
+        assert got["tokens"] == ref["tokens"] and ref["tokens"][0] > 0
     if what == "DPO":  # the live reference: no margin at step 1 (the policy is the reference), then one process's
         margins = _rel(got["margins"][1:], ref["margins"][1:])
         print(f"{name}: reward margins {got['margins']}, {margins:.1e} from one process")
         assert ref["margins"][0] == 0.0 and abs(got["margins"][0]) < 1e-6 and margins < 1e-4
     assert ref["losses"][-1] < ref["losses"][0]
     # the layout was in force
-    assert got["sizes"] == (layout.tensor, layout.context, layout.data) and got["zero"] == layout.zero_stage
+    assert got["sizes"] == (layout.tensor, layout.context, layout.data, layout.pipeline)
+    assert got["zero"] == layout.zero_stage and got["pipe"] == (layout.pipeline > 1)
+    assert (got["counted"].get("checkpoint", 0) > 0) == (layout.recompute == "full")
     assert got["ep"] == layout.expert
     split = sequence_multiple(layout)  # (DPO's rows padded up to a multiple of it)
     assert got["chunk"] == -(-ref["chunk"] // split)

@@ -71,13 +71,14 @@ def add_reference_args(group) -> None:
                             "pass (pairs with ref_chosen_logps and ref_rejected_logps use them as given)")
 
 
-def post_training_parser(description: str, data_help: str, *, prog: str | None = None
-                         ) -> tuple[ArgumentParser, argparse._ArgumentGroup]:
-    """The parser of a language-model finetuning command and its model/data/output group (for its own flags)."""
+def post_training_parser(description: str, data_help: str, *, prog: str | None = None,
+                         pipeline_parallel: bool = False) -> tuple[ArgumentParser, argparse._ArgumentGroup]:
+    """The parser of a language-model finetuning command and its model/data/output group (for its own flags);
+    ``pipeline_parallel``: it takes --pipeline-parallel (SFT's packed rows on stages)."""
     p = ArgumentParser(prog=prog, description=description)
     g = add_post_training_args(p, data_help)
     add_lora_args(p)
-    add_engine_args(p, pipeline_parallel=False)
+    add_engine_args(p, pipeline_parallel=pipeline_parallel)
     add_lr_args(p)
     add_run_args(p)
     return p, g

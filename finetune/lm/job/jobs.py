@@ -13,7 +13,7 @@ from finetune.lm.packing import collate, pack_conversations
 from finetune.lm.sft import sft_loss
 from pipeline.data.build import main_process_first
 
-__all__ = ["run_sft", "run_dpo", "provide_rows", "sft_forward", "provide_pairs"]
+__all__ = ["run_sft", "run_dpo", "provide_rows", "sft_forward", "sft_pipe_batch", "provide_pairs"]
 
 
 def provide_rows(args, base) -> list[dict]:
@@ -31,6 +31,13 @@ def sft_forward(engine, batch) -> dict:
     return {"loss": sft_loss(engine.module, batch), "tokens": batch.num_targets}
 
 
+def sft_pipe_batch(batch) -> tuple:
+    """A micro-batch as the pipeline stages take it (``pipeline.engine.steps.pipeline_step``): the input ids with
+    their document ids (``pipe_model.PackedRowsEmbedding``), the targets for the last stage's loss, the count of
+    assistant tokens."""
+    return (batch.input_ids, batch.documents.document_ids), batch.targets, {"tokens": batch.num_targets}
+
+
 def run_sft(args) -> dict:
     """The SFT job; returns the last metrics."""
     finished = answer_finished(args, "sft")
@@ -39,7 +46,7 @@ def run_sft(args) -> dict:
     base, job = start(args, "SFT")
     return run(args, "sft", base, job, provide_rows(args, base),
                lambda rows: collate(rows, base.config.seq_length, base.pad_id), lambda engine: sft_forward,
-               lambda engine: chat_sample_hooks(args, engine, base, job))
+               lambda engine: chat_sample_hooks(args, engine, base, job), pipe_batch=sft_pipe_batch)
 
 
 def provide_pairs(args, base) -> list[dict]:

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, PreTrainedConfig
 
 from finetune.job.loop import full_fp32_state
 from finetune.job.resume import CHECKPOINT_DIR, remove_state, save_state_hook, saved_state
-from pipeline.job.layout import POST_TRAINING
+from pipeline.job.layout import LORA, POST_TRAINING
 from finetune.lm.job.options import lora_from_args, lora_settings
 from finetune.lm.job.report import Trained, finished_before, is_finished, summary
 from finetune.lm.job.resume import continue_from, plan_continuation, reuse_reference_logps
@@ -37,7 +37,7 @@ from pipeline.data.loaders import DistributedBatchLoader
 from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import precision
 from pipeline.engine.schedules import schedule_from_args
-from pipeline.engine.steps import grad_norm, optimizer_step
+from pipeline.engine.steps import grad_norm, optimizer_step, pipeline_step
 from pipeline.hf.export import export_hf
 from pipeline.hf.peft_adapter import (LoRATarget, export_peft_adapter, lora_targets, merged_state_dict,
                                       project_targets)
@@ -173,8 +173,13 @@ def provide_engine(args, base: Base, job: Job, ds: dict | None = None):
                          LoRAConfig(base.lora.r, base.lora.lora_alpha, base.lora.lora_dropout))
         return model
 
+    schedule = schedule_from_args(args, job.ds)
+    if job.state.pipeline_parallel > 1:  # full SFT's stages of packed rows (pipeline.engine.pipe_model; LoRA and DPO
+        # are refused there by pipeline.job.layout.post_training_layout), the base loaded into each stage's layers
+        return build_engine(base.config, ds or job.ds, job.state, init_seed=args.seed, full_state_dict=base.state,
+                            packed_rows=True, schedule=schedule)
     engine = build_engine(base.config, ds or job.ds, job.state, init_seed=args.seed, model_builder=builder,
-                          schedule=schedule_from_args(args, job.ds))
+                          schedule=schedule)
     if base.lora is not None and job.state.layout.recompute != "none":
         engine.module.embedding.register_forward_hook(_requires_grad)
     if base.lora is not None:  # the universal checkpoint holds what the optimizer holds: the adapters (the base
@@ -227,11 +232,11 @@ def run_settings(args, base: Base, job: Job, **extra) -> dict:
             "micro_batch": job.micro_batch, "seed": args.seed, **extra}
 
 
-def train(args, name: str, engine, layout: dict, loader, batches, forward: Callable, settings: dict,
+def train(args, name: str, engine, layout: dict, loader, step: Callable[[], dict], settings: dict,
           resumed: tuple[int, list], extra_hooks: list, ds: dict) -> Trained:
-    """``train_loop`` over ``optimizer_step(engine, batches, forward)`` from where an interrupted run stopped
-    (``resumed``: the steps done and their losses); logs every --log-interval steps to SAVE/metrics.jsonl (the
-    step's loss and what ``forward`` returns)."""
+    """``train_loop`` over ``step()`` (one optimizer step: the loss, the tokens, what the forward returns) from
+    where an interrupted run stopped (``resumed``: the steps done and their losses); logs every --log-interval steps
+    to SAVE/metrics.jsonl."""
     save = Path(args.save) if args.save else None
     done, losses = resumed
     metrics = MetricsWriter(save / "metrics.jsonl" if save and is_rank0() else None, monitor=engine.monitor,
@@ -257,8 +262,7 @@ def train(args, name: str, engine, layout: dict, loader, batches, forward: Calla
     hooks = [keep, every(args.log_interval, log),
              save_state_hook(engine, save, loader, losses, settings, layout, args.train_steps, args.save_interval),
              *extra_hooks]
-    steps = train_loop(lambda: optimizer_step(engine, batches, forward, counts=("tokens",)), first=done + 1,
-                       last=args.train_steps, desc=name, hooks=hooks)
+    steps = train_loop(step, first=done + 1, last=args.train_steps, desc=name, hooks=hooks)
     metrics.close()
     return Trained(steps, losses, dict(last), steps >= args.train_steps, **timing)
 
@@ -282,15 +286,17 @@ def start(args, what: str, *, dropout: bool = True) -> tuple[Base, Job]:
     warn_without_save(args, f"mds-{what.lower()}", "no checkpoint, no metrics.jsonl, no exports")
     base = provide_base(args, lora_from_args(args, args.base, task_type="CAUSAL_LM"), dropout=dropout)
     job = setup(EngineOptions.from_args(args), config=base.config, family=base.family,
-                extras={POST_TRAINING: what, "sample_interval": getattr(args, "sample_interval", None)})
+                extras={POST_TRAINING: what, LORA: base.lora is not None,
+                        "sample_interval": getattr(args, "sample_interval", None)})
     return base, job
 
 
 def run(args, name: str, base: Base, job: Job, rows: list, collate: Callable, make_forward: Callable,
-        make_hooks: Callable = lambda engine: [], **settings) -> dict:
+        make_hooks: Callable = lambda engine: [], pipe_batch: Callable | None = None, **settings) -> dict:
     """Batches of ``rows``, the engine (an interrupted run's state loaded into it, from any layout), the loop over
     ``make_forward(engine)``'s forward with ``make_hooks(engine)``'s hooks, then the exports (or where a stop
-    signal ended the run)."""
+    signal ended the run). On pipeline stages each batch goes to them as ``pipe_batch(batch)`` gives it
+    (``pipeline.engine.steps.pipeline_step``; the validator allows stages only to a command that has one)."""
     save = Path(args.save) if args.save else None
     if saved_state(save) is not None:  # (an interrupted run's precomputed reference, checked and taken back)
         reuse_reference_logps(args, save, rows)
@@ -305,8 +311,12 @@ def run(args, name: str, base: Base, job: Job, rows: list, collate: Callable, ma
     forward = make_forward(engine)
     base.state = None  # the engine (and a reference model) hold the weights now
     resumed = continue_from(engine, plan, base.config, loader)
-    trained = train(args, name, engine, layout, loader, row_batches(loader, rows, collate), forward, settings,
-                    resumed, make_hooks(engine), job.ds)
+    batches = row_batches(loader, rows, collate)
+    if engine.is_pipe:
+        step = lambda: pipeline_step(engine, batches, pipe_batch, data_group=job.state.get_data_parallel_group())
+    else:
+        step = lambda: optimizer_step(engine, batches, forward, counts=("tokens",))
+    trained = train(args, name, engine, layout, loader, step, settings, resumed, make_hooks(engine), job.ds)
     if not trained.finished:
         return {"stopped_after": trained.steps, "losses": trained.losses}
     exports = export(args, base, engine)
