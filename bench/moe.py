@@ -3,12 +3,16 @@
     python bench/moe.py [--steps 200] [--work DIR] [--out bench/results/moe.json]
     python bench/moe.py --dispatch [--rounds 20] [--out bench/results/moe_dispatch.json]
     python bench/moe.py --balancing [--steps 1000] [--out bench/results/moe_balancing.json]
+    python bench/moe.py --balancing --systems "v3 aux loss,v3 aux-loss-free" --seeds 1234,1,2 \
+        --out bench/results/moe_balancing_seeds.json
 
 ``--balancing``: a DeepSeek-V3-style MoE (``V3``: a dense first layer, 16 fine-grained experts in 4 groups, top-4
 within the best 2, sigmoid scores, a shared expert, grouped products) trained 1000 steps by the main job four
 ways: with the sequence-wise auxiliary loss (coefficient 0.01), with auxiliary-loss-free balancing (the per-expert
 bias, rate 1e-3 as DeepSeek-V3, and 1e-2, no loss), and with neither. Reported: the max/mean expert load over training and the validation
-loss (DeepSeek-V3's claim: the bias balances as well as the loss without its cost in quality).
+loss (DeepSeek-V3's claim: the bias balances as well as the loss without its cost in quality). ``--seeds``: each
+system once per seed (the initial weights and the data order change with it), the final validation losses
+summarised over them: a difference between two systems means something only beside the spread of the seeds.
 
 ``--dispatch``: one DeepSeek-style MoE layer (``DEEPSEEK_STYLE``: h 256, 64 fine-grained experts of FFN 128, top-8
 within the best 4 of 8 groups, sigmoid scores with the balancing bias, 2 shared experts' width), a training step
@@ -84,6 +88,7 @@ SYSTEMS = {  # name -> (model, ranks, extra flags)
                                      "moe_router_bias_update_rate": 1e-2}, 1, []),
     "v3 unbalanced": (V3, 1, []),
 }
+SEED = 1234  # every system's (--seeds adds others: the weights' init and the data order change with it)
 DEFAULT_SYSTEMS = ("dense", "moe", "moe without balancing loss", "dense DP2", "moe EP2", "dense micro 4", "moe micro 4")
 BALANCING = ("v3 aux loss", "v3 aux-loss-free", "v3 aux-loss-free rate 1e-2", "v3 unbalanced")
 DEEPSEEK_STYLE = {"variant": "llama", "hidden_size": 256, "num_layers": 1, "num_heads": 4, "ffn_hidden_size": 512,
@@ -111,9 +116,10 @@ def ds_config(work: Path, precision: str) -> Path:
     return path
 
 
-def command(work: Path, name: str, steps: int, seq: int, batch: int, precision: str = "bf16") -> list[str]:
+def command(work: Path, name: str, steps: int, seq: int, batch: int, precision: str = "bf16",
+            seed: int = SEED) -> list[str]:
     model, ranks, extra = SYSTEMS[name]
-    d = work / name.replace(" ", "_").replace(",", "")
+    d = work / (name.replace(" ", "_").replace(",", "") + ("" if seed == SEED else f"_seed{seed}"))
     d.mkdir(parents=True, exist_ok=True)
     (d / "model.json").write_text(json.dumps(model))
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
@@ -123,12 +129,12 @@ def command(work: Path, name: str, steps: int, seq: int, batch: int, precision: 
             "--tokenizer", "bytes", "--seq-length", str(seq), "--global-batch-size", str(batch),
             "--micro-batch-size", str(batch // ranks), "--train-steps", str(steps), "--lr", "2e-3",
             "--lr-warmup-steps", str(steps // 10), "--lr-decay-style", "cosine", "--eval-interval", str(steps // 4),
-            "--eval-iters", "8", "--log-interval", "10", "--cache-dir", str(work / "cache"), "--seed", "1234",
+            "--eval-iters", "8", "--log-interval", "10", "--cache-dir", str(work / "cache"), "--seed", str(seed),
             "--save", str(d / "run"), "--save-interval", str(10 * steps), *extra]
 
 
-def run_system(work: Path, name: str, args) -> dict:
-    cmd = command(work, name, args.steps, args.seq_length, args.global_batch_size, args.precision)
+def run_system(work: Path, name: str, args, seed: int = SEED) -> dict:
+    cmd = command(work, name, args.steps, args.seq_length, args.global_batch_size, args.precision, seed)
     run_dir = Path(cmd[cmd.index("--save") + 1])
     records_file = run_dir / "metrics.jsonl"
     if not records_file.is_file() or not any('"valid_loss"' in line and f'"step": {args.steps}' in line
@@ -211,6 +217,20 @@ def dispatch_benchmark(rounds: int, out: Path) -> None:
     print("wrote", out)
 
 
+def seed_summary(results: dict, names: list[str], seeds: list[int]) -> dict:
+    """Each system's final validation loss over the seeds: mean, standard deviation, the values (printed)."""
+    summary = {}
+    for name in names:
+        values = [results[name if seed == SEED else f"{name} seed {seed}"]["final_valid_loss"] for seed in seeds]
+        summary[name] = {"mean": statistics.mean(values), "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+                         "values": values}
+    if len(seeds) > 1:
+        print(f"\nfinal validation loss over seeds {seeds}:")
+        for name, v in summary.items():
+            print(f"{name:28s} {v['mean']:.4f} +- {v['stdev']:.4f}  {' '.join(f'{x:.4f}' for x in v['values'])}")
+    return summary
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=None, help="default 200 (--balancing: 1000)")
@@ -218,7 +238,8 @@ def main(argv=None):
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="bf16 (ds_configs/cpu.json) or fp32 (the same without its bf16 section)")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated names of SYSTEMS")
+    p.add_argument("--systems", default=None,
+                   help="comma-separated names of SYSTEMS (default: the first seven; --balancing: its four)")
     p.add_argument("--balancing", action="store_true",
                    help=f"the DeepSeek-V3-style MoE's balancing: {', '.join(BALANCING)} (default --steps 1000; "
                         f"writes moe_balancing.json and .png)")
@@ -226,15 +247,21 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="default: bench/results/moe.json (--dispatch: moe_dispatch.json)")
     p.add_argument("--dispatch", action="store_true", help="the grouped expert products against the loop")
     p.add_argument("--rounds", type=int, default=20, help="--dispatch: timed steps of each system")
+    p.add_argument("--seeds", default=str(SEED),
+                   help=f"comma-separated seeds, each system trained once per seed (default {SEED}); the others' "
+                        f"results are named '<system> seed N', and the validation losses summarised over the seeds")
     args = p.parse_args(argv)
     if args.dispatch:
         return dispatch_benchmark(args.rounds, Path(args.out or ROOT / "bench" / "results" / "moe_dispatch.json"))
     if args.balancing:
-        args.systems, args.steps = ",".join(BALANCING), args.steps or 1000
+        args.systems, args.steps = args.systems or ",".join(BALANCING), args.steps or 1000
+    args.systems = args.systems or ",".join(DEFAULT_SYSTEMS)
     args.steps = args.steps or 200
     args.out = args.out or str(ROOT / "bench" / "results" / ("moe_balancing.json" if args.balancing else "moe.json"))
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_moe_"))
-    results = {name: run_system(work, name, args) for name in args.systems.split(",")}
+    seeds = [int(x) for x in args.seeds.split(",")]
+    results = {name if seed == SEED else f"{name} seed {seed}": run_system(work, name, args, seed)
+               for seed in seeds for name in args.systems.split(",")}
     dense = results.get("dense")
     print(f"{'system':24s} {'tok/s':>8s} {'vs dense':>8s} {'valid loss':>10s} {'RSS MiB/rank':>12s} {'load max/mean':>13s}")
     for name, r in results.items():
@@ -243,10 +270,12 @@ def main(argv=None):
         load = f"{r['final_load_max_mean']:.2f}" if r["final_load_max_mean"] else "-"
         print(f"{name:24s} {r['tokens_per_s']:8.0f} {ratio:>8s} {r['final_valid_loss']:10.4f} "
               f"{r['max_rss_mib_per_rank']:12.0f} {load:>13s}")
+    over_seeds = seed_summary(results, args.systems.split(","), seeds)
     out = Path(args.out)
     note = {"machine": machine_note(), "precision": args.precision, "steps": args.steps, "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
             "models": {"dense": DENSE, "moe": MOE, "v3": V3}}
-    atomic_write_json(out, {"benchmark": "moe", **note, "systems": results}, indent=1)
+    atomic_write_json(out, {"benchmark": "moe", **note, "seeds": seeds, "systems": results,
+                            **({"over_seeds": over_seeds} if len(seeds) > 1 else {})}, indent=1)
     print("wrote", out, "and", plot(results, args.seq_length * args.global_batch_size, out.with_suffix(".png")))
 
 
