@@ -33,14 +33,19 @@ class DocumentAttention:
         if len(totals) != 1:
             raise ValueError(f"every row's document lengths must add up to the same length, got {sorted(totals)}")
         ids = [torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in document_lengths]
-        self.document_ids = torch.stack(ids).to(device)                                      # [b, s]
-        starts = [torch.repeat_interleave(torch.tensor(row).cumsum(0) - torch.tensor(row), torch.tensor(row))
-                  for row in document_lengths]
-        s = self.document_ids.shape[1]
-        self.positions = (torch.arange(s) - torch.stack(starts)).to(device)                    # [b, s]
-        same = self.document_ids[:, :, None] == self.document_ids[:, None, :]
-        causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
-        self.attn_mask = (same & causal)[:, None]                                              # [b, 1, s, s]
+        self._set_boundaries(torch.stack(ids).to(device))
+
+    def _set_boundaries(self, document_ids: torch.Tensor) -> None:
+        """From [b, s] ids numbering each token's document (0, 1, ... in order): each token's position within its
+        document and the [b, 1, s, s] mask of the earlier tokens of the same document."""
+        s = document_ids.shape[1]
+        index = torch.arange(s, device=document_ids.device).expand_as(document_ids)
+        first = torch.ones_like(document_ids, dtype=torch.bool)
+        first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        starts = torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
+        self.document_ids, self.positions = document_ids, index - starts
+        same = document_ids[:, :, None] == document_ids[:, None, :]
+        self.attn_mask = (same & torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril())[:, None]
         self.is_causal = False
 
     def layer(self, index: int) -> "DocumentAttention":
@@ -71,15 +76,7 @@ class DocumentAttention:
         """The boundaries of rows whose [b, s] ``document_ids`` number each token's document (0, 1, ... in order):
         what a pipeline stage rebuilds from the ids that travel with the hidden states."""
         view = cls.__new__(cls)
-        s = document_ids.shape[1]
-        index = torch.arange(s, device=document_ids.device).expand_as(document_ids)
-        first = torch.ones_like(document_ids, dtype=torch.bool)
-        first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-        starts = torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
-        view.document_ids, view.positions = document_ids, index - starts
-        same = document_ids[:, :, None] == document_ids[:, None, :]
-        view.attn_mask = (same & torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril())[:, None]
-        view.is_causal = False
+        view._set_boundaries(document_ids)
         return view
 
     def embedding_inputs(self, input_ids: torch.Tensor, sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
