@@ -14,14 +14,17 @@ Both cuts are those of the base weight (``ShardSpec``), so a checkpoint's adapte
 other parameter, and TP 1 and TP 2 train the same adapter. Under sequence parallelism the column adapter gathers
 the sequence as its base does, and the row adapter reduce-scatters ``x A^T`` (B, applied to this rank's chunk, is
 marked sequence-parallel: its gradient is summed over TP). ``add_lora`` freezes everything else: an optimizer built from
-the trainable parameters holds the adapters only.
+the trainable parameters holds the adapters only. With a ``seed`` each linear's adapters are drawn from a stream of
+their own (the seed and the linear's name), so they do not depend on which of the linears a process holds (a pipeline
+stage's).
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -132,25 +135,45 @@ def _add_update(module: nn.Module, args, output):
     return output + adapter(args[0]) if adapter.enabled else output
 
 
-def add_lora(model: nn.Module, targets: Mapping[str, Sequence[Sequence[int]] | None], config: LoRAConfig) -> list[str]:
+def add_lora(model: nn.Module, targets: Mapping[str, Sequence[Sequence[int]] | None], config: LoRAConfig, *,
+             seed: int | None = None, module_name: Callable[[str], str | None] = lambda name: name) -> list[str]:
     """Freeze ``model`` and adapt the linears named in ``targets`` (module path -> groups of output parts for a
-    column-parallel linear, None for all its parts in one group, or for a row-parallel one). Returns the names
-    of the adapters' parameters, the only trainable ones."""
+    column-parallel linear, None for all its parts in one group, or for a row-parallel one). ``seed``: each
+    linear's adapters drawn from a stream of their own (``seed`` and the target's name), the same whichever part of
+    the model this process holds; without it, from the default stream in order. ``module_name``: the target's
+    name in ``model`` (a pipeline stage's own), None where another process holds it. Returns the names of the
+    adapters' parameters, the only trainable ones."""
     modules = dict(model.named_modules())
-    unknown = [name for name in targets if not isinstance(modules.get(name), (ColumnParallelLinear, RowParallelLinear))]
+    local = {name: module_name(name) for name in targets}
+    unknown = [name for name, here in local.items() if here is not None
+               and not isinstance(modules.get(here), (ColumnParallelLinear, RowParallelLinear))]
     if unknown:
         raise ValueError(f"no column- or row-parallel linear named {', '.join(unknown)}")
     for p in model.parameters():
         p.requires_grad_(False)
     for name, groups in targets.items():
-        base = modules[name]
-        if isinstance(base, ColumnParallelLinear):
-            adapter = ColumnLoRA(base, groups or [tuple(range(len(base.output_sizes)))], config)
-        else:
-            adapter = RowLoRA(base, config)
+        if local[name] is None:
+            continue
+        base = modules[local[name]]
+        with _stream_of(name, seed):
+            if isinstance(base, ColumnParallelLinear):
+                adapter = ColumnLoRA(base, groups or [tuple(range(len(base.output_sizes)))], config)
+            else:
+                adapter = RowLoRA(base, config)
         base.add_module(LORA_MODULE, adapter)
         base.register_forward_hook(_add_update)
     return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def _stream_of(target: str, seed: int | None):
+    """The default stream seeded for one target's adapters, restored after; as it is without a seed."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((seed * 1_000_003 + zlib.crc32(target.encode())) % 2**63)
+        yield
 
 
 def is_lora_parameter(name: str) -> bool:

@@ -231,10 +231,9 @@ def provide_engine(args, base: Base, data: Splits, head: Head, job: Job):
 
     def builder_with_lora(cfg, init_seed):
         model = builder(cfg, init_seed)
-        with torch.random.fork_rng(devices=[]):  # the adapters' A from --seed: the same at every layout
-            torch.manual_seed(args.seed)
-            add_lora(model.encoder, project_targets(base.lora_targets),  # freezes the encoder, not the head
-                     LoRAConfig(base.lora.r, base.lora.lora_alpha, base.lora.lora_dropout))
+        add_lora(model.encoder, project_targets(base.lora_targets),  # freezes the encoder, not the head
+                 LoRAConfig(base.lora.r, base.lora.lora_alpha, base.lora.lora_dropout),
+                 seed=args.seed)  # the adapters' A from --seed: the same at every layout
         return model
 
     def groups(model):

@@ -151,15 +151,21 @@ def optimizer_param_names(engine) -> list[list[str]] | None:
     return [[names[id(p)] for p in group] for group in groups]
 
 
-def attach_info(model: torch.nn.Module, model_config, pipeline: bool) -> None:
-    """Give ``model`` (what DeepSpeed's engine wraps) the metadata its checkpoints are saved with."""
+def attach_info(model: torch.nn.Module, model_config, pipeline: bool, adapt=None) -> None:
+    """Give ``model`` (what DeepSpeed's engine wraps) the metadata its checkpoints are saved with. ``adapt``: what
+    was done to the model once built (LoRA's adapters, ``build_engine``'s ``adapt``): the record then holds the
+    parameters that train only, what the optimizer holds (the frozen base is read from its source again)."""
     if pipeline:  # a stage holds only its layers: describe the whole model, under the pipeline's names
         family = family_of(model_config)
         names = family.pipeline_names
-        named = [(names.to_pipeline(n, model_config), p)
-                 for n, p in family.meta_model(model_config).named_parameters()]
+        whole = family.meta_model(model_config)
+        if adapt is not None:
+            adapt(whole)
+        named = [(names.to_pipeline(n, model_config), p) for n, p in whole.named_parameters()]
     else:
         named = list(model.named_parameters())
+    if adapt is not None:
+        named = [(n, p) for n, p in named if p.requires_grad]
     info = checkpoint_info(named, getattr(model_config, "vocab_size", None), tp_world_size())
     if pipeline:
         # A tied embedding lives on the first and the last stage; the last stage's copy of its position

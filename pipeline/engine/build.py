@@ -91,10 +91,19 @@ def skip_reducing_over_one_rank(engine, state: ParallelState) -> None:
         engine.optimizer.gradient_average = False  # over one rank the sum is the mean
 
 
+def frozen_tied_weights_not_reduced(engine) -> None:
+    """A pipeline's tied weight that does not train (LoRA's frozen embedding, on the first and last stages) has no
+    gradient to all-reduce between its stages; DeepSpeed's reduction skips a missing gradient, but under its bf16
+    optimizer (ZeRO-0) reads the attribute that optimizer gives only the weights it holds."""
+    for weight, _ in engine.module.get_tied_weights_and_groups():
+        if not weight.requires_grad and not hasattr(weight, "_hp_grad"):
+            weight._hp_grad = None
+
+
 def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_seed: int,
                  schedule: LRSchedule | None = None, activation_checkpointing: bool = False, model_builder=None,
                  full_state_dict: dict | None = None, param_groups_fn=None, recompute: str | None = None,
-                 recompute_modules=None, packed_rows: bool = False):
+                 recompute_modules=None, packed_rows: bool = False, adapt=None):
     """A DeepSpeed engine for the GPT (or any model ``model_builder(config, init_seed=...)`` returns, PP=1 only) at
     the layout of ``state`` (``state.layout``, validated by ``pipeline.job.layout`` before the process groups were
     built), in three steps: ``construct`` the model at this rank's shard, ``parallelize`` it (recomputation, ZeRO-3's
@@ -109,7 +118,8 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     core_attn, Megatron-Core's default, mlp_act, layernorm; ``models.gpt.select_recompute_modules``) or full
     (every layer; ``activation_checkpointing`` is its old name); by default the layout's. ``packed_rows``: the
     pipeline's stages take (input ids, document ids), packed rows attending document by document
-    (``pipe_model.PackedRowsTransformerLayer``).
+    (``pipe_model.PackedRowsTransformerLayer``). ``adapt(model)``: called on the model (a stage's, on pipeline
+    stages) once its weights are loaded, before DeepSpeed takes it (LoRA's adapters).
     """
     layout = state.layout
     recompute = "full" if activation_checkpointing else recompute or layout.recompute
@@ -121,7 +131,9 @@ def build_engine(model_config, ds_config: dict, state: ParallelState, *, init_se
     checkpoint_fn = recompute.checkpoint_fn(state, ds_config)
     model = construct(model_config, state, init_seed, model_builder=model_builder, full_state_dict=full_state_dict,
                       checkpoint_fn=checkpoint_fn if recompute.policy == "full" else None, packed_rows=packed_rows)
-    ds_config = parallelize(model, model_config, ds_config, state, recompute, checkpoint_fn)
+    if adapt is not None:
+        adapt(model)
+    ds_config = parallelize(model, model_config, ds_config, state, recompute, checkpoint_fn, adapt)
     return optimize(model, model_config, ds_config, state, schedule, param_groups_fn)
 
 
@@ -165,7 +177,7 @@ def construct(model_config, state: ParallelState, init_seed: int, *, model_build
 
 
 def parallelize(model: torch.nn.Module, model_config, ds_config: dict, state: ParallelState, recompute: Recompute,
-                checkpoint_fn) -> dict:
+                checkpoint_fn, adapt=None) -> dict:
     """What the layout asks of the model beyond its shards: selective recomputation, ZeRO-3's view of the tied
     output layer and its partition over data x context, the pipeline's batch under context parallelism, FP8
     products, the checkpoint's record. Returns the DeepSpeed config the engine takes."""
@@ -181,7 +193,7 @@ def parallelize(model: torch.nn.Module, model_config, ds_config: dict, state: Pa
     if state.layout.fp8:  # the parallel linears' products only: the weights DeepSpeed takes stay as they are
         from models.parallel.fp8 import enable_fp8  # noqa: PLC0415 (torchao costs every job ~2 s of imports)
         enable_fp8(model, state.layout.fp8)
-    attach_info(model, model_config, pipeline=state.pipeline_parallel > 1)  # saved with every checkpoint
+    attach_info(model, model_config, pipeline=state.pipeline_parallel > 1, adapt=adapt)  # saved with every checkpoint
     return ds_config
 
 
@@ -206,6 +218,7 @@ def optimize(model: torch.nn.Module, model_config, ds_config: dict, state: Paral
     engine.is_pipe = pipe
     if engine.is_pipe:  # a non-finite gradient is named as the GPT's parameter (grad_watch)
         engine.param_display_name = lambda n: pipe_to_gpt_name(n, model_config)
+        frozen_tied_weights_not_reduced(engine)
     skip_nonfinite_steps_by_the_norm(engine)
     skip_reducing_over_one_rank(engine, state)
     return engine

@@ -20,14 +20,18 @@ per-document positions and block-diagonal causal mask, so a row's conversations 
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import partition_balanced
+from torch import nn
 
 from models import GPTConfig
 from models.deepseek import MultiTokenPrediction, depth_inputs, depths_loss
 from models.documents import DocumentAttention
+from models.lora import LoRAConfig, add_lora
 from models.gpt import (Embedding, FinalNorm, LMHead, TransformerLayer, context_parallel_cross_entropy, mtp_arguments,
                         stage_seed)
 from models.moe import MoEMLP, is_moe_layer
@@ -287,6 +291,26 @@ def pipe_to_gpt_name(name: str, config: GPTConfig) -> str:
     if config.mtp_num_layers and idx == L + 3:
         return f"mtp.{rest}"
     return f"lm_head.{rest}"
+
+
+def stage_module_name(stage: PipelineModule, config: GPTConfig):
+    """A ``GPT`` module path -> this stage's name for it, None where another stage holds it (``add_lora``'s
+    ``module_name``)."""
+    here = {name for name, _ in stage.named_modules()}
+
+    def name(gpt_name: str) -> str | None:
+        piped = gpt_to_pipe_name(f"{gpt_name}.weight", config).removesuffix(".weight")
+        return piped if piped in here else None
+    return name
+
+
+def lora_adder(config: GPTConfig, targets: Mapping, lora: LoRAConfig, seed: int) -> Callable[[nn.Module], None]:
+    """``build_engine``'s ``adapt``: LoRA's adapters on ``targets`` (``add_lora``'s, named as the GPT names its
+    modules) added to a GPT, or to those of a pipeline stage's layers, each drawn from ``seed`` and its name."""
+    def adapt(model: nn.Module) -> None:
+        name = stage_module_name(model, config) if isinstance(model, PipelineModule) else lambda n: n
+        add_lora(model, targets, lora, seed=seed, module_name=name)
+    return adapt
 
 
 def gpt_to_pipe_layer(name: str, config: GPTConfig) -> int:

@@ -187,8 +187,10 @@ def merged_state_dict(full_sd: Mapping[str, torch.Tensor], adapter_sd: Mapping[s
     return merged
 
 
-def add_peft_lora(model: torch.nn.Module, config: GPTConfig, lora: LoraConfig) -> list[LoRATarget]:
-    """Freeze the project's GPT ``model`` and put PEFT's adapters ``lora`` on its linears; the targets."""
+def add_peft_lora(model: torch.nn.Module, config: GPTConfig, lora: LoraConfig, seed: int | None = None
+                  ) -> list[LoRATarget]:
+    """Freeze the project's GPT ``model`` and put PEFT's adapters ``lora`` on its linears; the targets. ``seed``:
+    each linear's adapters drawn from it and the linear's name, as the commands draw them (``add_lora``)."""
     targets = lora_targets(config, lora)
-    add_lora(model, project_targets(targets), LoRAConfig(lora.r, lora.lora_alpha, lora.lora_dropout))
+    add_lora(model, project_targets(targets), LoRAConfig(lora.r, lora.lora_alpha, lora.lora_dropout), seed=seed)
     return targets

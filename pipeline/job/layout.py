@@ -412,7 +412,6 @@ def context_parallel_zero3_reduction(c: LayoutCheck) -> str | None:
 # -- what else the run does ------------------------------------------------------------------------------------------
 
 POST_TRAINING = "post_training"  # the extras key of the SFT and DPO commands: what they train ("SFT", "DPO")
-LORA = "lora"  # the extras key of a run that trains LoRA adapters (true)
 
 
 @rule
@@ -439,7 +438,8 @@ def experts_on_every_stage(c: LayoutCheck) -> str | None:
 def post_training_layout(c: LayoutCheck) -> str | None:
     """SFT's packed rows and DPO's pairs go through the model's own forward at every layout (finetune/lm/job,
     models/documents.py); on pipeline stages SFT's rows carry their document ids from stage to stage
-    (``pipeline.engine.pipe_model.PackedRowsTransformerLayer``); under the tiled loss DPO's completions are summed
+    (``pipeline.engine.pipe_model.PackedRowsTransformerLayer``), a stage holding the LoRA adapters of its own
+    layers (``models.lora.add_lora``'s ``module_name``); under the tiled loss DPO's completions are summed
     row by row (``models.tiling.tiled_row_cross_entropy``)."""
     what = c.extras.get(POST_TRAINING)
     if what is None:
@@ -449,10 +449,6 @@ def post_training_layout(c: LayoutCheck) -> str | None:
         return (f"{what} with --pipeline-parallel: its step runs the policy and its reference on the same pairs, "
                 f"and the reference (a frozen copy of the base, or the policy with its adapters off) is not built "
                 f"as pipeline stages; drop --pipeline-parallel (SFT takes it)")
-    if L.pipeline > 1 and c.extras.get(LORA):
-        return ("--lora-r with --pipeline-parallel: a stage holds only some of the adapters, and their checkpoint "
-                "record (which the resume at another layout reads) describes the whole model's; drop "
-                "--pipeline-parallel or finetune in full")
     if getattr(c.config, "mtp_num_layers", 0):
         return (f"{what} of a model with multi-token prediction (mtp_num_layers {c.config.mtp_num_layers}): its rows "
                 f"are attended document by document, and the MTP depths would read each row across its documents; "

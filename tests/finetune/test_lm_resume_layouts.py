@@ -8,6 +8,8 @@ does. One 2-rank launch holds the stopped halves (and one continuation), one Pyt
   sequence parallelism;
 * full SFT on two pipeline stages (the document ids travel with the activations), stopped after step 2, continued
   on them (its exports gathered from both stages), and stopped there again, continued at TP2;
+* LoRA SFT on two pipeline stages (each stage's own adapters), stopped after step 2, continued on them, and
+  stopped there again, continued at one process;
 * LoRA DPO at TP2 with ZeRO-1, continued at TP1 with ZeRO-2: the reference (the base, the adapters off) the same, its rewards logged equal;
 * full DPO at DP2 with --precompute-ref-log-probs, continued at TP1 from the stored SAVE/reference_logps.jsonl
   (reused, not recomputed: the file untouched), and refused while --data differs from the pairs it holds;
@@ -69,6 +71,8 @@ def runs(work, tmp_path_factory):  # noqa: F811
     sft_ref = _args(work, "chats.jsonl", d / "sft_ref", "--seq-length", 64)
     sft_cp = _args(work, "chats.jsonl", d / "sft_cp", "--seq-length", 64)
     sft_pp, sft_pp_tp = (_args(work, "chats.jsonl", d / name, "--seq-length", 64) for name in ("sft_pp", "sft_pp_tp"))
+    lora_pp, lora_pp_tp1, lora_sft_ref = (_args(work, "chats.jsonl", d / name, "--seq-length", 64, *LORA)
+                                          for name in ("lora_pp", "lora_pp_tp1", "lora_sft_ref"))
     lora, lora_ref = (_args(work, "pairs.jsonl", d / name, *BETA, *LORA) for name in ("lora", "lora_ref"))
     pre, pre_ref = (_args(work, d / "pre_pairs.jsonl", d / name, *BETA, "--precompute-ref-log-probs")
                     for name in ("pre", "pre_ref"))
@@ -90,12 +94,16 @@ def runs(work, tmp_path_factory):  # noqa: F811
         (SFT, [*sft_pp, "--pipeline-parallel", 2], {}),
         (SFT, [*sft_pp_tp, "--pipeline-parallel", 2], STOP),
         (SFT, [*sft_pp_tp, "--tensor-parallel", 2], {}),
+        (SFT, [*lora_pp, "--pipeline-parallel", 2], STOP),
+        (SFT, [*lora_pp, "--pipeline-parallel", 2], {}),
+        (SFT, [*lora_pp_tp1, "--pipeline-parallel", 2], STOP),
     ])
     stored = d / "pre" / "reference_logps.jsonl"
     before = (stored.stat().st_ino, stored.stat().st_mtime_ns, stored.read_bytes())
     forked = run_forked([(SFT, sft_ref), (DPO, lora_ref), (DPO, [*lora, "--deepspeed_config", d / "zero2.json"]),
                          (DPO, pre_ref), (DPO, pre),
-                         (SFT, sft_ref), (SFT, [*sft_ref, "--lr", "0.02"]), (DPO, pre)], d)
+                         (SFT, sft_ref), (SFT, [*sft_ref, "--lr", "0.02"]), (DPO, pre),
+                         (SFT, lora_sft_ref), (SFT, lora_pp_tp1)], d)
     return d, codes, before, forked
 
 
@@ -167,6 +175,26 @@ def test_full_sft_on_pipeline_stages_stopped_and_continued_equals_one_process(ru
         print(f"full SFT PP2 stopped after step 2, continued at {'PP2' if name == 'sft_pp' else 'TP2'} vs one "
               f"process: losses {losses:.1e}, weights {weights:.1e}")
         assert losses < 1e-6 and weights < 2e-5  # measured 4.8e-8 / 0.0 (continued at PP2), 4.5e-8 / 1.1e-6 (TP2)
+
+
+def test_lora_sft_on_pipeline_stages_stopped_and_continued_equals_one_process(runs):
+    """Each stage trains the adapters of its own layers (drawn as one process draws them): stopped after step 2
+    and continued on the stages, or at one process through a universal checkpoint of the adapters, the losses and
+    the merged export are the one-process run's, and the PEFT adapter is written."""
+    d, ranks, _, forked = runs
+    for rank in ranks:
+        for i in (12, 13, 14):
+            _ok(rank[i])
+    _ok(forked[8])
+    assert "(saved at TP 1, PP 2, DP 1, EP 1, ZeRO 1) at TP 1, PP 1, DP 1, EP 1, ZeRO 1: through a universal " \
+           "checkpoint" in _ok(forked[9])[1]
+    for name in ("lora_pp", "lora_pp_tp1"):
+        losses = _metrics_diff(_steps(d / name), _steps(d / "lora_sft_ref"))
+        weights = _weights_diff(d / name, d / "lora_sft_ref")
+        print(f"LoRA SFT PP2 stopped after step 2, continued at {'PP2' if name == 'lora_pp' else 'TP1'} vs one "
+              f"process: losses {losses:.1e}, merged weights {weights:.1e}")
+        assert losses < 1e-6 and weights < 2e-5
+        assert (d / name / "adapter" / "adapter_config.json").is_file()
 
 
 def test_lora_dpo_stopped_at_tp2_zero1_continued_at_tp1_zero2_equals_one_process(runs):

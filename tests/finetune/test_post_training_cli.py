@@ -33,7 +33,7 @@ from pipeline.data.loaders import DistributedBatchLoader
 from pipeline.engine.distributed import free_port
 from pipeline.hf.convert import from_hf
 from pipeline.hf.peft_adapter import adapter_from_peft, add_peft_lora, read_peft_adapter
-from pipeline.job.layout import LORA as LORA_KEY, LayoutCheck, refusal
+from pipeline.job.layout import LayoutCheck, refusal
 
 BIN = Path(sys.executable).parent
 STEPS, LR, BETA = 4, 1e-2, 0.1
@@ -192,7 +192,7 @@ def test_lora_sft_tp2_equals_tp1_through_a_stop_continued_at_tp1_and_peft_loads_
 
 def _library_dpo(work, lora: LoraConfig | None = None):
     """The library's DPO trained by hand: the command's batches (its loader, --seed 1234), plain AdamW; with LoRA
-    the command's adapters (A drawn from --seed after the base is loaded) and the base as the reference."""
+    the command's adapters (each linear's A drawn from --seed and its name) and the base as the reference."""
     tok = AutoTokenizer.from_pretrained(work / "base")
     rows = list(tokenize_pairs(datasets.load_dataset("json", data_files=str(work / "pairs.jsonl"), split="train"),
                                tok))
@@ -203,8 +203,7 @@ def _library_dpo(work, lora: LoraConfig | None = None):
         reference = GPT(config).eval()
         load_full_state_dict(reference, sd)
     else:
-        torch.manual_seed(1234)
-        add_peft_lora(policy, config, lora)
+        add_peft_lora(policy, config, lora, seed=1234)
     trained = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
     loader = DistributedBatchLoader(RowIndices(len(rows), "pairs"), 2, 0, 1, seed=1234)
@@ -336,11 +335,8 @@ def test_refusals_in_one_line(work, tmp_path):
 
 def test_the_layout_rule_refuses_what_the_post_training_forward_does_not_do_and_nothing_else():
     pp = Layout(pipeline=2)
-    assert refusal(LayoutCheck(pp, extras={POST_TRAINING: "SFT", "world": 2})) is None  # (full SFT on stages)
-    assert "--lora-r with --pipeline-parallel" in refusal(LayoutCheck(pp, extras={POST_TRAINING: "SFT", LORA_KEY: True,
-                                                                                  "world": 2}))
+    assert refusal(LayoutCheck(pp, extras={POST_TRAINING: "SFT", "world": 2})) is None  # (SFT on stages)
     assert "DPO with --pipeline-parallel" in refusal(LayoutCheck(pp, extras={POST_TRAINING: "DPO", "world": 2}))
-    assert refusal(LayoutCheck(pp, extras={LORA_KEY: True, "world": 2})) is None  # pretraining's layout, untouched
     mtp = GPTConfig(variant="llama", hidden_size=32, num_layers=2, num_heads=4, vocab_size=64,
                     max_position_embeddings=16, mtp_num_layers=1)
     assert "SFT of a model with multi-token prediction" in refusal(LayoutCheck(Layout(), mtp, extras={

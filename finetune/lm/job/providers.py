@@ -23,18 +23,18 @@ from transformers import AutoTokenizer, PreTrainedConfig
 
 from finetune.job.loop import full_fp32_state
 from finetune.job.resume import CHECKPOINT_DIR, remove_state, save_state_hook, saved_state
-from pipeline.job.layout import LORA, POST_TRAINING
+from pipeline.job.layout import POST_TRAINING
 from finetune.lm.job.options import lora_from_args, lora_settings
 from finetune.lm.job.report import Trained, finished_before, is_finished, summary
 from finetune.lm.job.resume import continue_from, plan_continuation, reuse_reference_logps
 from finetune.saved import load_full_gpt_state
-from models.lora import LoRAConfig, add_lora, is_lora_parameter
-from models.parallel import tp_world_size
+from models.gpt import Embedding
+from models.lora import LoRAConfig, is_lora_parameter
 from pipeline.checkpoints.model_dir import write_model_dir
 from pipeline.checkpoints.state_dicts import load_full_state_dict
-from pipeline.checkpoints.universal import checkpoint_info
 from pipeline.data.loaders import DistributedBatchLoader
 from pipeline.engine.build import build_engine
+from pipeline.engine.pipe_model import lora_adder
 from pipeline.engine.ds_config import precision
 from pipeline.engine.schedules import schedule_from_args
 from pipeline.engine.steps import grad_norm, optimizer_step, pipeline_step
@@ -160,32 +160,28 @@ def train_steps(args, loader: DistributedBatchLoader, job: Job) -> int:
 # -- engine ------------------------------------------------------------------------------------------------------------
 
 def provide_engine(args, base: Base, job: Job, ds: dict | None = None):
-    """The engine over the base weights; with LoRA the base frozen and adapters added (their A drawn from --seed,
-    the same at every layout), so the optimizer, and ZeRO's partitions, hold the adapters only. ``ds``: the
-    DeepSpeed config, if not the job's."""
-    def builder(config, init_seed):
-        model = build_in_dtype(base, config, init_seed, weights_dtype(ds or job.ds))
-        load_full_state_dict(model, base.state, source=str(args.base))
-        if base.lora is not None:  # (the adapters drawn in fp32, then cast by DeepSpeed as the base would be)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(args.seed)
-                add_lora(model, project_targets(base.targets),
-                         LoRAConfig(base.lora.r, base.lora.lora_alpha, base.lora.lora_dropout))
-        return model
-
+    """The engine over the base weights; with LoRA the base frozen and adapters added (each linear's A drawn from
+    --seed and its name: the same at every layout, on whichever pipeline stage holds it), so the optimizer, ZeRO's
+    partitions and the universal checkpoint hold the adapters only (the base is read from --base again). ``ds``:
+    the DeepSpeed config, if not the job's."""
+    adapt = None if base.lora is None else lora_adder(
+        base.config, project_targets(base.targets), LoRAConfig(base.lora.r, base.lora.lora_alpha,
+                                                               base.lora.lora_dropout), args.seed)
     schedule = schedule_from_args(args, job.ds)
-    if job.state.pipeline_parallel > 1:  # full SFT's stages of packed rows (pipeline.engine.pipe_model; LoRA and DPO
-        # are refused there by pipeline.job.layout.post_training_layout), the base loaded into each stage's layers
-        return build_engine(base.config, ds or job.ds, job.state, init_seed=args.seed, full_state_dict=base.state,
-                            packed_rows=True, schedule=schedule)
-    engine = build_engine(base.config, ds or job.ds, job.state, init_seed=args.seed, model_builder=builder,
-                          schedule=schedule)
-    if base.lora is not None and job.state.layout.recompute != "none":
-        engine.module.embedding.register_forward_hook(_requires_grad)
-    if base.lora is not None:  # the universal checkpoint holds what the optimizer holds: the adapters (the base
-        # is read from --base again)
-        trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-        engine.module.universal_checkpoint_info = checkpoint_info(trained, base.config.vocab_size, tp_world_size())
+    if job.state.pipeline_parallel > 1:  # SFT's stages of packed rows (pipeline.engine.pipe_model; DPO is refused
+        # there by pipeline.job.layout.post_training_layout), the base loaded into each stage's layers
+        engine = build_engine(base.config, ds or job.ds, job.state, init_seed=args.seed, full_state_dict=base.state,
+                              packed_rows=True, schedule=schedule, adapt=adapt)
+    else:
+        def builder(config, init_seed):
+            model = build_in_dtype(base, config, init_seed, weights_dtype(ds or job.ds))
+            load_full_state_dict(model, base.state, source=str(args.base))
+            return model  # (the adapters, added by ``adapt``, drawn in fp32, then cast by DeepSpeed as the base)
+        engine = build_engine(base.config, ds or job.ds, job.state, init_seed=args.seed, model_builder=builder,
+                              schedule=schedule, adapt=adapt)
+    if base.lora is not None and (job.state.pipeline_parallel > 1 or job.state.layout.recompute != "none"):
+        for embedding in (m for m in engine.module.modules() if isinstance(m, Embedding)):
+            embedding.register_forward_hook(_requires_grad)
     return engine
 
 
@@ -206,11 +202,12 @@ def build_in_dtype(base: Base, config, init_seed: int, dtype: torch.dtype) -> to
         torch.set_default_dtype(before)
 
 
-def _requires_grad(module, inputs, output: torch.Tensor) -> None:
+def _requires_grad(module, inputs, output) -> None:
     """The frozen embedding's output asks for a gradient: DeepSpeed's (reentrant) checkpoint around each layer
-    trains the adapters inside it only if its input has one (transformers' ``enable_input_require_grads``)."""
+    trains the adapters inside it only if its input has one (transformers' ``enable_input_require_grads``), and a
+    first pipeline stage sends back its hidden states' gradient only if they have one."""
     if torch.is_grad_enabled():
-        output.requires_grad_()
+        (output[0] if isinstance(output, tuple) else output).requires_grad_()
 
 
 def frozen_copy(base: Base, dtype: torch.dtype, device) -> torch.nn.Module:
@@ -286,7 +283,7 @@ def start(args, what: str, *, dropout: bool = True) -> tuple[Base, Job]:
     warn_without_save(args, f"mds-{what.lower()}", "no checkpoint, no metrics.jsonl, no exports")
     base = provide_base(args, lora_from_args(args, args.base, task_type="CAUSAL_LM"), dropout=dropout)
     job = setup(EngineOptions.from_args(args), config=base.config, family=base.family,
-                extras={POST_TRAINING: what, LORA: base.lora is not None,
+                extras={POST_TRAINING: what,
                         "sample_interval": getattr(args, "sample_interval", None)})
     return base, job
 

@@ -8,7 +8,7 @@ Also runs under ``torchrun``, as ``python -m finetune.lm.job.sft`` and ``mds-sft
 ``messages`` list of ``{"role", "content"}`` per record, rendered by the tokenizer's own chat template with the
 loss on the assistant's tokens only (TRL's ``assistant_only_loss``), packed into rows of --seq-length tokens
 with each conversation attending only to itself (docs/post_training.md). Runs at every layout, pipeline stages
-included (in full: LoRA with --pipeline-parallel is refused).
+included (in full or with LoRA: each stage adapts its own layers).
 Writes metrics.jsonl and, at the end, model/, hf/ and with LoRA adapter/ into --save; a stop signal or
 --save-interval saves the state into SAVE/checkpoint, and the same command run again continues from it (at any
 TP x DP layout: finetune/lm/job/resume.py). --sample-interval writes replies to --sample-prompts as it trains.
