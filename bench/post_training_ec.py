@@ -289,6 +289,8 @@ def main() -> None:
                                                            "into a temporary directory)")
     p.add_argument("--contenders", nargs="+", default=["ours full", "ours lora", "trl full", "trl lora"])
     p.add_argument("--no-score", action="store_true", help="time and measure the training only")
+    p.add_argument("--no-base", action="store_true", help="score the tuned models only, not the zero-shot base "
+                   "(when another run scores it)")
     p.add_argument("--savers", action="store_true", help="also run each of our contenders with --recompute full "
                                                          "and --loss-chunk-tokens (named '... +savers')")
     p.add_argument("--loss-chunk-tokens", type=int, default=128, help="with --savers (default 128)")
@@ -317,7 +319,7 @@ def main() -> None:
                           else run_child(trl, work, kind, args.steps, args.seq_length))
             if who == "ours" and args.savers:
                 runs[f"{name} +savers"] = run_child(ours, work, base, kind, args.steps, args.seq_length, savers)
-        models = {"base, zero-shot": str(work / "base_hf"),
+        models = {**({} if args.no_base else {"base, zero-shot": str(work / "base_hf")}),
                   **{f"SFT {n.split()[1]}": r["model"] for n, r in runs.items() if "model" in r and "+savers" not in n}}
         dev = {} if args.no_score else {name: run_child(score, d, args.limit, args.batch) for name, d in models.items()}
     result = {"settings": {"steps": args.steps, "rows_per_step": ROWS, "seq_length": args.seq_length,
