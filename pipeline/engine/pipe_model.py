@@ -306,11 +306,22 @@ def stage_module_name(stage: PipelineModule, config: GPTConfig):
 
 def lora_adder(config: GPTConfig, targets: Mapping, lora: LoRAConfig, seed: int) -> Callable[[nn.Module], None]:
     """``build_engine``'s ``adapt``: LoRA's adapters on ``targets`` (``add_lora``'s, named as the GPT names its
-    modules) added to a GPT, or to those of a pipeline stage's layers, each drawn from ``seed`` and its name."""
+    modules) added to a GPT, or to those of a pipeline stage's layers, each drawn from ``seed`` and its name; the
+    frozen embedding's output asks for a gradient."""
     def adapt(model: nn.Module) -> None:
         name = stage_module_name(model, config) if isinstance(model, PipelineModule) else lambda n: n
         add_lora(model, targets, lora, seed=seed, module_name=name)
+        for embedding in (m for m in model.modules() if isinstance(m, Embedding)):
+            embedding.register_forward_hook(_output_requires_grad)
     return adapt
+
+
+def _output_requires_grad(module, inputs, output) -> None:
+    """DeepSpeed's (reentrant) checkpoint around each layer trains the adapters inside it only if its input has a
+    gradient (transformers' ``enable_input_require_grads``), and a first pipeline stage sends back its hidden states'
+    gradient only if they have one."""
+    if torch.is_grad_enabled():
+        (output[0] if isinstance(output, tuple) else output).requires_grad_()
 
 
 def gpt_to_pipe_layer(name: str, config: GPTConfig) -> int:

@@ -26,7 +26,6 @@ from finetune.lm.job.preference import dpo_forward, sequence_multiple
 from finetune.lm.packing import collate, pack_conversations, unpacked
 from models import GPT, GPTConfig
 from models.parallel import Layout, destroy_model_parallel, initialize_model_parallel, model_parallel_seed
-from finetune.lm.job.providers import _requires_grad
 from models.lora import LoRAConfig
 from pipeline.engine.build import build_engine
 from pipeline.engine.pipe_model import lora_adder
@@ -99,9 +98,6 @@ def _engine(layout: Layout, model: str, vocab: int, lora: bool, bf16: bool):
     adapt = lora_adder(config, LORA_TARGETS, LoRAConfig(4, 8.0), seed=1234) if lora else None
     engine = build_engine(config, ds, state, init_seed=1234, schedule=LRSchedule(LR, 0, STEPS, "constant"),
                           packed_rows=layout.pipeline > 1, adapt=adapt)
-    if lora:  # (the provider's hook: the frozen embedding's output carries the stages' and recomputation's gradient)
-        for embedding in (m for m in engine.module.modules() if isinstance(m, models.gpt.Embedding)):
-            embedding.register_forward_hook(_requires_grad)
     return state, engine, config
 
 

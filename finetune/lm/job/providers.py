@@ -28,7 +28,6 @@ from finetune.lm.job.options import lora_from_args, lora_settings
 from finetune.lm.job.report import Trained, finished_before, is_finished, summary
 from finetune.lm.job.resume import continue_from, plan_continuation, reuse_reference_logps
 from finetune.saved import load_full_gpt_state
-from models.gpt import Embedding
 from models.lora import LoRAConfig, is_lora_parameter
 from pipeline.checkpoints.model_dir import write_model_dir
 from pipeline.checkpoints.state_dicts import load_full_state_dict
@@ -179,9 +178,6 @@ def provide_engine(args, base: Base, job: Job, ds: dict | None = None):
             return model  # (the adapters, added by ``adapt``, drawn in fp32, then cast by DeepSpeed as the base)
         engine = build_engine(base.config, ds or job.ds, job.state, init_seed=args.seed, model_builder=builder,
                               schedule=schedule, adapt=adapt)
-    if base.lora is not None and (job.state.pipeline_parallel > 1 or job.state.layout.recompute != "none"):
-        for embedding in (m for m in engine.module.modules() if isinstance(m, Embedding)):
-            embedding.register_forward_hook(_requires_grad)
     return engine
 
 
@@ -200,14 +196,6 @@ def build_in_dtype(base: Base, config, init_seed: int, dtype: torch.dtype) -> to
         return base.family.build(config, init_seed)
     finally:
         torch.set_default_dtype(before)
-
-
-def _requires_grad(module, inputs, output) -> None:
-    """The frozen embedding's output asks for a gradient: DeepSpeed's (reentrant) checkpoint around each layer
-    trains the adapters inside it only if its input has one (transformers' ``enable_input_require_grads``), and a
-    first pipeline stage sends back its hidden states' gradient only if they have one."""
-    if torch.is_grad_enabled():
-        (output[0] if isinstance(output, tuple) else output).requires_grad_()
 
 
 def frozen_copy(base: Base, dtype: torch.dtype, device) -> torch.nn.Module:
