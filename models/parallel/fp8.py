@@ -15,6 +15,7 @@ Transformer Engine reduces its amaxes over its TP x CP group.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -100,10 +101,10 @@ class _Float8ParallelMatmul(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def float8_config(recipe: str) -> Float8LinearConfig:
+def float8_config(recipe: str, emulate: bool = False) -> Float8LinearConfig:
     if recipe not in RECIPES:
         raise ValueError(f"unknown FP8 recipe {recipe!r}; choose from {', '.join(RECIPES)}")
-    return Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
 
 
 def linear_mm_config(config: Float8LinearConfig) -> LinearMMConfig:
@@ -111,11 +112,22 @@ def linear_mm_config(config: Float8LinearConfig) -> LinearMMConfig:
     return Float8Linear(1, 1, bias=False, config=config, device="meta").linear_mm_config
 
 
-def enable_fp8(model: nn.Module, recipe: str) -> int:
+def fp8_matmuls_on(device: torch.device) -> bool:
+    """Whether ``device`` multiplies float8 in hardware: a CUDA GPU of compute capability 8.9 (Ada) or later.
+    (torch's CPU ``_scaled_mm`` is a reference loop, ~1000x slower than an fp32 matmul on this project's CPU.)"""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def enable_fp8(model: nn.Module, recipe: str, emulate: bool | None = None) -> int:
     """Run every column- and row-parallel linear of ``model`` in FP8 with torchao's ``recipe`` (tensorwise or
     rowwise); the embeddings, the output layer and MoE routers are not parallel linears and stay as they are.
-    The parameters are untouched. Returns the number of linears converted."""
-    config = float8_config(recipe)
+    The parameters are untouched. Returns the number of linears converted. ``emulate``: torchao's emulation, the
+    same float8 operands and scales multiplied in fp32 (its rowwise output is not rounded through bf16 as
+    ``_scaled_mm``'s is); None: where the device of the model's parameters has no FP8 matmuls
+    (``fp8_matmuls_on``)."""
+    if emulate is None:
+        emulate = not fp8_matmuls_on(next(model.parameters()).device)
+    config = float8_config(recipe, emulate)
     mm_config = linear_mm_config(config)
     converted = 0
     for module in model.modules():

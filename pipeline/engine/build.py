@@ -191,8 +191,9 @@ def parallelize(model: torch.nn.Module, model_config, ds_config: dict, state: Pa
     if recompute.policy == "selective":
         select_recompute_modules(model, checkpoint_fn, recompute.modules)
     if state.layout.fp8:  # the parallel linears' products only: the weights DeepSpeed takes stay as they are
-        from models.parallel.fp8 import enable_fp8  # noqa: PLC0415 (torchao costs every job ~2 s of imports)
-        enable_fp8(model, state.layout.fp8)
+        from models.parallel.fp8 import enable_fp8, fp8_matmuls_on  # noqa: PLC0415 (torchao: ~2 s of imports)
+        device = torch.device(get_accelerator().current_device_name())  # where DeepSpeed will put the model
+        enable_fp8(model, state.layout.fp8, emulate=not fp8_matmuls_on(device))
     attach_info(model, model_config, pipeline=state.pipeline_parallel > 1, adapt=adapt)  # saved with every checkpoint
     return ds_config
 

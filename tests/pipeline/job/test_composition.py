@@ -35,8 +35,12 @@ from pipeline.engine.steps import lm_batches, train_step
 # 2.9e-5 / 2.5e-3, bf16 2.1e-4 / 9.7e-3, fp16 8.5e-5 / 2.8e-3
 # FP8 against one process in FP8: an fp32 difference of 1e-7 (another layout's order of sums) can move a value
 # across an FP8 rounding boundary, so a cell's gradient norm can differ by more than fp32's noise (measured
-# 2026-12-05: CP2 x FP8 7.8e-6 on an AVX-512 CPU, under 1e-6 on an earlier one)
+# 2026-12-05: CP2 x FP8 7.8e-6 on an AVX-512 CPU, under 1e-6 on an earlier one). The products run as torchao's
+# emulation on a CPU (fp8_matmuls_on): fp32 matmuls whose summation order follows the shard's shape, so at TP 2 many
+# more values cross a boundary: TP2 (+SP) x FP8 3.8e-5 / 1.4e-3 (2026-12-06; through CPU _scaled_mm, a reference
+# loop summing in one order at any shape, 6.7e-8 / 1.3e-7), still far below the 8.8e-2 of amaxes not reduced over TP
 TOLERANCE = {"fp32": 1e-6, "bf16": 1.5e-2, "fp16": 5e-3, "fp32 FP8": 5e-5, "bf16 FP8": 1.5e-2, "fp16 FP8": 5e-3}
+FP8_OVER_TP_SHARDS = 5e-3
 VS_FP32 = {"bf16": 1.6e-2, "fp16": 4e-3, "fp32 FP8": 2.5e-2, "bf16 FP8": 5e-2, "fp16 FP8": 2e-2}
 COUNTED = collections.Counter()
 
@@ -189,6 +193,8 @@ def test_composition_cells(names, trained):
           f"{'fp32 ' if alone else ''}process")
     kind = layout.precision + (" FP8" if layout.fp8 else "")
     tol = VS_FP32[kind] if alone else TOLERANCE[kind]
+    if layout.fp8 and layout.tensor > 1 and not alone:
+        tol = max(tol, FP8_OVER_TP_SHARDS)
     assert loss_rel < tol and norm_rel < tol, (got, ref)
     # the balancing bias moves by sign(mean load - load) from the global counts: the same steps at every layout
     # (rank 0's layers: a pipeline's first stage holds the first ones). In bf16 / fp16 a near-tie of two experts'
