@@ -33,13 +33,27 @@ def grouped_mm_fits(x: torch.Tensor, weights: torch.Tensor) -> bool:
             and all(n * x.element_size() % 16 == 0 for n in weights.shape[1:]))
 
 
+class _Padding:
+    """Rows grouped by expert (``sizes`` [E]) laid out as an [E, max rows, width] batch and taken back."""
+
+    def __init__(self, sizes: torch.Tensor):
+        self.experts = sizes.shape[0]
+        self.expert = torch.repeat_interleave(torch.arange(self.experts, device=sizes.device), sizes)
+        starts = torch.cumsum(sizes, 0) - sizes
+        self.slot = torch.arange(self.expert.shape[0], device=sizes.device) - starts[self.expert]
+        self.rows = int(sizes.max()) if self.expert.shape[0] else 0
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(self.experts, self.rows, x.shape[1]).index_put((self.expert, self.slot), x)
+
+    def take(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch[self.expert, self.slot]
+
+
 def padded_grouped_linear(x: torch.Tensor, weights: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """The sorted batched product: the rows padded to [E, max rows, in], one bmm, the rows taken back."""
-    E, rows = weights.shape[0], x.shape[0]
-    expert = torch.repeat_interleave(torch.arange(E, device=x.device), sizes)
-    slot = torch.arange(rows, device=x.device) - (torch.cumsum(sizes, 0) - sizes)[expert]
-    batch = x.new_zeros(E, int(sizes.max()) if rows else 0, x.shape[1]).index_put((expert, slot), x)
-    return torch.bmm(batch, weights.transpose(1, 2))[expert, slot]
+    padding = _Padding(sizes)
+    return padding.take(torch.bmm(padding.pad(x), weights.transpose(1, 2)))
 
 
 def grouped_linear(x: torch.Tensor, weights: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -61,24 +75,38 @@ def _per_row(biases: Sequence[torch.Tensor | None], sizes: torch.Tensor) -> torc
 
 def grouped_experts(experts: Sequence[torch.nn.Module], rows: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """What ``torch.cat([expert(part) for expert, part in zip(experts, rows.split(sizes))])`` computes, the
-    experts being ``models.moe.ExpertMLP``s (one ``FeedForward`` each, alike), as two grouped products.
-    ``recompute_act`` (``moe_act``) is honoured as the experts' own forward does."""
-    first = experts[0]
+    experts being ``models.moe.ExpertMLP``s (one ``FeedForward`` each, alike), as two grouped products (or, where
+    ``torch._grouped_mm`` does not fit, two batched ones over the rows padded once). ``recompute_act``
+    (``moe_act``) is honoured as the experts' own forward does."""
     counts = torch.tensor(list(sizes), device=rows.device)
     x = copy_to_tensor_parallel_region(rows)
-    h = grouped_linear(x, torch.stack([e.fc_in.weight for e in experts]), counts)
-    bias_in = _per_row([e.fc_in.bias for e in experts], counts)
-    h = h if bias_in is None else h + bias_in
+    w_in = torch.stack([e.fc_in.weight for e in experts])
     w_out = torch.stack([e.fc_out.weight for e in experts])
-    if first.recompute_act and first.training and torch.is_grad_enabled():
-        act = DiscardedOutput(first._activation, h)
-        y = grouped_linear(act.output, w_out, counts)
-        act.discard(y)
-    else:
-        y = grouped_linear(first._activation(h), w_out, counts)
+    if grouped_mm_fits(x, w_in) and grouped_mm_fits(x, w_out):
+        h = grouped_linear(x, w_in, counts)
+        bias_in = _per_row([e.fc_in.bias for e in experts], counts)
+        y = _activated_product(experts[0], h if bias_in is None else h + bias_in,
+                               lambda a: grouped_linear(a, w_out, counts))
+    else:  # [E, max rows, width] from the first product to the second: one pad, one take
+        padding = _Padding(counts)
+        h = torch.bmm(padding.pad(x), w_in.transpose(1, 2))
+        if experts[0].fc_in.bias is not None:
+            h = h + torch.stack([e.fc_in.bias for e in experts])[:, None]
+        y = padding.take(_activated_product(experts[0], h, lambda a: torch.bmm(a, w_out.transpose(1, 2))))
     y = reduce_from_tensor_parallel_region(y)
     bias_out = _per_row([e.fc_out.bias for e in experts], counts)
     return y if bias_out is None else y + bias_out
+
+
+def _activated_product(first: torch.nn.Module, h: torch.Tensor, product) -> torch.Tensor:
+    """``product`` of the experts' activation of ``h``; under ``recompute_act`` the activation is discarded once
+    the product holds what it needs, and recomputed in the backward."""
+    if first.recompute_act and first.training and torch.is_grad_enabled():
+        act = DiscardedOutput(first._activation, h)
+        y = product(act.output)
+        act.discard(y)
+        return y
+    return product(first._activation(h))
 
 
 def tiled_grouped_experts(experts: torch.nn.ModuleList, rows: torch.Tensor, sizes: Sequence[int],
