@@ -86,6 +86,15 @@ SYSTEMS = {  # name -> (model, ranks, extra flags)
     "v3 aux-loss-free": ({**V3, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3}, 1, []),
     "v3 aux-loss-free rate 1e-2": ({**V3, "moe_router_enable_expert_bias": True,
                                      "moe_router_bias_update_rate": 1e-2}, 1, []),
+    # the bias's rate decaying with the LR after warmup (0 at the end, as DeepSeek-V3 freezes it for its last tokens)
+    "v3 aux-loss-free rate 1e-2 lr schedule": ({**V3, "moe_router_enable_expert_bias": True,
+                                                "moe_router_bias_update_rate": 1e-2,
+                                                "moe_router_bias_rate_schedule": "lr"}, 1, []),
+    # DeepSeek-V3's recipe: the bias and a very small sequence-wise loss beside it (its alpha 1e-4)
+    "v3 aux-loss-free rate 1e-2 and seq loss 1e-4": ({**V3, "moe_router_enable_expert_bias": True,
+                                                      "moe_router_bias_update_rate": 1e-2,
+                                                      "moe_router_load_balancing_type": "seq_aux_loss",
+                                                      "moe_aux_loss_coeff": 1e-4}, 1, []),
     "v3 unbalanced": (V3, 1, []),
 }
 SEED = 1234  # every system's (--seeds adds others: the weights' init and the data order change with it)

@@ -12,8 +12,8 @@ MOE_FIELDS = ("num_experts", "moe_top_k", "moe_layer_freq", "moe_dense_layers", 
               "moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity", "moe_norm_topk_prob",
               "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
               "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "moe_router_enable_expert_bias",
-              "moe_router_bias_update_rate", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-              "moe_grouped_gemm")
+              "moe_router_bias_update_rate", "moe_router_bias_rate_schedule", "moe_shared_expert_intermediate_size",
+              "moe_shared_expert_gate", "moe_grouped_gemm")
 # how a run lays the model out, not the model: the run's Layout (models/parallel/layout.py) holds them
 LAYOUT_FIELDS = {"sequence_parallel": "--sequence-parallel", "tiled_mlp": "--tiled-mlp", "tiled_loss": "--tiled-loss",
                  "moe_expert_parallel": "--expert-parallel"}
@@ -86,6 +86,7 @@ class GPTConfig:
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss (batch), seq_aux_loss (per sequence) or none
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias on the selection
     moe_router_bias_update_rate: float = 1e-3   # the bias's step per update (DeepSeek-V3's gamma)
+    moe_router_bias_rate_schedule: str = "constant"  # constant, or lr: the rate decays as the LR does after warmup
     moe_shared_expert_intermediate_size: int | None = None  # an always-on MLP beside the experts (n_shared x f)
     moe_shared_expert_gate: bool = False        # Qwen2-MoE: the shared expert's output times sigmoid(x w)
     moe_grouped_gemm: bool = False              # the local experts as one grouped matrix product, not a loop
@@ -199,7 +200,8 @@ class GPTConfig:
         """What is wrong with the router and shared-expert fields of an MoE config."""
         c = self
         choices = {"moe_router_score_function": ("softmax", "sigmoid"),
-                   "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none")}
+                   "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none"),
+                   "moe_router_bias_rate_schedule": ("constant", "lr")}
         for name, allowed in choices.items():
             if getattr(c, name) not in allowed:
                 return f"{name} must be one of {', '.join(allowed)}, got {getattr(c, name)!r}"

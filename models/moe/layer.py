@@ -125,6 +125,7 @@ class ReferenceGate(nn.Module):
         self.min_capacity = config.moe_min_capacity
         self.policy = RouterPolicy.from_config(config)
         self.bias_update_rate = config.moe_router_bias_update_rate
+        self.bias_rate_follows_lr = config.moe_router_bias_rate_schedule == "lr"
         if config.moe_router_enable_expert_bias:
             self.balance_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
             self.load_since_update = torch.zeros(config.num_experts, dtype=torch.float32)
@@ -468,12 +469,13 @@ def expert_bias_gates(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def update_expert_biases(model: nn.Module, group=None) -> list[torch.Tensor]:
+def update_expert_biases(model: nn.Module, group=None, lr_decay: float = 1.0) -> list[torch.Tensor]:
     """Auxiliary-loss-free balancing, after an optimizer step: every gate's ``balance_bias`` moves by
-    ``rate * sign(mean load - load)``, the load being the routes each expert got in the training forwards since
-    the last call, summed over ``group`` (one all-reduce for all layers). ``group`` must hold every rank that routed
-    other tokens (the data-parallel ranks, the context-parallel ones too); ranks holding the same tokens (TP) may
-    be in it or not: a sum over copies scales every count alike, and the sign is the same. Every rank then holds
+    ``rate * sign(mean load - load)`` (the rate times ``lr_decay``, the LR's decay factor at the step, where
+    ``moe_router_bias_rate_schedule`` is "lr"), the load being the routes each expert got in the training forwards
+    since the last call, summed over ``group`` (one all-reduce for all layers). ``group`` must hold every rank that
+    routed other tokens (the data-parallel ranks, the context-parallel ones too); ranks holding the same tokens (TP)
+    may be in it or not: a sum over copies scales every count alike, and the sign is the same. Every rank then holds
     the same biases. Returns the loads used, per layer (empty without biases)."""
     gates = expert_bias_gates(model)
     if not gates:
@@ -482,6 +484,7 @@ def update_expert_biases(model: nn.Module, group=None) -> list[torch.Tensor]:
     if group is not None and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(loads, group=group)
     for gate, load in zip(gates, loads):
-        gate.balance_bias.copy_(updated_expert_bias(gate.balance_bias, load, gate.bias_update_rate))
+        rate = gate.bias_update_rate * (lr_decay if gate.bias_rate_follows_lr else 1.0)
+        gate.balance_bias.copy_(updated_expert_bias(gate.balance_bias, load, rate))
         gate.load_since_update.zero_()
     return list(loads)

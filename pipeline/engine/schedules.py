@@ -46,16 +46,14 @@ class LRSchedule:
         """Learning rate for optimizer step ``step`` (0-based)."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
-        if self.style == "constant":
-            return self.lr
-        start = self.warmup_steps if self.anchor_step is None else self.anchor_step
-        decay_steps = max(1, self.total_steps - start)
-        progress = min(1.0, self.anchor_progress + (1.0 - self.anchor_progress) * (step - start) / decay_steps)
-        if self.style == "linear":
-            factor = 1.0 - progress
-        else:
-            factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_lr + (self.lr - self.min_lr) * factor
+        return self.min_lr + (self.lr - self.min_lr) * self.decay_factor(step)
+
+    def decay_factor(self, step: int) -> float:
+        """Where the LR of step ``step`` is between its minimum (0) and its peak (1); 1 during warmup."""
+        if step < self.warmup_steps or self.style == "constant":
+            return 1.0
+        progress = self.progress(step)
+        return 1.0 - progress if self.style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def progress(self, step: int) -> float:
         """How far the decay is at ``step`` (0 before and at the end of warmup, 1 at the end)."""

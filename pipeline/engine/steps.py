@@ -12,6 +12,7 @@ import torch
 from models.moe import moe_step_stats, update_expert_biases
 from models.parallel import collectives
 from pipeline.engine.grad_watch import watch
+from pipeline.engine.schedules import Scheduler
 
 
 def lm_batches(loader):
@@ -114,8 +115,17 @@ def train_step(engine, batches) -> float:
         loss = float(_read(watch(engine), torch.as_tensor(loss).reshape(1))[0])
     else:
         loss = optimizer_step(engine, batches)["loss"]
-    update_expert_biases(engine.module, sequence_data_parallel_group(engine))
+    update_expert_biases(engine.module, sequence_data_parallel_group(engine), lr_decay_of_last_step(engine))
     return loss
+
+
+def lr_decay_of_last_step(engine) -> float:
+    """The LR schedule's decay factor (engine.schedules.LRSchedule.decay_factor) at the step just taken; 1 without
+    the project's scheduler."""
+    scheduler = engine.lr_scheduler
+    if not isinstance(scheduler, Scheduler):
+        return 1.0
+    return scheduler.schedule.decay_factor(max(scheduler.last_step - 1, 0))
 
 
 def sequence_data_parallel_group(engine):

@@ -65,8 +65,8 @@ TRAINING_KEY = "megatron_ds_training"
 _TRAINING_FIELDS = ("hidden_dropout", "attention_dropout", "seq_length", "make_vocab_size_divisible_by")
 # an MoE model's training-only routing settings (evaluation is dropless, the z-loss only trains the router)
 _MOE_TRAINING_FIELDS = ("moe_z_loss_coeff", "moe_capacity_factor", "moe_min_capacity", "moe_aux_loss_coeff",
-                        "moe_router_load_balancing_type", "moe_router_bias_update_rate", "moe_grouped_gemm",
-                        "mtp_loss_scaling_factor")
+                        "moe_router_load_balancing_type", "moe_router_bias_update_rate",
+                        "moe_router_bias_rate_schedule", "moe_grouped_gemm", "mtp_loss_scaling_factor")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

@@ -211,6 +211,16 @@ def test_bias_update_follows_the_counts_and_stays_fp32():
     assert not gate.load_since_update.any()
 
 
+@pytest.mark.parametrize("schedule", ["constant", "lr"])
+def test_bias_rate_follows_the_lr_decay_only_under_the_lr_schedule(schedule):
+    ours = _ours(DEEPSEEK, moe_router_bias_update_rate=0.01, moe_router_bias_rate_schedule=schedule).train()
+    ours(_input())
+    counts = ours.exp_counts.float()
+    update_expert_biases(ours, lr_decay=0.25)
+    rate = 0.01 * (0.25 if schedule == "lr" else 1.0)
+    assert torch.equal(ours.moe.deepspeed_moe.gate.balance_bias, rate * torch.sign(counts.mean() - counts))
+
+
 def test_config_refusals():
     with pytest.raises(ConfigError, match="moe_router_num_groups and moe_router_group_topk go together"):
         GPTConfig(**{**DEEPSEEK, "moe_router_group_topk": None})

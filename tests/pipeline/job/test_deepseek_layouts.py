@@ -13,6 +13,8 @@ On pipeline stages the MTP depth runs on the last stage (the input ids carried f
 between them); a dense llama with one MTP depth and tied embeddings trains at PP2 and at (TP2, PP2) as its own one
 process too. One 4-rank launch (every cell at world 4: EP2 over DP4, or beside TP2, PP2, CP2, the tiled loss or
 ZeRO-2 over DP2 or DP4, or beside CP2 x PP2 or TP2+SP x tiled loss) and one 1-rank launch (the reference)."""
+import math
+
 import pytest
 import torch
 from composition import DENSE, FEATURES, GLOBAL_BATCH, MICRO_BATCH, V3_MOE, cell_id
@@ -30,7 +32,8 @@ from pipeline.job.layout import LayoutCheck, refusal
 STEPS, WORLD, RATE = 5, 4, 1e-2
 V3 = {**V3_MOE, "variant": "llama", "num_layers": 3, "multi_latent_attention": True, "q_lora_rank": 16,
       "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "mtp_num_layers": 1,
-      "mtp_loss_scaling_factor": 0.3, "moe_router_bias_update_rate": RATE, "tie_embeddings": False}
+      "mtp_loss_scaling_factor": 0.3, "moe_router_bias_update_rate": RATE, "moe_router_bias_rate_schedule": "lr",
+      "tie_embeddings": False}
 # a dense llama with one MTP depth and tied embeddings: on pipeline stages its layers carry the ids too
 DENSE_MTP = {**DENSE, "variant": "llama", "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3}
 MODELS = {"v3": V3, "dense mtp": DENSE_MTP}
@@ -80,16 +83,22 @@ def _biases(engine) -> dict:
     return {_gpt_name(engine, n): p.detach().clone() for n, p in engine.module.named_parameters() if is_balance_bias(n)}
 
 
-def _hand_biases(engine, before: dict) -> dict:
-    """``before`` moved by ``RATE x sign(mean load - load)``, the load of each of this rank's MoE layers the tokens
-    its experts got in the step, summed over data x context (``moe_step_stats``' counts, not the gate's own)."""
+def _lr_decay(step: int) -> float:
+    """cell_engine's cosine schedule (warmup 2 of STEPS steps) at ``step``, as a fraction of its peak: 1 in warmup."""
+    return 1.0 if step < 2 else 0.5 * (1 + math.cos(math.pi * (step - 2) / (STEPS - 2)))
+
+
+def _hand_biases(engine, before: dict, step: int) -> dict:
+    """``before`` moved by ``RATE x lr decay x sign(mean load - load)`` (the schedule "lr"), the load of each of this
+    rank's MoE layers the tokens its experts got in the step, summed over data x context (``moe_step_stats``'
+    counts, not the gate's own)."""
     stats = moe_step_stats(engine.module, group=sequence_data_parallel_group(engine))
     names = [n for n, _ in engine.module.named_parameters() if is_balance_bias(n)]
     assert len(names) == len(expert_bias_gates(engine.module))
     out = {}
     for i, name in enumerate(names):
         load = torch.tensor(stats[f"moe_tokens_per_expert_{i}"], dtype=torch.float32)
-        out[_gpt_name(engine, name)] = before[_gpt_name(engine, name)] + RATE * torch.sign(load.mean() - load)
+        out[_gpt_name(engine, name)] = before[_gpt_name(engine, name)] + RATE * _lr_decay(step) * torch.sign(load.mean() - load)
     return out
 
 
@@ -100,11 +109,11 @@ def _train(layout: Layout, model: str) -> dict:
     engine.module_config = config
     grads, losses, biases, hand = [], [], [], []
     _capture_grads(engine, grads)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         before = _biases(engine)
         losses.append(train_step(engine, batches))
         biases.append(_biases(engine))
-        hand.append(_hand_biases(engine, before))
+        hand.append(_hand_biases(engine, before, step))
     shown = layout_shown(engine, state, layout)
     del engine
     destroy_model_parallel()
