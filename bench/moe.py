@@ -2,6 +2,7 @@
 
     python bench/moe.py [--steps 200] [--work DIR] [--out bench/results/moe.json]
     python bench/moe.py --dispatch [--rounds 20] [--out bench/results/moe_dispatch.json]
+    python bench/moe.py --dispatch --profile
     python bench/moe.py --balancing [--steps 1000] [--out bench/results/moe_balancing.json]
     python bench/moe.py --balancing --systems "v3 aux loss,v3 aux-loss-free" --seeds 1234,1,2 \
         --out bench/results/moe_balancing_seeds.json
@@ -17,7 +18,8 @@ summarised over them: a difference between two systems means something only besi
 ``--dispatch``: one DeepSeek-style MoE layer (``DEEPSEEK_STYLE``: h 256, 64 fine-grained experts of FFN 128, top-8
 within the best 4 of 8 groups, sigmoid scores with the balancing bias, 2 shared experts' width), a training step
 (forward and backward) on 4 x 128 tokens and on 1 x 32, its local experts as grouped products (``moe_grouped_gemm``,
-models/moe/grouped.py) against the per-expert loop, in fp32 and bf16, on one torch thread, the systems
+models/moe/grouped.py), as batched products over rows padded per expert (the path where ``torch._grouped_mm`` does
+not fit) and as the per-expert loop, in fp32 and bf16, on one torch thread, the systems
 interleaved (bench/common.py) and timed by the process's CPU time. Goal (issue 43): the grouped dispatch >= 3x
 the loop's tokens/s.
 
@@ -59,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 from common import System, format_table, interleaved, machine_note, median, paired_ratio  # noqa: E402
 from models.config import GPTConfig  # noqa: E402
 from models.moe import MoEMLP  # noqa: E402
+from models.moe.grouped import GROUPED_MM_DTYPES  # noqa: E402
 from models.parallel import Layout  # noqa: E402
 from pipeline.job.files import atomic_write_figure, atomic_write_json  # noqa: E402
 
@@ -191,19 +194,47 @@ def plot(results: dict, tokens_per_step: int, out: Path) -> Path:
     return atomic_write_figure(out, fig, dpi=110)
 
 
+DISPATCH_SYSTEMS = ("grouped", "padded", "loop")  # _grouped_mm, the batched products over padded rows, the loop
+
+
 def dispatch_systems(dtype: torch.dtype, batch: int = 4, seq: int = 128) -> list[System]:
-    """A training step of the DeepSeek-style MoE layer, grouped and looped, the same weights and tokens."""
+    """A training step of the DeepSeek-style MoE layer, the same weights and tokens: ``moe_grouped_gemm`` as it runs
+    (``torch._grouped_mm`` in fp32, the padded batched products in bf16 on a CPU), the batched products over rows
+    padded per expert forced (``GROUPED_MM_DTYPES`` emptied during its steps), and the per-expert loop."""
     systems = []
-    for grouped in (True, False):
+    for name in DISPATCH_SYSTEMS:
         torch.manual_seed(0)
-        layer = MoEMLP(GPTConfig(**DEEPSEEK_STYLE, moe_grouped_gemm=grouped), Layout(), 0.02, 0.01).to(dtype).train()
+        layer = MoEMLP(GPTConfig(**DEEPSEEK_STYLE, moe_grouped_gemm=name != "loop"), Layout(), 0.02, 0.01)
+        layer = layer.to(dtype).train()
         x = torch.randn(batch, seq, DEEPSEEK_STYLE["hidden_size"], generator=torch.Generator().manual_seed(1)).to(dtype)
 
-        def step(layer=layer, x=x):
-            layer.zero_grad(set_to_none=True)
-            (layer(x).float().square().mean() + layer.aux_loss).backward()
-        systems.append(System("grouped" if grouped else "loop", step, owner=layer))
+        def step(layer=layer, x=x, padded=name == "padded"):
+            kept = GROUPED_MM_DTYPES["cpu"]
+            GROUPED_MM_DTYPES["cpu"] = () if padded else kept
+            try:
+                layer.zero_grad(set_to_none=True)
+                (layer(x).float().square().mean() + layer.aux_loss).backward()
+            finally:
+                GROUPED_MM_DTYPES["cpu"] = kept
+        systems.append(System(name, step, owner=layer))
     return systems
+
+
+def dispatch_profile(dtype: torch.dtype, steps: int = 3, top: int = 10) -> None:
+    """Each system's busiest operators over ``steps`` steps at 512 tokens (torch.profiler, self CPU time)."""
+    from torch.profiler import profile  # noqa: PLC0415  (only for --profile)
+
+    for system in dispatch_systems(dtype):
+        for _ in range(2):
+            system.step()
+        with profile() as prof:
+            for _ in range(steps):
+                system.step()
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in events)
+        print(f"\n{system.name} ({dtype}): {total / steps / 1e3:.1f} ms of CPU per step")
+        for e in events[:top]:
+            print(f"  {e.key:45s} {e.self_cpu_time_total / steps / 1e3:7.2f} ms  {e.count // steps:5d} calls")
 
 
 def dispatch_benchmark(rounds: int, out: Path) -> None:
@@ -213,14 +244,16 @@ def dispatch_benchmark(rounds: int, out: Path) -> None:
         for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             before, tokens = os.getloadavg(), batch * seq
             times = interleaved(dispatch_systems(dtype, batch, seq), rounds, warmup=2, clock="cpu")
-            speedup = paired_ratio(times["loop"], times["grouped"])
+            speedup = {name: paired_ratio(times["loop"], times[name]) for name in ("grouped", "padded")}
             results[f"{tokens} tokens {precision}"] = {
                 **{name: {"tokens_per_s": tokens / median(t), "seconds": t} for name, t in times.items()},
-                "speedup": speedup, "load_average": {"before": before, "after": os.getloadavg()}}
-            rows.append([tokens, precision, tokens / median(times["grouped"]), tokens / median(times["loop"]),
-                         speedup, f"{before[0]:.1f} -> {os.getloadavg()[0]:.1f}"])
-    print(format_table(["tokens", "precision", "grouped tok/s", "loop tok/s", "grouped / loop", "load average"],
-                       rows))
+                "speedup": speedup["grouped"], "padded_speedup": speedup["padded"],
+                "load_average": {"before": before, "after": os.getloadavg()}}
+            rows.append([tokens, precision, tokens / median(times["grouped"]), tokens / median(times["padded"]),
+                         tokens / median(times["loop"]), speedup["grouped"], speedup["padded"],
+                         f"{before[0]:.1f} -> {os.getloadavg()[0]:.1f}"])
+    print(format_table(["tokens", "precision", "grouped tok/s", "padded tok/s", "loop tok/s", "grouped / loop",
+                        "padded / loop", "load average"], rows))
     atomic_write_json(out, {"benchmark": "moe_dispatch", "machine": machine_note(), "model": DEEPSEEK_STYLE,
                             "rounds": rounds, "results": results}, indent=1)
     print("wrote", out)
@@ -256,10 +289,17 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="default: bench/results/moe.json (--dispatch: moe_dispatch.json)")
     p.add_argument("--dispatch", action="store_true", help="the grouped expert products against the loop")
     p.add_argument("--rounds", type=int, default=20, help="--dispatch: timed steps of each system")
+    p.add_argument("--profile", action="store_true",
+                   help="--dispatch: instead of timing, each system's busiest operators (torch.profiler), fp32 and bf16")
     p.add_argument("--seeds", default=str(SEED),
                    help=f"comma-separated seeds, each system trained once per seed (default {SEED}); the others' "
                         f"results are named '<system> seed N', and the validation losses summarised over the seeds")
     args = p.parse_args(argv)
+    if args.dispatch and args.profile:
+        torch.set_num_threads(1)
+        for dtype in (torch.float32, torch.bfloat16):
+            dispatch_profile(dtype)
+        return None
     if args.dispatch:
         return dispatch_benchmark(args.rounds, Path(args.out or ROOT / "bench" / "results" / "moe_dispatch.json"))
     if args.balancing:

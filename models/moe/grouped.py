@@ -2,11 +2,12 @@
 loop over the experts' modules.
 
 The rows come grouped by expert (``sizes[e]`` rows for local expert e, in order). Each linear stacks the experts'
-weights [E, out, in] and runs ``torch._grouped_mm`` over the groups; where it cannot run (its dtypes: fp32, bf16,
-fp16 on a CPU, bf16 on a GPU; both widths a multiple of 16 bytes) the rows are padded into an
-[E, max rows, in] batch for one ``torch.bmm``. The experts keep their modules and parameters (DeepSpeed's
-``Experts`` container, their TP split and names): the TP collectives run once for all experts instead of once
-per expert, the column-parallel f op on the input and the row-parallel all-reduce on the output.
+weights [E, out, in] and runs ``torch._grouped_mm`` over the groups where it runs and is the faster path
+(``GROUPED_MM_DTYPES``: fp32 and fp16 on a CPU, bf16 on a GPU; both widths a multiple of 16 bytes); elsewhere the rows
+are padded once into an [E, max rows, in] batch for two ``torch.bmm``. The experts keep their modules and
+parameters (DeepSpeed's ``Experts`` container, their TP split and names): the TP collectives run once for all
+experts instead of once per expert, the column-parallel f op on the input and the row-parallel all-reduce on the
+output.
 
 Under ALST's tiled MLP (``--tiled-mlp N``) the grouped rows run in N tiles of rows through DeepSpeed's TiledMLP, as
 one expert's rows do: each tile one grouped product over the experts whose rows it holds, recomputed in the backward,
@@ -23,7 +24,10 @@ from ..parallel import copy_to_tensor_parallel_region, reduce_from_tensor_parall
 from ..recompute import DiscardedOutput
 from ..tiling import row_tiles, tiled_mlp
 
-GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+# where torch._grouped_mm runs and is the faster path; bf16 on a CPU takes the batched products over padded rows:
+# torch's CPU _grouped_mm multiplies group by group, where one batched bf16 product (oneDNN) ran the DeepSeek-style
+# layer's step 1.33x the loop's tokens/s against 1.24x (2.04x against 1.32x at 32 tokens; bench/moe.py --dispatch)
+GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.float16), "cuda": (torch.bfloat16,)}
 
 
 def grouped_mm_fits(x: torch.Tensor, weights: torch.Tensor) -> bool:
@@ -50,10 +54,28 @@ class _Padding:
         return batch[self.expert, self.slot]
 
 
+class _BatchedLinear(torch.autograd.Function):
+    """``x`` [E, rows, in] times each expert's ``weight`` [E, out, in] transposed, its weight gradient computed as
+    [E, out, in] (``bmm``'s own backward gives the transposed layout, which every expert's gradient would then
+    copy out of)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return torch.bmm(x, weight.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_w = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
 def padded_grouped_linear(x: torch.Tensor, weights: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """The sorted batched product: the rows padded to [E, max rows, in], one bmm, the rows taken back."""
     padding = _Padding(sizes)
-    return padding.take(torch.bmm(padding.pad(x), weights.transpose(1, 2)))
+    return padding.take(_BatchedLinear.apply(padding.pad(x), weights))
 
 
 def grouped_linear(x: torch.Tensor, weights: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -89,10 +111,10 @@ def grouped_experts(experts: Sequence[torch.nn.Module], rows: torch.Tensor, size
                                lambda a: grouped_linear(a, w_out, counts))
     else:  # [E, max rows, width] from the first product to the second: one pad, one take
         padding = _Padding(counts)
-        h = torch.bmm(padding.pad(x), w_in.transpose(1, 2))
+        h = _BatchedLinear.apply(padding.pad(x), w_in)
         if experts[0].fc_in.bias is not None:
             h = h + torch.stack([e.fc_in.bias for e in experts])[:, None]
-        y = padding.take(_activated_product(experts[0], h, lambda a: torch.bmm(a, w_out.transpose(1, 2))))
+        y = padding.take(_activated_product(experts[0], h, lambda a: _BatchedLinear.apply(a, w_out)))
     y = reduce_from_tensor_parallel_region(y)
     bias_out = _per_row([e.fc_out.bias for e in experts], counts)
     return y if bias_out is None else y + bias_out
