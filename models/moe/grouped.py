@@ -98,8 +98,8 @@ def _per_row(biases: Sequence[torch.Tensor | None], sizes: torch.Tensor) -> torc
 def grouped_experts(experts: Sequence[torch.nn.Module], rows: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """What ``torch.cat([expert(part) for expert, part in zip(experts, rows.split(sizes))])`` computes, the
     experts being ``models.moe.ExpertMLP``s (one ``FeedForward`` each, alike), as two grouped products (or, where
-    ``torch._grouped_mm`` does not fit, two batched ones over the rows padded once). ``recompute_act``
-    (``moe_act``) is honoured as the experts' own forward does."""
+    ``torch._grouped_mm`` does not fit or is the slower path, two batched ones over the rows padded once).
+    ``recompute_act`` (``moe_act``) is honoured as the experts' own forward does."""
     counts = torch.tensor(list(sizes), device=rows.device)
     x = copy_to_tensor_parallel_region(rows)
     w_in = torch.stack([e.fc_in.weight for e in experts])

@@ -46,6 +46,8 @@ class LRSchedule:
         """Learning rate for optimizer step ``step`` (0-based)."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
+        if self.style == "constant":
+            return self.lr
         return self.min_lr + (self.lr - self.min_lr) * self.decay_factor(step)
 
     def decay_factor(self, step: int) -> float:

@@ -120,8 +120,8 @@ def train_step(engine, batches) -> float:
 
 
 def lr_decay_of_last_step(engine) -> float:
-    """The LR schedule's decay factor (engine.schedules.LRSchedule.decay_factor) at the step just taken; 1 without
-    the project's scheduler."""
+    """The LR schedule's decay factor (``LRSchedule.decay_factor``) at the step just taken; 1 without the project's
+    scheduler."""
     scheduler = engine.lr_scheduler
     if not isinstance(scheduler, Scheduler):
         return 1.0
