@@ -47,7 +47,6 @@ parameters of sequence-split activations), and the output layer gathers it.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable
 
@@ -57,10 +56,10 @@ from torch import nn
 
 from .config import GPTConfig
 from .parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelRMSNorm, UlyssesAttention,
-                       chunk_start, context_chunk, copy_to_tensor_parallel_region, cp_world_size,
-                       gather_from_sequence_parallel_region, global_count, mark_sequence_parallel, normal_init,
-                       reduce_from_context_parallel_region, sequence_parallel_parameter, tensor_parallel_rng,
-                       tp_world_size, vocab_parallel_cross_entropy)
+                       causal_attention_from, chunk_start, context_chunk, copy_to_tensor_parallel_region,
+                       cp_world_size, gather_from_sequence_parallel_region, global_count, mark_sequence_parallel,
+                       normal_init, reduce_from_context_parallel_region, sequence_parallel_parameter,
+                       tensor_parallel_stream, tp_world_size, vocab_parallel_cross_entropy)
 
 # the latents' RMSNorms use DeepSeek's default epsilon whatever the model's norm_eps (transformers' and DeepSeek's
 # own code build them without the config's)
@@ -174,8 +173,7 @@ class MultiLatentAttention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of [b, heads, s, .] queries, keys and values over the whole sequence."""
         dropout = self.dropout if self.training else 0.0
-        with tensor_parallel_rng() if dropout else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return causal_attention_from(tensor_parallel_stream() if dropout else None, q, k, v, dropout)
 
 
 def deinterleave_rope_rows(weight: torch.Tensor, rope: int, period: int) -> torch.Tensor:

@@ -34,13 +34,13 @@ from .moe import ExpertMLP, MoEMLP, is_moe_layer
 from .recompute import DiscardedOutput
 from .tiling import tiled_cross_entropy, tiled_mlp, tiled_row_cross_entropy
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, Layout, RowParallelLinear, SequenceParallelLayerNorm,
-                       SequenceParallelRMSNorm, UlyssesAttention, VocabParallelEmbedding, chunk_start, context_chunk,
-                       copy_to_tensor_parallel_region, cp_world_size, gather_from_context_parallel_region,
-                       gather_from_sequence_parallel_region, get_parallel_state, gather_from_tensor_parallel_region,
-                       global_count,
-                       mark_sequence_parallel, normal_init, reduce_from_context_parallel_region,
-                       sequence_chunk_rng, sequence_gather_linear, sequence_parallel_parameter, tensor_parallel_rng,
-                       tp_rank, tp_world_size, vocab_parallel_cross_entropy, vocab_parallel_parameter)
+                       SequenceParallelRMSNorm, UlyssesAttention, VocabParallelEmbedding, causal_attention_from,
+                       chunk_start, context_chunk, copy_to_tensor_parallel_region, cp_world_size, dropout_from,
+                       gather_from_context_parallel_region, gather_from_sequence_parallel_region, get_parallel_state,
+                       gather_from_tensor_parallel_region, global_count, mark_sequence_parallel, normal_init,
+                       reduce_from_context_parallel_region, sequence_chunk_stream, sequence_gather_linear,
+                       sequence_parallel_parameter, tensor_parallel_stream, tp_rank, tp_world_size,
+                       vocab_parallel_cross_entropy, vocab_parallel_parameter)
 
 
 @contextlib.contextmanager
@@ -71,8 +71,7 @@ def _dropout(drop: nn.Dropout, x: torch.Tensor, sequence_parallel: bool) -> torc
     ones (by SP or CP) draw from their rank's stream, so that each chunk gets its own mask (models/parallel/random)."""
     if not (drop.p > 0 and drop.training):
         return drop(x)
-    with sequence_chunk_rng(sequence_parallel):
-        return drop(x)
+    return dropout_from(sequence_chunk_stream(sequence_parallel), x, drop.p)
 
 
 def _output_init(config: GPTConfig):
@@ -184,9 +183,8 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if not dropout and q.device.type == "cpu" and k.shape[2] <= SHORT_CPU_ATTENTION:
             return short_causal_attention(q, k, v)
-        with tensor_parallel_rng() if dropout else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
+        return causal_attention_from(tensor_parallel_stream() if dropout else None, q, k, v, dropout,
+                                     enable_gqa=k.shape[1] != q.shape[1])
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """``cache``: a ``models.kv_cache.LayerCache`` (decoding): the new tokens attend to it and join it."""

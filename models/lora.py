@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .parallel import (ColumnParallelLinear, RowParallelLinear, ShardSpec, copy_to_tensor_parallel_region,
-                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
+                       dropout_from, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
                        mark_sequence_parallel, reduce_from_tensor_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region,
-                       sequence_parallel_parameter, sharded_parameter, tensor_parallel_rng, tp_world_size)
+                       sequence_parallel_parameter, sharded_parameter, tensor_parallel_stream, tp_world_size)
 
 LORA_MODULE = "lora"  # the adapter's attribute on the linear it adapts: parameters "<linear>.lora.A.<g>", ".B.<g>"
 
@@ -114,8 +114,8 @@ class RowLoRA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x)
-        with tensor_parallel_rng() if self.config.dropout and self.training else contextlib.nullcontext():
-            x = self.dropout(x)  # each rank drops from its own columns of x
+        if self.config.dropout and self.training:  # each rank drops from its own columns of x
+            x = dropout_from(tensor_parallel_stream(), x, self.config.dropout)
         if self.sequence_parallel:  # this rank's chunk of the sum; B's gradient, from that chunk, summed over TP
             z = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.A[0]), self.sequence_dim)
             return F.linear(z, sequence_parallel_parameter(self.B[0])) * self.config.scaling

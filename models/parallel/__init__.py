@@ -11,8 +11,9 @@ from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_para
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region, sequence_parallel_parameter)
 from .norms import HeadRMSNorm, SequenceParallelLayerNorm, SequenceParallelRMSNorm
-from .random import (CONTEXT_PARALLEL_RNG, MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed, sequence_chunk_rng,
-                     tensor_parallel_rng)
+from .random import (CONTEXT_PARALLEL_RNG, MODEL_PARALLEL_RNG, causal_attention_from, dropout_from, get_rng_tracker,
+                     model_parallel_seed, sequence_chunk_rng, sequence_chunk_stream, tensor_parallel_rng,
+                     tensor_parallel_stream)
 from .sharding import (ShardSpec, divide, full_state_dict, gather_full, get_shard_spec, is_sequence_parallel,
                        mark_sequence_parallel, padded_size)
 from .state import (ParallelConfigError, ParallelState, destroy_model_parallel, get_parallel_state,
@@ -29,7 +30,7 @@ __all__ = [
     "HeadRMSNorm", "SequenceParallelLayerNorm", "SequenceParallelRMSNorm", "mark_sequence_parallel",
     "is_sequence_parallel",
     "MODEL_PARALLEL_RNG", "CONTEXT_PARALLEL_RNG", "get_rng_tracker", "model_parallel_seed", "tensor_parallel_rng",
-    "sequence_chunk_rng",
+    "sequence_chunk_rng", "tensor_parallel_stream", "sequence_chunk_stream", "dropout_from", "causal_attention_from",
     "ShardSpec", "divide", "full_state_dict", "gather_full", "get_shard_spec", "padded_size",
     "Layout", "ParallelConfigError", "ParallelState", "initialize_model_parallel", "get_parallel_state",
     "destroy_model_parallel", "tp_group", "tp_rank", "tp_world_size",

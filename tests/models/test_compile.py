@@ -1,7 +1,8 @@
 """torch.compile per transformer block (models/compile.py): one forward and one backward graph per block, no graph
 break, at TP 1 and 2, with and without sequence parallelism, with FP8 linears too, with DeepSpeed's comms logger on
-(which broke the graph 13-30 times per block before the TP collectives became custom ops); and the compiled GPT
-(inductor) equals the eager one in fp32: loss and every gradient, with and without FP8."""
+(which broke the graph 13-30 times per block before the TP collectives became custom ops), with dropout drawn from the
+model-parallel RNG (10 breaks per block before its draws became custom ops); and the compiled GPT (inductor) equals
+the eager one in fp32: loss and every gradient, with and without FP8, with dropout (the same masks)."""
 import deepspeed.comm as ds_comm
 import pytest
 import torch
@@ -15,8 +16,8 @@ from engine_utils import BASE_DS, TINY, GlobalBatchLoader, real_text_tokens
 from models import GPT, GPTConfig
 from models.compile import compile_transformer_layers
 from models.gpt import TransformerLayer
-from models.parallel import (Layout, destroy_model_parallel, get_parallel_state, full_state_dict, initialize_model_parallel, model_parallel_seed,
-                             tp_world_size)
+from models.parallel import (Layout, destroy_model_parallel, full_state_dict, get_parallel_state, get_rng_tracker,
+                             initialize_model_parallel, model_parallel_seed, tp_world_size)
 from models.parallel.fp8 import RECIPES, enable_fp8
 from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import resolve_ds_config
@@ -27,23 +28,27 @@ from test_tensor_parallel import CONFIGS, _batch
 # parameters): TP1 gpt2 4.8e-7 and 3.2e-7, llama 0 and 3.9e-7; TP2 + SP gpt2 0 and 4.7e-7, llama 0 and 4.9e-7;
 # with FP8 linears (compiled FP8 against eager FP8) at TP1: 0 and at most 5.3e-7, both recipes
 TOLERANCE = 1e-5
+DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 
 
 def _layout(sequence_parallel: bool) -> Layout:
     return get_parallel_state().layout.replace(sequence_parallel=sequence_parallel)
 
 
-def build_block(variant: str, sequence_parallel: bool = False, fp8: str | None = None) -> TransformerLayer:
+def build_block(variant: str, sequence_parallel: bool = False, fp8: str | None = None,
+                dropout: bool = False) -> TransformerLayer:
     """One block of the tests' tiny GPT (the one place that says how a block is configured), its linears in FP8
-    with torchao's recipe ``fp8``."""
-    block = TransformerLayer(GPTConfig(**CONFIGS[variant]), _layout(sequence_parallel), init_seed=0)
+    with torchao's recipe ``fp8``, with dropout 0.1 (hidden and attention) or none."""
+    config = GPTConfig(**{**CONFIGS[variant], **(DROPOUT if dropout else {})})
+    block = TransformerLayer(config, _layout(sequence_parallel), init_seed=0)
     if fp8:
         enable_fp8(block, fp8)
     return block
 
 
-def build_gpt(variant: str, sequence_parallel: bool = False, fp8: str | None = None) -> GPT:
-    model = GPT(GPTConfig(**CONFIGS[variant]), init_seed=7, layout=_layout(sequence_parallel))
+def build_gpt(variant: str, sequence_parallel: bool = False, fp8: str | None = None, dropout: bool = False) -> GPT:
+    config = GPTConfig(**{**CONFIGS[variant], **(DROPOUT if dropout else {})})
+    model = GPT(config, init_seed=7, layout=_layout(sequence_parallel))
     if fp8:
         enable_fp8(model, fp8)
     return model
@@ -73,14 +78,19 @@ def _block_input(sequence_parallel: bool) -> torch.Tensor:
                        requires_grad=True)
 
 
-def _compiled_against_eager(variant: str, sequence_parallel: bool, fp8: str | None = None) -> dict:
-    """Loss and gradients of the GPT with inductor-compiled blocks against the same GPT eager."""
+def _compiled_against_eager(variant: str, sequence_parallel: bool, fp8: str | None = None,
+                            dropout: bool = False) -> dict:
+    """Loss and gradients of the GPT with inductor-compiled blocks against the same GPT eager (with ``dropout``:
+    each from the same state of every RNG stream, so that both draw the same masks)."""
     torch._dynamo.reset()
-    eager, compiled = build_gpt(variant, sequence_parallel, fp8), build_gpt(variant, sequence_parallel, fp8)
+    models = [build_gpt(variant, sequence_parallel, fp8, dropout) for _ in range(2)]
+    eager, compiled = models
     assert compile_transformer_layers(compiled, fullgraph=True) == CONFIGS[variant]["num_layers"]
     ids, labels = _batch()
-    losses = []
+    losses, streams = [], (torch.get_rng_state(), get_rng_tracker().get_states())
     for model in (eager, compiled):
+        torch.set_rng_state(streams[0])
+        get_rng_tracker().set_states(dict(streams[1]))
         loss = model(ids, labels)
         loss.backward()
         losses.append(loss.detach())
@@ -106,19 +116,23 @@ def test_compiled_fp8_gpt_equals_eager_at_tp1():
     assert diff["loss"] <= TOLERANCE and diff["grad"] <= TOLERANCE, diff
 
 
-def _engine_losses(state, compile: bool, zero_stage: int, steps: int = 3) -> list[float]:
+def _engine_losses(state, compile: bool, zero_stage: int, steps: int = 3) -> tuple[list[float], int]:
     """Losses of a DeepSpeed engine (ZeRO ``zero_stage``, full recomputation: DeepSpeed's checkpoint around each
-    block) training the engine tests' tiny gpt2 with sequence parallelism, its blocks compiled (whole: fullgraph;
-    by AOTAutograd without inductor's code generation, whose numerics the other tests measure) or eager."""
+    block, which replays the RNG streams for the recomputed dropout) training the engine tests' tiny gpt2 with
+    sequence parallelism and dropout 0.1, its blocks compiled (whole: fullgraph; by AOTAutograd without inductor's
+    code generation, whose numerics the other tests measure) or eager; and how many graphs Dynamo compiled (a
+    guard that failed at each step, on the RNG tracker's states say, would compile more)."""
     ds = resolve_ds_config({**BASE_DS, "zero_optimization": {"stage": zero_stage}}, data_parallel=state.data_parallel,
                            micro_batch_size=BASE_DS["train_batch_size"])
-    engine = build_engine(GPTConfig(**TINY), ds, state, init_seed=1234, recompute="full")  # the state's layout: SP
+    model_parallel_seed(1234)
+    engine = build_engine(GPTConfig(**{**TINY, **DROPOUT}), ds, state, init_seed=1234, recompute="full")  # SP
+    counters.clear()
     if compile:
         torch._dynamo.reset()
         compile_transformer_layers(engine.module, backend="aot_eager", fullgraph=True)
     batch = BASE_DS["train_batch_size"]
     batches = lm_batches(GlobalBatchLoader(real_text_tokens(batch * steps), batch, batch, 0, 1))
-    return [train_step(engine, batches) for _ in range(steps)]
+    return [train_step(engine, batches) for _ in range(steps)], counters["stats"]["unique_graphs"]
 
 
 def _tp2(rank):
@@ -129,7 +143,10 @@ def _tp2(rank):
            for variant in ("gpt2", "llama") for sp in (False, True)}
     out |= {f"{variant} sp=True {fp8}": count_graphs(build_block(variant, True, fp8), _block_input(True))
             for variant in ("gpt2", "llama") for fp8 in RECIPES}
+    out |= {f"{variant} sp={sp} dropout": count_graphs(build_block(variant, sp, dropout=True), _block_input(sp))
+            for variant in ("gpt2", "llama") for sp in (False, True)}
     out["numerics"] = {variant: _compiled_against_eager(variant, True) for variant in ("gpt2", "llama")}
+    out["numerics"]["gpt2 dropout"] = _compiled_against_eager("gpt2", True, dropout=True)
     ds_comm.configure(enabled=False)
     state = initialize_model_parallel(layout=Layout(tensor=2, sequence_parallel=True))
     out["engine"] = {zero: (_engine_losses(state, False, zero), _engine_losses(state, True, zero)) for zero in (1, 2)}
@@ -138,10 +155,12 @@ def _tp2(rank):
 
 def test_tp2_one_graph_per_block_and_compiled_equals_eager():
     """The blocks' graphs and numerics at TP2 (+SP); and a DeepSpeed engine at ZeRO 1 and 2 with DeepSpeed's
-    activation checkpointing around the compiled blocks trains as the eager one does."""
+    activation checkpointing around the compiled blocks, with dropout, trains as the eager one does, the blocks
+    sharing two graphs (the no-grad forward, the recomputing one) and none compiled again."""
     for rank, res in enumerate(run_distributed(_tp2, 2)):
-        for zero, (eager, compiled) in res.pop("engine").items():  # measured: within 9.5e-7 at ZeRO 1 and 2
+        for zero, ((eager, _), (compiled, graphs)) in res.pop("engine").items():
             assert max(abs(a - b) for a, b in zip(eager, compiled)) <= TOLERANCE, (rank, zero, eager, compiled)
+            assert graphs == 2, (rank, zero, graphs)
         numerics = res.pop("numerics")
         for case, graphs in res.items():
             assert graphs == {"forward": 1, "backward": 1, "breaks": 0}, (rank, case)
