@@ -83,28 +83,27 @@ def route(logits: torch.Tensor, k: int, normalize: bool, capacity_factor: float 
           policy: RouterPolicy = RouterPolicy(), bias: torch.Tensor | None = None,
           sequence_length: int | None = None):
     """The routing of [tokens, E] router logits: (top-k weights [S, k] before ``policy.scaling``, expert indices
-    [S, k], slot of each route in its expert's buffer [S, k], kept [S, k], capacity, load-balancing loss, z-loss,
-    tokens per expert [E]). ``policy``, ``bias``: models/moe/router.py (the bias moves the selection only);
-    ``sequence_length``: the tokens of one sequence (the sequence-wise loss)."""
+    [S, k], slot of each route in its expert's buffer [S, k] (None when dropless), kept [S, k], capacity,
+    load-balancing loss, z-loss, tokens per expert [E]). ``policy``, ``bias``: models/moe/router.py (the bias
+    moves the selection only); ``sequence_length``: the tokens of one sequence (the sequence-wise loss)."""
     probs = expert_scores(logits, policy.score_function)
     S, E = probs.shape
     weights, experts = select_experts(probs, k, policy, normalize, bias)
-    mask = F.one_hot(experts, E)                                     # [S, k, E]
-    counts = mask.sum(dim=(0, 1))
+    counts = torch.bincount(experts.flatten(), minlength=E)
     # the losses' means over the whole sequence: under context parallelism each rank holds an equal chunk of it,
     # sums go over the context group (the gradient of each rank's own tokens stays its own, as the loss's)
-    l_aux = balance_loss(probs, mask, policy, sequence_length)
+    l_aux = balance_loss(probs, experts, policy, sequence_length)
     z_loss = (reduce_from_context_parallel_region(torch.logsumexp(logits.float(), dim=-1).square().sum())
               / (S * cp_world_size()))
+    if capacity_factor is None:  # dropless: every route kept, no slot to find (the locations None)
+        kept = torch.ones_like(experts, dtype=torch.bool)
+        return weights, experts, None, kept, int(counts.max()), l_aux, z_loss, counts
     # slots in token order, choice order within a token (the first choice of token t before its second)
+    mask = F.one_hot(experts, E)                                     # [S, k, E]
     locations = (torch.cumsum(mask.reshape(S * k, E), dim=0) - 1).reshape(S, k, E)
     locations = (locations * mask).sum(-1)                           # [S, k]
-    if capacity_factor is None:
-        capacity = int(counts.max())
-    else:
-        capacity = max(min_capacity, math.ceil(k * S / E * capacity_factor))
-    kept = locations < capacity
-    return weights, experts, locations, kept, capacity, l_aux, z_loss, counts
+    capacity = max(min_capacity, math.ceil(k * S / E * capacity_factor))
+    return weights, experts, locations, locations < capacity, capacity, l_aux, z_loss, counts
 
 
 class ReferenceGate(nn.Module):

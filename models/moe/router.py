@@ -76,24 +76,25 @@ def select_experts(scores: torch.Tensor, k: int, policy: RouterPolicy, normalize
     return weights, experts
 
 
-def balance_loss(scores: torch.Tensor, mask: torch.Tensor, policy: RouterPolicy,
+def balance_loss(scores: torch.Tensor, experts: torch.Tensor, policy: RouterPolicy,
                  sequence_length: int | None = None) -> torch.Tensor:
     """``aux_loss``: the Switch/GShard loss ``E * sum_e f_e P_e`` over the batch (Mixtral's
     ``load_balancing_loss_func``: ``f_e`` the fraction of tokens having ``e`` among their top-k, summing to k;
     ``P_e`` the mean score, sigmoid scores normalised per token first). ``seq_aux_loss``: DeepSeek-V3's
     sequence-wise loss (its equations 17-20), ``(E / k) * sum_e f_e P_e`` within each sequence of
-    ``sequence_length`` tokens, averaged over the sequences (Megatron-Core's divides by k as well). ``mask``:
-    the one-hot top-k [S, k, E]."""
-    E, k = scores.shape[-1], mask.shape[1]
+    ``sequence_length`` tokens, averaged over the sequences (Megatron-Core's divides by k as well). ``experts``:
+    each token's top-k [S, k]."""
+    (S, k), E = experts.shape, scores.shape[-1]
     probs = scores / scores.sum(dim=-1, keepdim=True) if policy.score_function == "sigmoid" else scores
+    chosen = torch.zeros_like(probs).scatter_(1, experts, 1.0)  # [S, E]: 1 where e is in the token's top-k
     # means over whole sequences: under context parallelism each rank holds an equal chunk of every sequence, the
     # sums go over the context group (each rank's gradient stays its own tokens', as the loss's)
     chunks = cp_world_size()
     if policy.load_balancing != "seq_aux_loss":
-        tokens = mask.shape[0] * chunks
-        routed = reduce_from_context_parallel_region(mask.float().sum(dim=(0, 1))) / tokens
+        tokens = S * chunks
+        routed = reduce_from_context_parallel_region(chosen.sum(dim=0)) / tokens
         return E * torch.sum(routed * reduce_from_context_parallel_region(probs.sum(dim=0)) / tokens)
-    chosen = mask.float().sum(dim=1).view(-1, sequence_length or mask.shape[0], E)  # 1 where e is in the top-k
+    chosen = chosen.view(-1, sequence_length or S, E)
     probs = probs.view(chosen.shape)
     length = chosen.shape[1] * chunks
     routed = reduce_from_context_parallel_region(chosen.sum(dim=1)) / length

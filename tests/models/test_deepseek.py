@@ -186,14 +186,14 @@ def test_sequence_aux_loss_is_deepseeks():
     scores, T = torch.rand(2 * 10, E, generator=g), 10
     policy = RouterPolicy("sigmoid", load_balancing="seq_aux_loss")
     _, experts = select_experts(scores, K, policy, normalize=True)
-    loss = balance_loss(scores, torch.nn.functional.one_hot(experts, E), policy, sequence_length=T)
+    loss = balance_loss(scores, experts, policy, sequence_length=T)
     expected = 0.0
     for seq in range(2):
         part, chosen = scores[seq * T:(seq + 1) * T], experts[seq * T:(seq + 1) * T]
         f = E / (K * T) * torch.bincount(chosen.reshape(-1), minlength=E).float()
         expected += (f * (part / part.sum(-1, keepdim=True)).mean(0)).sum() / 2
     assert torch.allclose(loss, expected, rtol=1e-6)
-    batch = balance_loss(scores, torch.nn.functional.one_hot(experts, E), RouterPolicy("sigmoid"))
+    batch = balance_loss(scores, experts, RouterPolicy("sigmoid"))
     assert not torch.allclose(loss, batch)
 
 
