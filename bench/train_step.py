@@ -22,7 +22,9 @@ hardware.
 Precision. fp32: everything fp32. bf16: DeepSpeed keeps bf16 weights and activations and an fp32 master
 copy that its optimizer updates; the plain loops get the matching standard treatment, fp32 weights
 with ``torch.autocast(bfloat16)`` (bf16 matrix products and activations, fp32 weights = master weights,
-fp32 optimizer). The loss is computed from fp32 logits in all of them. Dropout is 0 everywhere.
+fp32 optimizer). The loss is computed from fp32 logits in all of them. Dropout is 0 everywhere, unless ``--dropout P``: hidden and
+attention dropout P in the project's systems (Hugging Face's stay at 0, as an export leaves them), the model-parallel
+RNG seeded as a job seeds it, so the attention's dropout draws from its tracked stream.
 
 One precision at a time (engines of two precisions alive in one process slow each other's heap, unlike a
 training process): each round times one step of every system of that precision and one matrix-product loop
@@ -35,11 +37,12 @@ PaLM's count, checked here against torch's FLOP counter) over the measured matmu
 
     python bench/train_step.py [--variants gpt2,llama] [--sizes small,medium] [--precisions fp32,bf16]
                                [--systems deepspeed,deepspeed-z0,hf,plain] [--rounds 8] [--threads 1]
-                               [--clock cpu|wall] [--compile] [--profile DIR] [--json FILE]
+                               [--clock cpu|wall] [--compile] [--dropout P] [--profile DIR] [--json FILE]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -56,7 +59,7 @@ from torch.profiler import profile as tprofile
 from models import GPT
 from models.compile import compile_transformer_layers
 from models.parallel.fp8 import enable_fp8
-from models.parallel import get_parallel_state, initialize_model_parallel
+from models.parallel import get_parallel_state, initialize_model_parallel, model_parallel_seed
 from pipeline.engine.distributed import init_distributed
 from pipeline.engine.build import build_engine, param_groups
 from pipeline.engine.host_memory import keep_freed_host_memory, user_set_allocator
@@ -187,7 +190,8 @@ def check_flops(config, tokens, device="cpu") -> dict:
 
 
 def run_size(variant: str, size_name: str, size: dict, precisions, args, base_ds) -> list[dict]:
-    config = common.model_config(size, variant)
+    config = dataclasses.replace(common.model_config(size, variant), hidden_dropout=args.dropout,
+                                 attention_dropout=args.dropout)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (size["batch"], size["seq"] + 1), generator=g)
     flops = check_flops(config, tokens)
@@ -249,7 +253,8 @@ def profile(args, base_ds, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     variant, size_name = args.variants[0], args.sizes[0]
     size = CPU_SIZES[size_name]
-    config = common.model_config(size, variant)
+    config = dataclasses.replace(common.model_config(size, variant), hidden_dropout=args.dropout,
+                                 attention_dropout=args.dropout)
     tokens = torch.randint(0, config.vocab_size, (size["batch"], size["seq"] + 1))
     for p in args.precisions:
         for s in make_systems(config, tokens, p, base_ds, args.systems, zero_stage=args.zero_stage,
@@ -285,6 +290,8 @@ def main(argv=None):
                    help="time with this process's CPU time (default with one thread: robust to other jobs on a "
                         "shared machine) or wall time (default with several threads)")
     p.add_argument("--compile", action="store_true", help="compile every system (the project's per transformer block, Hugging Face's whole)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="hidden and attention dropout of the project's systems (Hugging Face's stay at 0)")
     p.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables here instead of timing")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = p.parse_args(argv)
@@ -299,6 +306,7 @@ def main(argv=None):
 
     init_distributed()
     initialize_model_parallel(1, 1)
+    model_parallel_seed(1234)  # as a job: dropout on TP-split activations draws from the tracked stream
     common.quiet_deepspeed()
     base_ds = load_ds_config(args.ds_config)
     if args.profile:

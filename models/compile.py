@@ -4,8 +4,8 @@ layer and the loss stay eager, and so does whatever wraps a block from outside (
 checkpointing, its ZeRO and pipeline hooks). The blocks trace whole at TP 1 and 2, with or without sequence
 parallelism, FP8 or not, with dropout or not: the TP collectives are custom ops (models/parallel/mappings.py), and
 so are the draws from the model-parallel RNG streams (models/parallel/random.py: DeepSpeed's tracker swaps the
-generator's state around a draw, which broke a block 10 times; under compilation an attention with dropout is
-recomputed in its backward on the same mask, one more attention forward). What still breaks a block's graph is
+generator's state around a draw, which broke a block 10 times; where SDPA drops inside its fused kernel, a GPU, the
+compiled attention with dropout is recomputed in its backward on the same mask). What still breaks a block's graph is
 selective recomputation of ``core_attn`` or ``mlp`` (DeepSpeed's checkpoint function inside the block, which
 Dynamo refuses); full recomputation wraps the compiled block from outside.
 """

@@ -132,15 +132,36 @@ def _(like, p, stream):
     return torch.empty_like(like)
 
 
+# devices whose SDPA with dropout is its math path (neither fused kernel drops on a CPU)
+MATH_ATTENTION_DEVICES = ("cpu",)
+
+
 def causal_attention_from(stream: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
                           enable_gqa: bool = False) -> torch.Tensor:
-    """Causal SDPA of [b, heads, s, d] with attention dropout ``p``, its mask drawn from ``stream``. Compiled, one
-    custom op: the backward replays the stream's state of the forward and recomputes the attention to
-    differentiate it (one more attention forward per step, not a graph break)."""
+    """Causal SDPA of [b, heads, s, d] with attention dropout ``p``, its mask drawn from ``stream``. Compiled, where
+    SDPA with dropout is its math path, that math in the graph with the mask drawn by a custom op; elsewhere one
+    custom op around the fused kernel, whose backward replays the stream's state of the forward and recomputes the
+    attention to differentiate it (one more attention forward per step, not a graph break)."""
     if stream is not None and p and torch.compiler.is_compiling():
+        if q.device.type in MATH_ATTENTION_DEVICES:
+            return _math_attention(q, k, v, p, stream, enable_gqa)
         return stream_attention(q, k, v, p, stream, enable_gqa)[0]
     with in_stream(stream):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=enable_gqa)
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, stream: str,
+                    enable_gqa: bool) -> torch.Tensor:
+    """What SDPA's math path computes with dropout (fp32 scores, softmax and mask: its draws over the [b, heads,
+    s, s] probabilities), the mask drawn from ``stream``."""
+    if enable_gqa:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scale = q.shape[-1] ** -0.25  # on both sides of the product, as SDPA's math path
+    scores = (q.float() * scale) @ (k.float() * scale).transpose(-2, -1)
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    probs = probs * stream_dropout_scale(probs.detach(), p, stream)
+    return (probs @ v.float()).to(q.dtype)
 
 
 def _rng_state_size() -> int:

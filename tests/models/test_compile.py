@@ -3,6 +3,8 @@ break, at TP 1 and 2, with and without sequence parallelism, with FP8 linears to
 (which broke the graph 13-30 times per block before the TP collectives became custom ops), with dropout drawn from the
 model-parallel RNG (10 breaks per block before its draws became custom ops); and the compiled GPT (inductor) equals
 the eager one in fp32: loss and every gradient, with and without FP8, with dropout (the same masks)."""
+import contextlib
+
 import deepspeed.comm as ds_comm
 import pytest
 import torch
@@ -18,6 +20,7 @@ from models.compile import compile_transformer_layers
 from models.gpt import TransformerLayer
 from models.parallel import (Layout, destroy_model_parallel, full_state_dict, get_parallel_state, get_rng_tracker,
                              initialize_model_parallel, model_parallel_seed, tp_world_size)
+from models.parallel import random as parallel_random
 from models.parallel.fp8 import RECIPES, enable_fp8
 from pipeline.engine.build import build_engine
 from pipeline.engine.ds_config import resolve_ds_config
@@ -116,6 +119,18 @@ def test_compiled_fp8_gpt_equals_eager_at_tp1():
     assert diff["loss"] <= TOLERANCE and diff["grad"] <= TOLERANCE, diff
 
 
+@contextlib.contextmanager
+def attention_as_on_a_gpu():
+    """Compiled attention with dropout as where SDPA drops in its fused kernel: one custom op, recomputed in its
+    backward (on a CPU, SDPA with dropout is its math path, which the compiled block holds itself)."""
+    kept = parallel_random.MATH_ATTENTION_DEVICES
+    parallel_random.MATH_ATTENTION_DEVICES = ()
+    try:
+        yield
+    finally:
+        parallel_random.MATH_ATTENTION_DEVICES = kept
+
+
 def _engine_losses(state, compile: bool, zero_stage: int, steps: int = 3) -> tuple[list[float], int]:
     """Losses of a DeepSpeed engine (ZeRO ``zero_stage``, full recomputation: DeepSpeed's checkpoint around each
     block, which replays the RNG streams for the recomputed dropout) training the engine tests' tiny gpt2 with
@@ -147,6 +162,10 @@ def _tp2(rank):
             for variant in ("gpt2", "llama") for sp in (False, True)}
     out["numerics"] = {variant: _compiled_against_eager(variant, True) for variant in ("gpt2", "llama")}
     out["numerics"]["gpt2 dropout"] = _compiled_against_eager("gpt2", True, dropout=True)
+    with attention_as_on_a_gpu():
+        out["llama sp=True dropout, the fused kernel's op"] = count_graphs(build_block("llama", True, dropout=True),
+                                                                           _block_input(True))
+        out["numerics"]["gpt2 dropout, the fused kernel's op"] = _compiled_against_eager("gpt2", True, dropout=True)
     ds_comm.configure(enabled=False)
     state = initialize_model_parallel(layout=Layout(tensor=2, sequence_parallel=True))
     out["engine"] = {zero: (_engine_losses(state, False, zero), _engine_losses(state, True, zero)) for zero in (1, 2)}
