@@ -2,12 +2,14 @@
 (``nn.Module.compile``, in place, so parameter names and state dicts do not change), the embedding, the output
 layer and the loss stay eager, and so does whatever wraps a block from outside (DeepSpeed's activation
 checkpointing, its ZeRO and pipeline hooks). The blocks trace whole at TP 1 and 2, with or without sequence
-parallelism, FP8 or not, with dropout or not: the TP collectives are custom ops (models/parallel/mappings.py), and
-so are the draws from the model-parallel RNG streams (models/parallel/random.py: DeepSpeed's tracker swaps the
-generator's state around a draw, which broke a block 10 times; where SDPA drops inside its fused kernel, a GPU, the
-compiled attention with dropout is recomputed in its backward on the same mask). What still breaks a block's graph is
-selective recomputation of ``core_attn`` or ``mlp`` (DeepSpeed's checkpoint function inside the block, which
-Dynamo refuses); full recomputation wraps the compiled block from outside.
+parallelism, FP8 or not, with dropout or not, under full or selective recomputation: the TP collectives are custom
+ops (models/parallel/mappings.py), and so are the draws from the model-parallel RNG streams
+(models/parallel/random.py: DeepSpeed's tracker swaps the generator's state around a draw, which broke a block 10
+times; where SDPA drops inside its fused kernel, a GPU, the compiled attention with dropout is recomputed in its
+backward on the same mask). Full recomputation wraps the compiled block from outside (DeepSpeed's checkpoint);
+selective recomputation inside a compiled block is torch's checkpoint, which Dynamo traces and the compiler's
+partitioner plans (models/recompute.py: ``compiled_recompute``), where eager blocks use DeepSpeed's checkpoint and
+output-discarding recomputation, which Dynamo cannot trace.
 """
 from __future__ import annotations
 

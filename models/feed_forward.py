@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .recompute import DiscardedOutput
+from .recompute import DiscardedOutput, compiled_recompute
 
 
 class FeedForward(nn.Module):
@@ -23,6 +23,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute_act and self.training and torch.is_grad_enabled():
+            if torch.compiler.is_compiling():
+                return self.fc_out(compiled_recompute(self._activation, self.fc_in(x)))
             h = DiscardedOutput(self._activation, self.fc_in(x))  # keeps fc_in's output, not the activation's
             y = self.fc_out(h.output)
             h.discard(y)

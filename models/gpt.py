@@ -31,7 +31,7 @@ from .config import GPTConfig
 from .feed_forward import FeedForward
 from .deepseek import MultiLatentAttention, MultiTokenPrediction, shifted
 from .moe import ExpertMLP, MoEMLP, is_moe_layer
-from .recompute import DiscardedOutput
+from .recompute import DiscardedOutput, compiled_recompute
 from .tiling import tiled_cross_entropy, tiled_mlp, tiled_row_cross_entropy
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, Layout, RowParallelLinear, SequenceParallelLayerNorm,
                        SequenceParallelRMSNorm, UlyssesAttention, VocabParallelEmbedding, causal_attention_from,
@@ -175,16 +175,19 @@ class Attention(nn.Module):
         """The core attention, recomputed in the backward under selective recomputation (``recompute_fn``); under
         context parallelism between Ulysses' all-to-alls, which are not repeated."""
         if self.recompute_fn is not None and self.training:
+            if torch.compiler.is_compiling():  # the compiler's recomputation, which Dynamo traces
+                return self._core(q, k, v, recompute=compiled_recompute)
             return self.recompute_fn(self._core, q, k, v)
         return self._core(q, k, v)
 
-    def _core(self, q, k, v):
-        """Causal attention of [b, heads, s, d] queries, keys and values over the whole sequence."""
+    def _core(self, q, k, v, recompute=None):
+        """Causal attention of [b, heads, s, d] queries, keys and values over the whole sequence; ``recompute(fn,
+        *tensors)``: how a compiled block recomputes it."""
         dropout = self.dropout if self.training else 0.0
         if not dropout and q.device.type == "cpu" and k.shape[2] <= SHORT_CPU_ATTENTION:
-            return short_causal_attention(q, k, v)
+            return recompute(short_causal_attention, q, k, v) if recompute else short_causal_attention(q, k, v)
         return causal_attention_from(tensor_parallel_stream() if dropout else None, q, k, v, dropout,
-                                     enable_gqa=k.shape[1] != q.shape[1])
+                                     enable_gqa=k.shape[1] != q.shape[1], recompute=recompute)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """``cache``: a ``models.kv_cache.LayerCache`` (decoding): the new tokens attend to it and join it."""
@@ -268,7 +271,8 @@ class MLP(FeedForward):
         if self.tiles > 1:  # ALST: never the whole [s, ffn / tp] (models/tiling.py); recomputes its tiles anyway
             return tiled_mlp(MLP._compute, self, x, self.tiles)
         if self.recompute_fn is not None and self.training and torch.is_grad_enabled():
-            return self.recompute_fn(self._compute, x)
+            recompute = compiled_recompute if torch.compiler.is_compiling() else self.recompute_fn
+            return recompute(self._compute, x)
         return super().forward(x)
 
 
@@ -301,6 +305,9 @@ class TransformerLayer(nn.Module):
         # each norm's output (the QKV / fc_in input) is freed once read, rebuilt from the kept norm input when
         # the attention's / MLP's output gradient arrives, as Megatron-Core's "layernorm" module
         sp = self.sequence_parallel
+        if torch.compiler.is_compiling():
+            x = x + _dropout(self.dropout, self.attention(compiled_recompute(self.input_norm, x)), sp)
+            return x + _dropout(self.dropout, self.mlp(compiled_recompute(self.post_attention_norm, x)), sp)
         n = DiscardedOutput(self.input_norm, x)
         y = self.attention(n.output)
         n.discard(y)

@@ -7,10 +7,21 @@ saves the output as usual, and ``discard`` then frees that output's storage; a h
 gradient recomputes the op and refills the storage before the matmul's backward reads it. The ops recomputed
 this way (norms, GELU, SwiGLU) draw no random numbers, so no RNG state has to be restored: the dropouts of the
 layer lie outside them (core attention, which has one, goes through DeepSpeed's checkpoint instead).
+
+In a compiled region (``--compile``) neither DeepSpeed's checkpoint nor the storage swap here can be traced:
+``compiled_recompute`` puts the op under torch's non-reentrant checkpoint instead, which Dynamo traces into the
+block's graph and whose recomputation the compiler's partitioner plans (a random draw inside, the dropout mask of
+``models.parallel.dropout_from``, is saved, not drawn again).
 """
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
+
+
+def compiled_recompute(fn, *inputs: torch.Tensor) -> torch.Tensor:
+    """``fn(*inputs)`` recomputed in the backward of a compiled graph (torch's non-reentrant checkpoint)."""
+    return torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=False)
 
 
 class _Recomputed(torch.autograd.Function):

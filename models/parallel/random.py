@@ -24,6 +24,7 @@ activation checkpointing draws exactly the masks of the first pass. Models draw 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 
 import numpy as np
@@ -137,31 +138,42 @@ MATH_ATTENTION_DEVICES = ("cpu",)
 
 
 def causal_attention_from(stream: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,
-                          enable_gqa: bool = False) -> torch.Tensor:
+                          enable_gqa: bool = False, recompute=None) -> torch.Tensor:
     """Causal SDPA of [b, heads, s, d] with attention dropout ``p``, its mask drawn from ``stream``. Compiled, where
     SDPA with dropout is its math path, that math in the graph with the mask drawn by a custom op; elsewhere one
     custom op around the fused kernel, whose backward replays the stream's state of the forward and recomputes the
-    attention to differentiate it (one more attention forward per step, not a graph break)."""
+    attention to differentiate it (one more attention forward per step, not a graph break). ``recompute(fn,
+    *tensors)``: how a compiled region recomputes the attention in its backward (selective recomputation of
+    ``core_attn``; eager code wraps this whole call in DeepSpeed's checkpoint instead)."""
+    recompute = recompute or _called
     if stream is not None and p and torch.compiler.is_compiling():
         if q.device.type in MATH_ATTENTION_DEVICES:
-            return _math_attention(q, k, v, p, stream, enable_gqa)
-        return stream_attention(q, k, v, p, stream, enable_gqa)[0]
+            # drawn before the recomputed region: the compiler would recompute a draw inside it from the default
+            # generator's state, not the stream's
+            scores = q.new_empty((*q.shape[:-1], k.shape[-2]), dtype=torch.float32)
+            kept = stream_dropout_scale(scores, p, stream) != 0
+            return recompute(_math_attention, q, k, v, kept, p, enable_gqa)
+        return stream_attention(q, k, v, p, stream, enable_gqa)[0]  # its backward recomputes it already
     with in_stream(stream):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=enable_gqa)
+        return recompute(functools.partial(F.scaled_dot_product_attention, dropout_p=p, is_causal=True,
+                                           enable_gqa=enable_gqa), q, k, v)
 
 
-def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, stream: str,
+def _called(fn, *args):
+    return fn(*args)
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept: torch.Tensor, p: float,
                     enable_gqa: bool) -> torch.Tensor:
     """What SDPA's math path computes with dropout (fp32 scores, softmax and mask: its draws over the [b, heads,
-    s, s] probabilities), the mask drawn from ``stream``."""
+    s, s] probabilities), ``kept`` the elements its mask keeps."""
     if enable_gqa:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scale = q.shape[-1] ** -0.25  # on both sides of the product, as SDPA's math path
     scores = (q.float() * scale) @ (k.float() * scale).transpose(-2, -1)
     causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    probs = probs * stream_dropout_scale(probs.detach(), p, stream)
-    return (probs @ v.float()).to(q.dtype)
+    return (probs * kept / (1 - p) @ v.float()).to(q.dtype)
 
 
 def _rng_state_size() -> int:

@@ -170,7 +170,9 @@ def add_model_args(p) -> None:
     g.add_argument("--fp8", choices=FP8_RECIPES, default=None,
                    help="the column- and row-parallel linears' products in FP8 with torchao's float8 recipe "
                         "(models/parallel/fp8.py): the weights, checkpoints and exports stay in the run's precision, "
-                        "so an FP8 run resumes without it and back; dense GPT models (docs/performance.md)")
+                        "so an FP8 run resumes without it and back; dense GPT models; where the device has no FP8 "
+                        "matmuls (a CPU, a GPU before compute capability 8.9) torchao's emulation, FP8's numerics "
+                        "at fp32's speed (docs/performance.md)")
     g.add_argument("--loss-chunk-tokens", type=positive_int, default=None, metavar="N",
                    help="the cross-entropy N tokens at a time: its fp32 work tensors are [N, V/TP], never [tokens, "
                         "V/TP], and a bf16 run keeps its bf16 logits for the backward instead of an fp32 softmax "

@@ -1,15 +1,18 @@
 """torch.compile per transformer block (models/compile.py): one forward and one backward graph per block, no graph
 break, at TP 1 and 2, with and without sequence parallelism, with FP8 linears too, with DeepSpeed's comms logger on
 (which broke the graph 13-30 times per block before the TP collectives became custom ops), with dropout drawn from the
-model-parallel RNG (10 breaks per block before its draws became custom ops); and the compiled GPT (inductor) equals
-the eager one in fp32: loss and every gradient, with and without FP8, with dropout (the same masks)."""
+model-parallel RNG (10 breaks per block before its draws became custom ops), under selective recomputation of each
+module (refused before: DeepSpeed's checkpoint inside a block), whose forward ops its backward graph then holds; and
+the compiled GPT (inductor) equals the eager one in fp32: loss and every gradient, with and without FP8, with dropout
+(the same masks), and a DeepSpeed engine recomputing (full or selective) trains as the eager one."""
 import contextlib
 
+import deepspeed
 import deepspeed.comm as ds_comm
 import pytest
 import torch
 import torch._dynamo
-from functorch.compile import make_boxed_func
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
@@ -17,7 +20,7 @@ from dist import run_distributed
 from engine_utils import BASE_DS, TINY, GlobalBatchLoader, real_text_tokens
 from models import GPT, GPTConfig
 from models.compile import compile_transformer_layers
-from models.gpt import TransformerLayer
+from models.gpt import TransformerLayer, select_recompute_modules
 from models.parallel import (Layout, destroy_model_parallel, full_state_dict, get_parallel_state, get_rng_tracker,
                              initialize_model_parallel, model_parallel_seed, tp_world_size)
 from models.parallel import random as parallel_random
@@ -32,6 +35,8 @@ from test_tensor_parallel import CONFIGS, _batch
 # with FP8 linears (compiled FP8 against eager FP8) at TP1: 0 and at most 5.3e-7, both recipes
 TOLERANCE = 1e-5
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
+# (ZeRO stage, selective recomputation's modules; none: full recomputation)
+ENGINE_CASES = ((1, ()), (2, ()), (1, ("core_attn", "mlp_act", "layernorm")), (2, ("mlp",)))
 
 
 def _layout(sequence_parallel: bool) -> Layout:
@@ -73,6 +78,36 @@ def count_graphs(block: torch.nn.Module, x: torch.Tensor) -> dict:
     block.compile(backend=aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward")))
     block(x).sum().backward()
     return {**graphs, "breaks": sum(counters["graph_break"].values())}
+
+
+# gpt2: an op of each recompute module's forward that a compiled block's backward holds only where it recomputes
+# the module (inductor's partitioner, min-cut, recomputes some cheap ops of its own choice, none of these)
+RECOMPUTED_OPS = {"core_attn": "aten._softmax.default", "mlp": "aten.addmm.default", "mlp_act": "aten.gelu.default",
+                  "layernorm": "aten.native_layer_norm.default"}
+
+
+def recomputing_graphs(modules: tuple[str, ...], dropout: bool = True) -> dict:
+    """The gpt2 block (SP, dropout or none) recomputing ``modules`` compiled as inductor partitions it: its graphs,
+    breaks, and which of ``RECOMPUTED_OPS`` its backward graph computes."""
+    torch._dynamo.reset()
+    counters.clear()
+    block = build_block("gpt2", True, dropout=dropout)
+    select_recompute_modules(block, deepspeed.checkpointing.checkpoint, modules)  # eager's; compiled: torch's
+    graphs = {"forward": [], "backward": []}
+
+    def keeping(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    block.compile(backend=aot_autograd(fw_compiler=keeping("forward"), bw_compiler=keeping("backward"),
+                                       partition_fn=min_cut_rematerialization_partition), fullgraph=True)
+    block(_block_input(True)).sum().backward()
+    ops = {str(n.target) for gm in graphs["backward"] for n in gm.graph.nodes if n.op == "call_function"}
+    return {"forward": len(graphs["forward"]), "backward": len(graphs["backward"]),
+            "breaks": sum(counters["graph_break"].values()),
+            "recomputed": sorted(m for m, op in RECOMPUTED_OPS.items() if op in ops)}
 
 
 def _block_input(sequence_parallel: bool) -> torch.Tensor:
@@ -131,16 +166,19 @@ def attention_as_on_a_gpu():
         parallel_random.MATH_ATTENTION_DEVICES = kept
 
 
-def _engine_losses(state, compile: bool, zero_stage: int, steps: int = 3) -> tuple[list[float], int]:
-    """Losses of a DeepSpeed engine (ZeRO ``zero_stage``, full recomputation: DeepSpeed's checkpoint around each
-    block, which replays the RNG streams for the recomputed dropout) training the engine tests' tiny gpt2 with
-    sequence parallelism and dropout 0.1, its blocks compiled (whole: fullgraph; by AOTAutograd without inductor's
-    code generation, whose numerics the other tests measure) or eager; and how many graphs Dynamo compiled (a
-    guard that failed at each step, on the RNG tracker's states say, would compile more)."""
+def _engine_losses(state, compile: bool, zero_stage: int, modules: tuple[str, ...] = (),
+                   steps: int = 3) -> tuple[list[float], int]:
+    """Losses of a DeepSpeed engine (ZeRO ``zero_stage``; full recomputation, DeepSpeed's checkpoint around each
+    block, which replays the RNG streams for the recomputed dropout, or selective recomputation of ``modules``)
+    training the engine tests' tiny gpt2 with sequence parallelism and dropout 0.1, its blocks compiled (whole:
+    fullgraph; by AOTAutograd without inductor's code generation, whose numerics the other tests measure) or eager;
+    and how many graphs Dynamo compiled (a guard that failed at each step, on the RNG tracker's states say, would
+    compile more)."""
     ds = resolve_ds_config({**BASE_DS, "zero_optimization": {"stage": zero_stage}}, data_parallel=state.data_parallel,
                            micro_batch_size=BASE_DS["train_batch_size"])
     model_parallel_seed(1234)
-    engine = build_engine(GPTConfig(**{**TINY, **DROPOUT}), ds, state, init_seed=1234, recompute="full")  # SP
+    engine = build_engine(GPTConfig(**{**TINY, **DROPOUT}), ds, state, init_seed=1234,  # the state's layout: SP
+                          recompute="selective" if modules else "full", recompute_modules=modules or None)
     counters.clear()
     if compile:
         torch._dynamo.reset()
@@ -162,13 +200,18 @@ def _tp2(rank):
             for variant in ("gpt2", "llama") for sp in (False, True)}
     out["numerics"] = {variant: _compiled_against_eager(variant, True) for variant in ("gpt2", "llama")}
     out["numerics"]["gpt2 dropout"] = _compiled_against_eager("gpt2", True, dropout=True)
+    cases = [(m, True) for m in ((), *((m,) for m in RECOMPUTED_OPS), ("core_attn", "mlp_act", "layernorm"))]
+    cases.append((("core_attn",), False))  # the short sequences' attention of a CPU
+    out["recomputing"] = {case: recomputing_graphs(*case) for case in cases}
     with attention_as_on_a_gpu():
         out["llama sp=True dropout, the fused kernel's op"] = count_graphs(build_block("llama", True, dropout=True),
                                                                            _block_input(True))
         out["numerics"]["gpt2 dropout, the fused kernel's op"] = _compiled_against_eager("gpt2", True, dropout=True)
     ds_comm.configure(enabled=False)
     state = initialize_model_parallel(layout=Layout(tensor=2, sequence_parallel=True))
-    out["engine"] = {zero: (_engine_losses(state, False, zero), _engine_losses(state, True, zero)) for zero in (1, 2)}
+    out["engine"] = {(zero, modules): (_engine_losses(state, False, zero, modules),
+                                       _engine_losses(state, True, zero, modules))
+                     for zero, modules in ENGINE_CASES}
     return out
 
 
@@ -177,9 +220,12 @@ def test_tp2_one_graph_per_block_and_compiled_equals_eager():
     activation checkpointing around the compiled blocks, with dropout, trains as the eager one does, the blocks
     sharing two graphs (the no-grad forward, the recomputing one) and none compiled again."""
     for rank, res in enumerate(run_distributed(_tp2, 2)):
-        for zero, ((eager, _), (compiled, graphs)) in res.pop("engine").items():
-            assert max(abs(a - b) for a, b in zip(eager, compiled)) <= TOLERANCE, (rank, zero, eager, compiled)
-            assert graphs == 2, (rank, zero, graphs)
+        for (zero, modules), ((eager, _), (compiled, graphs)) in res.pop("engine").items():
+            assert max(abs(a - b) for a, b in zip(eager, compiled)) <= TOLERANCE, (rank, zero, modules, eager, compiled)
+            assert graphs == (1 if modules else 2), (rank, zero, modules, graphs)  # selective: no no-grad forward
+        for (modules, _), graphs in res.pop("recomputing").items():  # selective recomputation, compiled
+            recomputed = set(modules) | ({"mlp_act"} if "mlp" in modules else set())  # the MLP: its activation too
+            assert graphs == {"forward": 1, "backward": 1, "breaks": 0, "recomputed": sorted(recomputed)}, (rank, graphs)
         numerics = res.pop("numerics")
         for case, graphs in res.items():
             assert graphs == {"forward": 1, "backward": 1, "breaks": 0}, (rank, case)

@@ -74,7 +74,9 @@ def test_what_the_rules_allow():
                LayoutCheck(Layout(pipeline=2), MOE),  # experts on both stages
                LayoutCheck(Layout(tiled_mlp=2, tiled_loss=2, expert=2, data=2), MOE),
                LayoutCheck(Layout(tensor=2, sequence_parallel=True, expert=2, data=2), MOE),
-               LayoutCheck(Layout(data=4), MLSTM, family_of(MLSTM))]
+               LayoutCheck(Layout(data=4), MLSTM, family_of(MLSTM)),
+               LayoutCheck(Layout(tensor=2, sequence_parallel=True, compile=True, recompute="selective",  # traced
+                                  recompute_modules=("core_attn", "mlp_act", "layernorm")), GPT)]
     assert [refusal(c) for c in allowed] == [None] * len(allowed)
     assert len(RULES) >= 15  # every rule of the project is here (pipeline/job/layout.py)
 
