@@ -11,10 +11,13 @@ sbh (10 + 24/t + 5as/(ht)) for none, sbh (10 + 24/t) for selective core_attn, le
 for layernorm, 2sbh for full; x2 in fp32).
 
 Then the step time (forward + backward of the whole model, no optimizer) of each policy over none, median
-of per-round ratios with the six models interleaved in the same processes.
+of per-round ratios with the six models interleaved in the same processes. ``--compile``: every model's blocks
+compiled (``models.compile``, inductor), where selective recomputation is torch's checkpoint inside the compiled
+block (``models.recompute.compiled_recompute``) and full recomputation DeepSpeed's around it; the census then
+counts what the compiled graphs save, after a first step that compiles them.
 
     python bench/recompute.py [--tp 1,2] [--seq 256] [--batch 2] [--hidden 256] [--heads 8] [--layers 2]
-                              [--vocab 2048] [--rounds 10] [--dtype bf16|fp32]
+                              [--vocab 2048] [--rounds 10] [--dtype bf16|fp32] [--compile]
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from dist import run_distributed  # noqa: E402
 from common import format_table  # noqa: E402
 
 from models import GPT, GPTConfig  # noqa: E402
+from models.compile import compile_transformer_layers  # noqa: E402
 from models.gpt import select_recompute_modules  # noqa: E402
 from models.parallel import initialize_model_parallel, model_parallel_seed  # noqa: E402
 from pipeline.planning.memory import layer_activations  # noqa: E402
@@ -58,12 +62,14 @@ def _checkpoint(fn, *args):
     return deepspeed.checkpointing.checkpoint(fn, *args)
 
 
-def _build(config: GPTConfig, policy: str, modules, dtype):
+def _build(config: GPTConfig, policy: str, modules, dtype, compile: bool):
     model = GPT(config, init_seed=0).to(dtype).train()
     if policy == "full":
         model.checkpoint_fn = _checkpoint
     elif policy == "selective":
         select_recompute_modules(model, _checkpoint, modules)
+    if compile:
+        compile_transformer_layers(model, fullgraph=True)
     return model
 
 
@@ -79,12 +85,15 @@ def _layer_bytes(model, b: int, s: int, h: int) -> int:
     return census.bytes
 
 
-def _rank(rank, tp, config_kw, b, s, rounds, dtype):
+def _rank(rank, tp, config_kw, b, s, rounds, dtype, compile):
     state = initialize_model_parallel(tensor_parallel=tp)
     model_parallel_seed(1234)
     deepspeed.checkpointing.configure(state)
     config = GPTConfig(**config_kw)
-    models = {label: _build(config, policy, modules, DTYPES[dtype]) for label, policy, modules in VARIANTS}
+    models = {label: _build(config, policy, modules, DTYPES[dtype], compile) for label, policy, modules in VARIANTS}
+    if compile:  # the first call compiles the block (a census of tracing is not one of the compiled graph)
+        for m in models.values():
+            _layer_bytes(m, b, s, config.hidden_size)
     out = {label: _layer_bytes(m, b, s, config.hidden_size) for label, m in models.items()}
     ids, labels = _batch(b, s, config.vocab_size)
     times = _step_seconds(models, ids, labels, rounds)
@@ -96,6 +105,7 @@ def _rank(rank, tp, config_kw, b, s, rounds, dtype):
 def main(argv=None):
     pre = argparse.ArgumentParser(add_help=False)  # this benchmark's own option, beside parse_shape_args' ones
     pre.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    pre.add_argument("--compile", action="store_true", help="compile every model's blocks (models/compile.py)")
     known, argv = pre.parse_known_args(argv)
     dtype = known.dtype
     args, config_kw = parse_shape_args(__doc__, "1,2", argv)
@@ -104,10 +114,11 @@ def main(argv=None):
     shape = replace(gpt_shape(GPTConfig(**config_kw), seq=s), fused_attention=False)
     scale = DTYPES[dtype].itemsize / 2  # the planner's terms are for 2-byte activations
     print(f"# one layer's activation bytes saved for the backward (rank 0), gpt2 {dtype}, s={s} b={b} h={h} a={a} "
-          f"L={args.layers} V={args.vocab}, dropout 0.1; {common.machine_note()}")
+          f"L={args.layers} V={args.vocab}, dropout 0.1{', blocks compiled' if known.compile else ''}; "
+          f"{common.machine_note()}")
     rows, mib = [], 1 / 2**20
     for tp in map(int, args.tp.split(",")):
-        r = run_distributed(_rank, tp, tp, config_kw, b, s, args.rounds, dtype)[0]
+        r = run_distributed(_rank, tp, tp, config_kw, b, s, args.rounds, dtype, known.compile)[0]
         for label, policy, modules in VARIANTS:
             rows.append([f"TP{tp}", label, r[label] * mib,
                          scale * layer_activations(shape, b, tp, False, policy, modules) * mib,
