@@ -2,8 +2,9 @@
 (``nn.Module.compile``, in place, so parameter names and state dicts do not change), the embedding, the output
 layer and the loss stay eager, and so does whatever wraps a block from outside (DeepSpeed's activation
 checkpointing, its ZeRO and pipeline hooks). The blocks trace whole at TP 1 and 2, with or without sequence
-parallelism, FP8 or not, with dropout or not, under full or selective recomputation: the TP collectives are custom
-ops (models/parallel/mappings.py), and so are the draws from the model-parallel RNG streams
+parallelism, at CP 2 (DeepSpeed-Ulysses; RoPE at the chunk's offset, a host integer), FP8 or not (not with CP),
+with dropout or not, under full or selective recomputation: the TP collectives are custom ops
+(models/parallel/mappings.py), and so are the draws from the model-parallel RNG streams
 (models/parallel/random.py: DeepSpeed's tracker swaps the generator's state around a draw, which broke a block 10
 times; where SDPA drops inside its fused kernel, a GPU, the compiled attention with dropout is recomputed in its
 backward on the same mask). Full recomputation wraps the compiled block from outside (DeepSpeed's checkpoint);

@@ -151,9 +151,8 @@ class MultiLatentAttention(nn.Module):
         latent, k_rope = self.kv_a_proj(x).split([self.kv_rank, self.rope], dim=-1)
         latent = self.kv_a_norm(latent)  # this rank's chunk under sequence parallelism
         k_rope = self._shared_rope_key(k_rope).reshape(b, 1, s, self.rope)
-        positions = cache.positions if cache is not None else (  # under CP: the global positions of this chunk
-            None if self.context is None else torch.arange(s, device=x.device)[None] + chunk_start(s))
-        q_rope, k_rope = self.rotary(q_rope, k_rope, positions)
+        offset = chunk_start(s) if self.context is not None else 0  # under CP: this chunk's global positions
+        q_rope, k_rope = self.rotary(q_rope, k_rope, cache.positions if cache is not None else None, offset)
         if cache is not None:
             latent, k_rope = cache.update(latent.view(b, 1, s, self.kv_rank), k_rope)
             latent = latent.view(b, -1, self.kv_rank)

@@ -108,10 +108,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None):
-        """``positions`` [b, s]: each row's token positions (decoding with a KV cache); default 0..s-1."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None, offset: int = 0):
+        """``positions`` [b, s]: each row's token positions (decoding with a KV cache); default ``offset`` ..
+        ``offset`` + s - 1 (a context-parallel rank's chunk: a host integer, where the largest of a positions
+        tensor would be read back from it, a graph break in a compiled block)."""
         if positions is None:
-            cos, sin = self.cos_sin(q.shape[-2], q.device, q.dtype)
+            cos, sin = self.cos_sin(offset + q.shape[-2], q.device, q.dtype)
+            cos, sin = cos[offset:], sin[offset:]
         else:
             cos, sin = self.cos_sin(int(positions.max()) + 1, q.device, q.dtype)
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
@@ -201,9 +204,8 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary is not None:  # under context parallelism: the global positions of this rank's chunk
-            positions = cache.positions if cache is not None else (
-                None if self.context is None else torch.arange(s, device=q.device)[None] + chunk_start(s))
-            q, k = self.rotary(q, k, positions)
+            offset = chunk_start(s) if self.context is not None else 0
+            q, k = self.rotary(q, k, cache.positions if cache is not None else None, offset)
         if cache is not None:
             k, v = cache.update(k, v)
             if self.context is not None:  # packed documents (models/documents.py): their masked core in Ulysses

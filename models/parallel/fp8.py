@@ -60,7 +60,7 @@ class Float8Matmul:
         spanned = axes if dim is None else (axes[dim],)
         if self.split_axis in spanned:
             amax = all_reduce_max(amax)
-        if "tokens" in spanned and cp_world_size() > 1:  # (compile is refused with CP: an eager collective)
+        if "tokens" in spanned and cp_world_size() > 1:  # (compile is refused with CP and FP8: an eager collective)
             amax = collectives.all_reduce(amax.contiguous(), cp_group(), op=dist.ReduceOp.MAX, name="cp")
         scale = amax_to_scale(amax, cast.target_dtype, self.config.round_scales_to_power_of_2)
         return hp_tensor_and_scale_to_float8(hp, scale, cast.target_dtype, self.mm_config, role, dim)

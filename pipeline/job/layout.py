@@ -294,19 +294,21 @@ def recompute_modules_exist(c: LayoutCheck) -> str | None:
 @rule
 def compile_where_built(c: LayoutCheck) -> str | None:
     """``--compile`` compiles each transformer block (models/compile.py), tested at TP 1-2 with and without SP,
-    ZeRO 0-2, full and selective recomputation, dropout, FP8; the rest is refused until it is."""
+    CP 2, ZeRO 0-2, full and selective recomputation, dropout, FP8 (not with CP: its amax reduction over CP is an
+    eager collective); the rest is refused until it is."""
     L = c.layout
     if not L.compile:
         return None
     if L.pipeline > 1:
         return ("--compile with --pipeline-parallel: DeepSpeed's pipeline engine runs its stages layer by layer; "
                 "drop --compile or use --pipeline-parallel 1")
-    untested = [(L.context > 1, "--context-parallel"), (L.zero_stage == 3, "ZeRO stage 3"),
+    untested = [(L.context > 1 and L.fp8 is not None, "--fp8 under --context-parallel"),
+                (L.zero_stage == 3, "ZeRO stage 3"),
                 (bool(c.experts), "MoE layers"), (L.tiled_mlp > 1 or L.tiled_loss > 1, "tiling")]
     what = next((name for refused, name in untested if refused), None)
     if what:
-        return (f"--compile with {what}: the compiled blocks are built and tested at TP 1-2 (+SP), ZeRO 0-2 and "
-                f"full or selective recomputation only; drop --compile or {what}")
+        return (f"--compile with {what}: the compiled blocks are built and tested at TP 1-2 (+SP), CP 2 (without "
+                f"FP8), ZeRO 0-2 and full or selective recomputation only; drop --compile or {what}")
     return None
 
 

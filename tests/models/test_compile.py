@@ -231,3 +231,25 @@ def test_tp2_one_graph_per_block_and_compiled_equals_eager():
             assert graphs == {"forward": 1, "backward": 1, "breaks": 0}, (rank, case)
         for variant, diff in numerics.items():
             assert diff["loss"] <= TOLERANCE and diff["grad"] <= TOLERANCE, (rank, variant, diff)
+
+
+def _cp2(rank):
+    initialize_model_parallel(layout=Layout(context=2))
+    model_parallel_seed(1234)
+    out = {f"{variant} dropout={dropout}": count_graphs(build_block(variant, dropout=dropout), _block_input(False))
+           for variant in ("gpt2", "llama") for dropout in (False, True)}
+    out["numerics"] = {"gpt2 dropout": _compiled_against_eager("gpt2", False, dropout=True),
+                       "llama": _compiled_against_eager("llama", False)}
+    return out
+
+
+def test_cp2_one_graph_per_block_and_compiled_equals_eager():
+    """Context parallelism (DeepSpeed-Ulysses, 2 ranks): one graph each way per block, with the residual dropout
+    drawn from the context-parallel stream and llama's RoPE at the chunk's global positions (a positions tensor's
+    largest, read back to the host, broke the block 3 times); compiled equals eager."""
+    for rank, res in enumerate(run_distributed(_cp2, 2)):
+        numerics = res.pop("numerics")
+        for case, graphs in res.items():
+            assert graphs == {"forward": 1, "backward": 1, "breaks": 0}, (rank, case, graphs)
+        for variant, diff in numerics.items():
+            assert diff["loss"] <= TOLERANCE and diff["grad"] <= TOLERANCE, (rank, variant, diff)
