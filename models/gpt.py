@@ -33,6 +33,7 @@ from .deepseek import MultiLatentAttention, MultiTokenPrediction, shifted
 from .moe import ExpertMLP, MoEMLP, is_moe_layer
 from .recompute import DiscardedOutput, compiled_recompute
 from .tiling import tiled_cross_entropy, tiled_mlp, tiled_row_cross_entropy
+from .parallel.plain_attention import short_causal_attention
 from .parallel import (ColumnParallelLinear, HeadRMSNorm, Layout, RowParallelLinear, SequenceParallelLayerNorm,
                        SequenceParallelRMSNorm, UlyssesAttention, VocabParallelEmbedding, causal_attention_from,
                        chunk_start, context_chunk, copy_to_tensor_parallel_region, cp_world_size, dropout_from,
@@ -130,19 +131,6 @@ def _rotate_half(x):
 # PyTorch's CPU flash kernel is built for long sequences: its forward and backward took 2.0-2.3x longer at
 # 32-64 tokens and 1.4x at 128 (bf16, 16 x 9 heads, bench/README.md); from ~200 tokens on it is the faster
 SHORT_CPU_ATTENTION = 128
-
-
-def short_causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(d) + causal mask) v of [b, heads, s, d] tensors (k, v: [b, kv_heads, s, d], grouped-
-    query heads broadcast, not copied), computed in fp32 and returned in q's dtype: SDPA's result to its
-    rounding, for the short sequences where it is faster on a CPU."""
-    b, h, s, d = q.shape
-    kv = k.shape[1]
-    q5, k5, v5 = q.reshape(b, kv, h // kv, s, d).float(), k[:, :, None].float(), v[:, :, None].float()
-    scores = (q5 @ k5.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-    return (probs @ v5).to(q.dtype).reshape(b, h, s, d)
 
 
 class Attention(nn.Module):

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
+from .plain_attention import short_causal_attention
 from .state import get_parallel_state
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"  # the name deepspeed.checkpointing forks by default
@@ -152,7 +153,7 @@ def causal_attention_from(stream: str | None, q: torch.Tensor, k: torch.Tensor, 
             # generator's state, not the stream's
             scores = q.new_empty((*q.shape[:-1], k.shape[-2]), dtype=torch.float32)
             kept = stream_dropout_scale(scores, p, stream) != 0
-            return recompute(_math_attention, q, k, v, kept, p, enable_gqa)
+            return recompute(short_causal_attention, q, k, v, kept, p)  # k, v's heads broadcast
         return stream_attention(q, k, v, p, stream, enable_gqa)[0]  # its backward recomputes it already
     with in_stream(stream):
         return recompute(functools.partial(F.scaled_dot_product_attention, dropout_p=p, is_causal=True,
@@ -161,19 +162,6 @@ def causal_attention_from(stream: str | None, q: torch.Tensor, k: torch.Tensor, 
 
 def _called(fn, *args):
     return fn(*args)
-
-
-def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept: torch.Tensor, p: float,
-                    enable_gqa: bool) -> torch.Tensor:
-    """What SDPA's math path computes with dropout (fp32 scores, softmax and mask: its draws over the [b, heads,
-    s, s] probabilities), ``kept`` the elements its mask keeps."""
-    if enable_gqa:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    scale = q.shape[-1] ** -0.25  # on both sides of the product, as SDPA's math path
-    scores = (q.float() * scale) @ (k.float() * scale).transpose(-2, -1)
-    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    return (probs * kept / (1 - p) @ v.float()).to(q.dtype)
 
 
 def _rng_state_size() -> int:
