@@ -1,7 +1,8 @@
 """``torch.compile`` per transformer block, torchtitan's way: each ``TransformerLayer`` is compiled on its own
 (``nn.Module.compile``, in place, so parameter names and state dicts do not change), the embedding, the output
 layer and the loss stay eager, and so does whatever wraps a block from outside (DeepSpeed's activation
-checkpointing, its ZeRO and pipeline hooks). The blocks trace whole at TP 1 and 2, with or without sequence
+checkpointing, its ZeRO and pipeline hooks; a pipeline stage's blocks are compiled where the ``PipelineModule`` holds
+them, and its engine runs them as it runs eager ones). The blocks trace whole at TP 1 and 2, with or without sequence
 parallelism, at CP 2 (DeepSpeed-Ulysses; RoPE at the chunk's offset, a host integer), FP8 or not (not with CP),
 with dropout or not, under full or selective recomputation: the TP collectives are custom ops
 (models/parallel/mappings.py), and so are the draws from the model-parallel RNG streams
@@ -21,8 +22,10 @@ from .gpt import TransformerLayer
 
 def compile_transformer_layers(model: nn.Module, *, backend="inductor", fullgraph: bool = False, **options) -> int:
     """Compile every ``TransformerLayer`` of ``model`` in place; the number compiled. ``fullgraph``: refuse a
-    graph break (an error at the first call) instead of running its pieces."""
+    graph break (an error at the first call) instead of running its pieces (an MoE block has one:
+    ``models.moe.MoEMLP._route``)."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
         layer.compile(backend=backend, fullgraph=fullgraph, **options)
     return len(layers)
+

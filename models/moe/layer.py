@@ -328,6 +328,11 @@ class MoEMLP(nn.Module):
         out = self._route(x)
         return scatter_to_sequence_parallel_region(out, 1) if self.sequence_parallel else out
 
+    # in a compiled block (models/compile.py) the routed experts run eagerly, between the block's two graphs: the
+    # rows each expert gets are counted on the host (the exchange's sizes), DeepSpeed's all-to-all moves them, and the
+    # statistics and losses the layer keeps for the step are set as in an eager block. One function for every layer,
+    # so the blocks share their graphs rather than recompiling for each (Dynamo's recompile limit is 8).
+    @torch.compiler.disable
     def _route(self, x: torch.Tensor) -> torch.Tensor:
         out, l_aux, self.exp_counts = self.moe(x)
         gate = self.moe.deepspeed_moe.gate

@@ -4,7 +4,8 @@ break, at TP 1 and 2, with and without sequence parallelism, with FP8 linears to
 model-parallel RNG (10 breaks per block before its draws became custom ops), under selective recomputation of each
 module (refused before: DeepSpeed's checkpoint inside a block), whose forward ops its backward graph then holds; and
 the compiled GPT (inductor) equals the eager one in fp32: loss and every gradient, with and without FP8, with dropout
-(the same masks), and a DeepSpeed engine recomputing (full or selective) trains as the eager one."""
+(the same masks), and a DeepSpeed engine recomputing (full or selective) trains as the eager one, on pipeline
+stages and with experts too (an MoE block: two graphs around its eager routing)."""
 import contextlib
 
 import deepspeed
@@ -37,6 +38,8 @@ TOLERANCE = 1e-5
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 # (ZeRO stage, selective recomputation's modules; none: full recomputation)
 ENGINE_CASES = ((1, ()), (2, ()), (1, ("core_attn", "mlp_act", "layernorm")), (2, ("mlp",)))
+# every other block MoE (the composition matrix's): 4 experts, top-2, the balancing loss
+MOE = dict(num_experts=4, moe_top_k=2, moe_layer_freq=2, moe_aux_loss_coeff=0.01)
 
 
 def _layout(sequence_parallel: bool) -> Layout:
@@ -167,25 +170,31 @@ def attention_as_on_a_gpu():
 
 
 def _engine_losses(state, compile: bool, zero_stage: int, modules: tuple[str, ...] = (),
-                   steps: int = 3) -> tuple[list[float], int]:
+                   steps: int = 3, recompute: str = "full", model: dict | None = None) -> tuple[list[float], dict]:
     """Losses of a DeepSpeed engine (ZeRO ``zero_stage``; full recomputation, DeepSpeed's checkpoint around each
     block, which replays the RNG streams for the recomputed dropout, or selective recomputation of ``modules``)
     training the engine tests' tiny gpt2 with sequence parallelism and dropout 0.1, its blocks compiled (whole:
     fullgraph; by AOTAutograd without inductor's code generation, whose numerics the other tests measure) or eager;
     and how many graphs Dynamo compiled (a guard that failed at each step, on the RNG tracker's states say, would
-    compile more)."""
+    compile more) and the graph breaks it counted."""
+    # pipeline stages: 2 micro-batches; data parallelism: each rank its rows
+    micro = BASE_DS["train_batch_size"] // state.pipeline_parallel // state.data_parallel
     ds = resolve_ds_config({**BASE_DS, "zero_optimization": {"stage": zero_stage}}, data_parallel=state.data_parallel,
-                           micro_batch_size=BASE_DS["train_batch_size"])
+                           pipeline_parallel=state.pipeline_parallel, micro_batch_size=micro)
     model_parallel_seed(1234)
-    engine = build_engine(GPTConfig(**{**TINY, **DROPOUT}), ds, state, init_seed=1234,  # the state's layout: SP
-                          recompute="selective" if modules else "full", recompute_modules=modules or None)
+    config = GPTConfig(**{**TINY, **DROPOUT, **(model or {})})
+    engine = build_engine(config, ds, state, init_seed=1234,  # the state's layout
+                          recompute="selective" if modules else recompute, recompute_modules=modules or None)
     counters.clear()
     if compile:
         torch._dynamo.reset()
-        compile_transformer_layers(engine.module, backend="aot_eager", fullgraph=True)
+        # an MoE block breaks once: its routed experts run eagerly
+        compile_transformer_layers(engine.module, backend="aot_eager", fullgraph=not config.num_experts)
     batch = BASE_DS["train_batch_size"]
-    batches = lm_batches(GlobalBatchLoader(real_text_tokens(batch * steps), batch, batch, 0, 1))
-    return [train_step(engine, batches) for _ in range(steps)], counters["stats"]["unique_graphs"]
+    batches = lm_batches(GlobalBatchLoader(real_text_tokens(batch * steps), batch, micro,
+                                           state.get_data_parallel_rank(), state.data_parallel))
+    losses = [train_step(engine, batches) for _ in range(steps)]
+    return losses, {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
 
 
 def _tp2(rank):
@@ -222,7 +231,8 @@ def test_tp2_one_graph_per_block_and_compiled_equals_eager():
     for rank, res in enumerate(run_distributed(_tp2, 2)):
         for (zero, modules), ((eager, _), (compiled, graphs)) in res.pop("engine").items():
             assert max(abs(a - b) for a, b in zip(eager, compiled)) <= TOLERANCE, (rank, zero, modules, eager, compiled)
-            assert graphs == (1 if modules else 2), (rank, zero, modules, graphs)  # selective: no no-grad forward
+            assert graphs == {"graphs": 1 if modules else 2, "breaks": 0}, (rank, zero, modules, graphs)  # selective:
+            # no no-grad forward
         for (modules, _), graphs in res.pop("recomputing").items():  # selective recomputation, compiled
             recomputed = set(modules) | ({"mlp_act"} if "mlp" in modules else set())  # the MLP: its activation too
             assert graphs == {"forward": 1, "backward": 1, "breaks": 0, "recomputed": sorted(recomputed)}, (rank, graphs)
@@ -233,21 +243,40 @@ def test_tp2_one_graph_per_block_and_compiled_equals_eager():
             assert diff["loss"] <= TOLERANCE and diff["grad"] <= TOLERANCE, (rank, variant, diff)
 
 
-def _cp2(rank):
+def _cp2_pp2_ep2(rank):
     initialize_model_parallel(layout=Layout(context=2))
     model_parallel_seed(1234)
     out = {f"{variant} dropout={dropout}": count_graphs(build_block(variant, dropout=dropout), _block_input(False))
            for variant in ("gpt2", "llama") for dropout in (False, True)}
     out["numerics"] = {"gpt2 dropout": _compiled_against_eager("gpt2", False, dropout=True),
                        "llama": _compiled_against_eager("llama", False)}
+    destroy_model_parallel()
+    state = initialize_model_parallel(layout=Layout(pipeline=2))
+    out["pipeline"] = {recompute: (_engine_losses(state, False, 1, recompute=recompute),
+                                   _engine_losses(state, True, 1, recompute=recompute))
+                       for recompute in ("none", "full")}
+    destroy_model_parallel()
+    state = initialize_model_parallel(layout=Layout(expert=2))
+    out["experts"] = {zero: (_engine_losses(state, False, zero, recompute="none", model=MOE),
+                             _engine_losses(state, True, zero, recompute="none", model=MOE)) for zero in (1, 2)}
     return out
 
 
-def test_cp2_one_graph_per_block_and_compiled_equals_eager():
+def test_cp2_pp2_ep2_compiled_blocks_equal_eager():
     """Context parallelism (DeepSpeed-Ulysses, 2 ranks): one graph each way per block, with the residual dropout
     drawn from the context-parallel stream and llama's RoPE at the chunk's global positions (a positions tensor's
-    largest, read back to the host, broke the block 3 times); compiled equals eager."""
-    for rank, res in enumerate(run_distributed(_cp2, 2)):
+    largest, read back to the host, broke the block 3 times); compiled equals eager. Pipeline stages (2 ranks, 2
+    micro-batches, ZeRO-1, dropout 0.1): DeepSpeed's pipeline engine runs the compiled blocks of its stage, with its
+    activation checkpointing around each or without, as it runs the eager ones. Experts (EP 2, every other block MoE,
+    ZeRO-1 and 2): each MoE block compiles around its routed experts, which run eagerly, and trains as eager."""
+    for rank, res in enumerate(run_distributed(_cp2_pp2_ep2, 2)):
+        for recompute, ((eager, _), (compiled, graphs)) in res.pop("pipeline").items():
+            assert max(abs(a - b) for a, b in zip(eager, compiled)) <= TOLERANCE, (rank, recompute, eager, compiled)
+            assert graphs == {"graphs": 2 if recompute == "full" else 1, "breaks": 0}, (rank, recompute, graphs)
+        for zero, ((eager, _), (compiled, graphs)) in res.pop("experts").items():
+            assert max(abs(a - b) for a, b in zip(eager, compiled)) <= TOLERANCE, (rank, zero, eager, compiled)
+            # the dense blocks' graph and the MoE blocks' two, around their eager routing: shared, not one per layer
+            assert graphs["graphs"] == 3 and graphs["breaks"] >= 1, (rank, zero, graphs)
         numerics = res.pop("numerics")
         for case, graphs in res.items():
             assert graphs == {"forward": 1, "backward": 1, "breaks": 0}, (rank, case, graphs)
