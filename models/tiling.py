@@ -21,8 +21,11 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP, sequence_ti
 from .parallel import vocab_parallel_cross_entropy
 
 
+@torch.compiler.disable  # in a compiled block (models/compile.py) the tiles run eagerly between its two graphs
 def tiled_mlp(fn, module: torch.nn.Module, x: torch.Tensor, tiles: int) -> torch.Tensor:
-    """``fn(module, x)`` (a per-token MLP over [..., s, h]) on ``tiles`` tiles of the sequence."""
+    """``fn(module, x)`` (a per-token MLP over [..., s, h]) on ``tiles`` tiles of the sequence: DeepSpeed's
+    ``TiledMLP``, whose forward runs the tiles without autograd and whose backward recomputes them, which Dynamo
+    does not trace."""
     return TiledMLP.apply(fn, module, x, tiles, list(module.parameters()))
 
 

@@ -165,8 +165,8 @@ def add_model_args(p) -> None:
                    help="the same as --recompute full")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (models/compile.py: no graph break at TP 1-2, with "
-                        "or without SP, CP 2, on pipeline stages, with or without dropout; an MoE block's routed experts "
-                        "run eagerly between its two graphs); ZeRO 0-2; "
+                        "or without SP, CP 2, on pipeline stages, with or without dropout; an MoE block's routed "
+                        "experts and a tiled MLP's tiles run eagerly between its two graphs); ZeRO 0-2; "
                         "bench/train_step.py --systems deepspeed,deepspeed+compile measures what it gains")
     g.add_argument("--fp8", choices=FP8_RECIPES, default=None,
                    help="the column- and row-parallel linears' products in FP8 with torchao's float8 recipe "

@@ -294,19 +294,19 @@ def recompute_modules_exist(c: LayoutCheck) -> str | None:
 @rule
 def compile_where_built(c: LayoutCheck) -> str | None:
     """``--compile`` compiles each transformer block (models/compile.py), tested at TP 1-2 with and without SP,
-    CP 2, PP 2, EP 2 (an MoE block's routed experts eager between its two graphs), ZeRO 0-2, full and selective
-    recomputation, dropout, FP8 (not with CP: its amax reduction over CP is an eager collective); the rest is
-    refused until it is."""
+    CP 2, PP 2, EP 2 and with a tiled MLP (the routed experts, the MLP's tiles: eager between the block's two graphs;
+    the tiled loss is outside the blocks), ZeRO 0-2, full and selective recomputation, dropout, FP8 (not with CP:
+    its amax reduction over CP is an eager collective); the rest is refused until it is."""
     L = c.layout
     if not L.compile:
         return None
     untested = [(L.context > 1 and L.fp8 is not None, "--fp8 under --context-parallel"),
-                (L.zero_stage == 3, "ZeRO stage 3"),
-                (L.tiled_mlp > 1 or L.tiled_loss > 1, "tiling")]
+                (L.zero_stage == 3, "ZeRO stage 3")]
     what = next((name for refused, name in untested if refused), None)
     if what:
         return (f"--compile with {what}: the compiled blocks are built and tested at TP 1-2 (+SP), CP 2 (without "
-                f"FP8), PP 2, EP 2, ZeRO 0-2 and full or selective recomputation only; drop --compile or {what}")
+                f"FP8), PP 2, EP 2, tiling, ZeRO 0-2 and full or selective recomputation only; drop --compile or "
+                f"{what}")
     return None
 
 

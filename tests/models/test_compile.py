@@ -5,7 +5,7 @@ model-parallel RNG (10 breaks per block before its draws became custom ops), und
 module (refused before: DeepSpeed's checkpoint inside a block), whose forward ops its backward graph then holds; and
 the compiled GPT (inductor) equals the eager one in fp32: loss and every gradient, with and without FP8, with dropout
 (the same masks), and a DeepSpeed engine recomputing (full or selective) trains as the eager one, on pipeline
-stages and with experts too (an MoE block: two graphs around its eager routing)."""
+stages, with experts and with a tiled MLP too (two graphs around the eager routing or tiles)."""
 import contextlib
 
 import deepspeed
@@ -188,8 +188,9 @@ def _engine_losses(state, compile: bool, zero_stage: int, modules: tuple[str, ..
     counters.clear()
     if compile:
         torch._dynamo.reset()
-        # an MoE block breaks once: its routed experts run eagerly
-        compile_transformer_layers(engine.module, backend="aot_eager", fullgraph=not config.num_experts)
+        # an MoE block breaks once (its routed experts run eagerly), a tiled MLP's block too (its tiles)
+        compile_transformer_layers(engine.module, backend="aot_eager",
+                                   fullgraph=not (config.num_experts or state.layout.tiled_mlp > 1))
     batch = BASE_DS["train_batch_size"]
     batches = lm_batches(GlobalBatchLoader(real_text_tokens(batch * steps), batch, micro,
                                            state.get_data_parallel_rank(), state.data_parallel))
@@ -259,6 +260,12 @@ def _cp2_pp2_ep2(rank):
     state = initialize_model_parallel(layout=Layout(expert=2))
     out["experts"] = {zero: (_engine_losses(state, False, zero, recompute="none", model=MOE),
                              _engine_losses(state, True, zero, recompute="none", model=MOE)) for zero in (1, 2)}
+    out["tiled"] = {}
+    for zero, tiled_loss in ((1, 2), (2, 1)):  # (ZeRO-2 refuses the tiled loss with tied embeddings)
+        destroy_model_parallel()
+        state = initialize_model_parallel(layout=Layout(tiled_mlp=2, tiled_loss=tiled_loss))
+        out["tiled"][zero] = (_engine_losses(state, False, zero, recompute="none"),
+                              _engine_losses(state, True, zero, recompute="none"))
     return out
 
 
@@ -268,7 +275,9 @@ def test_cp2_pp2_ep2_compiled_blocks_equal_eager():
     largest, read back to the host, broke the block 3 times); compiled equals eager. Pipeline stages (2 ranks, 2
     micro-batches, ZeRO-1, dropout 0.1): DeepSpeed's pipeline engine runs the compiled blocks of its stage, with its
     activation checkpointing around each or without, as it runs the eager ones. Experts (EP 2, every other block MoE,
-    ZeRO-1 and 2): each MoE block compiles around its routed experts, which run eagerly, and trains as eager."""
+    ZeRO-1 and 2): each MoE block compiles around its routed experts, which run eagerly, and trains as eager. ALST's
+    tiled MLP (ZeRO-1 with the tiled loss, which stays outside the blocks, and ZeRO-2): each block compiles around the
+    MLP's tiles, and trains as eager."""
     for rank, res in enumerate(run_distributed(_cp2_pp2_ep2, 2)):
         for recompute, ((eager, _), (compiled, graphs)) in res.pop("pipeline").items():
             assert max(abs(a - b) for a, b in zip(eager, compiled)) <= TOLERANCE, (rank, recompute, eager, compiled)
@@ -277,6 +286,9 @@ def test_cp2_pp2_ep2_compiled_blocks_equal_eager():
             assert max(abs(a - b) for a, b in zip(eager, compiled)) <= TOLERANCE, (rank, zero, eager, compiled)
             # the dense blocks' graph and the MoE blocks' two, around their eager routing: shared, not one per layer
             assert graphs["graphs"] == 3 and graphs["breaks"] >= 1, (rank, zero, graphs)
+        for zero, ((eager, _), (compiled, graphs)) in res.pop("tiled").items():
+            assert max(abs(a - b) for a, b in zip(eager, compiled)) <= TOLERANCE, (rank, zero, eager, compiled)
+            assert graphs["graphs"] == 2 and graphs["breaks"] >= 1, (rank, zero, graphs)  # around the MLP's tiles
         numerics = res.pop("numerics")
         for case, graphs in res.items():
             assert graphs == {"forward": 1, "backward": 1, "breaks": 0}, (rank, case, graphs)

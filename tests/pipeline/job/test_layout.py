@@ -80,7 +80,8 @@ def test_what_the_rules_allow():
                                   recompute_modules=("core_attn", "mlp_act", "layernorm")), GPT),
                LayoutCheck(Layout(context=2, compile=True), GPT),  # traced (tests/models/test_compile.py)
                LayoutCheck(Layout(pipeline=2, compile=True), GPT),  # the stages' blocks compiled (the same test)
-               LayoutCheck(Layout(expert=2, data=2, compile=True), MOE)]  # MoE blocks: their routing eager
+               LayoutCheck(Layout(expert=2, data=2, compile=True), MOE),  # MoE blocks: their routing eager
+               LayoutCheck(Layout(tiled_mlp=2, tiled_loss=2, compile=True), GPT)]  # the MLP's tiles eager
     assert [refusal(c) for c in allowed] == [None] * len(allowed)
     assert len(RULES) >= 15  # every rule of the project is here (pipeline/job/layout.py)
 
