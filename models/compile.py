@@ -3,7 +3,7 @@
 layer and the loss stay eager, and so does whatever wraps a block from outside (DeepSpeed's activation
 checkpointing, its ZeRO and pipeline hooks; a pipeline stage's blocks are compiled where the ``PipelineModule`` holds
 them, and its engine runs them as it runs eager ones). The blocks trace whole at TP 1 and 2, with or without sequence
-parallelism, at CP 2 (DeepSpeed-Ulysses; RoPE at the chunk's offset, a host integer), FP8 or not (not with CP),
+parallelism, at CP 2 (DeepSpeed-Ulysses; RoPE at the chunk's offset, a host integer), FP8 or not,
 with dropout or not, under full or selective recomputation: the TP collectives are custom ops
 (models/parallel/mappings.py), and so are the draws from the model-parallel RNG streams
 (models/parallel/random.py: DeepSpeed's tracker swaps the generator's state around a draw, which broke a block 10
@@ -11,7 +11,9 @@ times; where SDPA drops inside its fused kernel, a GPU, the compiled attention w
 backward on the same mask). Full recomputation wraps the compiled block from outside (DeepSpeed's checkpoint);
 selective recomputation inside a compiled block is torch's checkpoint, which Dynamo traces and the compiler's
 partitioner plans (models/recompute.py: ``compiled_recompute``), where eager blocks use DeepSpeed's checkpoint and
-output-discarding recomputation, which Dynamo cannot trace.
+output-discarding recomputation, which Dynamo cannot trace. An MoE block's routed experts (``MoEMLP._route``) and a
+tiled MLP's tiles (DeepSpeed's ``TiledMLP``) run eagerly between the block's two graphs; ZeRO-3 is refused (its
+hooks gather each module's parameters inside the block).
 """
 from __future__ import annotations
 

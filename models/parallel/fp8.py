@@ -19,7 +19,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchao.float8 import Float8LinearConfig
 from torchao.float8.config import CastConfig, ScalingType
@@ -28,11 +27,10 @@ from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
 from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, hp_tensor_and_scale_to_float8
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
-from . import collectives
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layout import FP8_RECIPES
 from .mappings import all_reduce_max
-from .state import cp_group, cp_world_size
+from .state import cp_world_size, tp_world_size
 
 RECIPES = FP8_RECIPES
 # the axes of the 2-D operands of the three matmuls: x [tokens, in], weight^T [in, out], grad_output [tokens, out]
@@ -58,10 +56,10 @@ class Float8Matmul:
         dim = get_maybe_axiswise_dim(axiswise_dim, cast.scaling_granularity)
         amax = tensor_to_amax(hp, scaling_granularity=cast.scaling_granularity, axiswise_dim=dim)
         spanned = axes if dim is None else (axes[dim],)
-        if self.split_axis in spanned:
-            amax = all_reduce_max(amax)
-        if "tokens" in spanned and cp_world_size() > 1:  # (compile is refused with CP and FP8: an eager collective)
-            amax = collectives.all_reduce(amax.contiguous(), cp_group(), op=dist.ReduceOp.MAX, name="cp")
+        if self.split_axis in spanned and tp_world_size() > 1:
+            amax = all_reduce_max(amax, "tp")
+        if "tokens" in spanned and cp_world_size() > 1:
+            amax = all_reduce_max(amax, "cp")
         scale = amax_to_scale(amax, cast.target_dtype, self.config.round_scales_to_power_of_2)
         return hp_tensor_and_scale_to_float8(hp, scale, cast.target_dtype, self.mm_config, role, dim)
 

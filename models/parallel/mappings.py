@@ -9,10 +9,10 @@ Sequence parallelism replaces *f* by an all-gather along the sequence (its
 backward a reduce-scatter) and *g* by a reduce-scatter (its backward an
 all-gather): same communication volume, activations split by TP in between.
 
-Every collective here is also a ``torch.library`` custom op (``mds::tp_*``), which is what a compiled region
-calls: one opaque node to Dynamo, so a ``torch.compile``d block traces whole (DeepSpeed's comms logger, which
-times each call with ``time.time`` and broke the graph 13-30 times per block, runs inside the op at run time
-and still counts the call). Eager code calls the same functions directly, in place where it was.
+Every collective here is also a ``torch.library`` custom op (``mds::tp_*``, ``mds::all_reduce``), which is what a
+compiled region calls: one opaque node to Dynamo, so a ``torch.compile``d block traces whole (DeepSpeed's comms
+logger, which times each call with ``time.time`` and broke the graph 13-30 times per block, runs inside the op at
+run time and still counts the call). Eager code calls the same functions directly, in place where it was.
 """
 from __future__ import annotations
 
@@ -20,36 +20,37 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .state import tp_group, tp_rank, tp_world_size
+from .state import cp_group, tp_group, tp_rank, tp_world_size
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     if tp_world_size() == 1:
         return x
     if torch.compiler.is_compiling():
-        return tp_all_reduce(x)
+        return group_all_reduce(x)
     return collectives.all_reduce(x.contiguous(), tp_group())
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_GROUPS = {"tp": tp_group, "cp": cp_group}
 
 
-@torch.library.custom_op("mds::tp_all_reduce", mutates_args=())
-def tp_all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Reduce (``op`` sum or max) over the TP group into a new tensor (a custom op may not alias its input)."""
-    return collectives.all_reduce(x.clone(memory_format=torch.contiguous_format), tp_group(), op=_REDUCE_OPS[op])
+@torch.library.custom_op("mds::all_reduce", mutates_args=())
+def group_all_reduce(x: torch.Tensor, op: str = "sum", group: str = "tp") -> torch.Tensor:
+    """Reduce (``op`` sum or max) over the tensor- or context-parallel group (``group`` "tp" or "cp") into a new
+    tensor (a custom op may not alias its input)."""
+    return collectives.all_reduce(x.clone(memory_format=torch.contiguous_format), _GROUPS[group](),
+                                  op=_REDUCE_OPS[op], name=group)
 
 
-@tp_all_reduce.register_fake
-def _(x, op="sum"):
+@group_all_reduce.register_fake
+def _(x, op="sum", group="tp"):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
-    """The elementwise max over the TP group (a new tensor; no autograd: for scales)."""
-    if tp_world_size() == 1:
-        return x
-    return tp_all_reduce(x, "max")
+def all_reduce_max(x: torch.Tensor, group: str = "tp") -> torch.Tensor:
+    """The elementwise max over the TP or CP group (a new tensor; no autograd: for scales)."""
+    return group_all_reduce(x, "max", group)
 
 
 def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +213,7 @@ def all_reduce_fp32(x: torch.Tensor) -> torch.Tensor:
     if tp_world_size() == 1:
         return x
     if torch.compiler.is_compiling():
-        return tp_all_reduce(x.float()).to(x.dtype)
+        return group_all_reduce(x.float()).to(x.dtype)
     acc = x.float().contiguous() if x.dtype != torch.float32 else x.clone(memory_format=torch.contiguous_format)
     collectives.all_reduce(acc, tp_group())
     return acc.to(x.dtype)

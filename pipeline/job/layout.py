@@ -295,18 +295,15 @@ def recompute_modules_exist(c: LayoutCheck) -> str | None:
 def compile_where_built(c: LayoutCheck) -> str | None:
     """``--compile`` compiles each transformer block (models/compile.py), tested at TP 1-2 with and without SP,
     CP 2, PP 2, EP 2 and with a tiled MLP (the routed experts, the MLP's tiles: eager between the block's two graphs;
-    the tiled loss is outside the blocks), ZeRO 0-2, full and selective recomputation, dropout, FP8 (not with CP:
-    its amax reduction over CP is an eager collective); the rest is refused until it is."""
+    the tiled loss is outside the blocks), ZeRO 0-2, full and selective recomputation, dropout, FP8; ZeRO-3 is
+    refused."""
     L = c.layout
     if not L.compile:
         return None
-    untested = [(L.context > 1 and L.fp8 is not None, "--fp8 under --context-parallel"),
-                (L.zero_stage == 3, "ZeRO stage 3")]
-    what = next((name for refused, name in untested if refused), None)
-    if what:
-        return (f"--compile with {what}: the compiled blocks are built and tested at TP 1-2 (+SP), CP 2 (without "
-                f"FP8), PP 2, EP 2, tiling, ZeRO 0-2 and full or selective recomputation only; drop --compile or "
-                f"{what}")
+    if L.zero_stage == 3:
+        return ("--compile with ZeRO stage 3: its hooks, which gather each module's parameters, would run inside the "
+                "compiled blocks; the compiled blocks are built and tested at ZeRO 0-2; drop --compile or use ZeRO "
+                "stage 1 or 2")
     return None
 
 

@@ -249,8 +249,10 @@ def _cp2_pp2_ep2(rank):
     model_parallel_seed(1234)
     out = {f"{variant} dropout={dropout}": count_graphs(build_block(variant, dropout=dropout), _block_input(False))
            for variant in ("gpt2", "llama") for dropout in (False, True)}
+    out |= {f"llama {fp8}": count_graphs(build_block("llama", fp8=fp8), _block_input(False)) for fp8 in RECIPES}
     out["numerics"] = {"gpt2 dropout": _compiled_against_eager("gpt2", False, dropout=True),
-                       "llama": _compiled_against_eager("llama", False)}
+                       "llama": _compiled_against_eager("llama", False),
+                       "llama rowwise": _compiled_against_eager("llama", False, "rowwise")}
     destroy_model_parallel()
     state = initialize_model_parallel(layout=Layout(pipeline=2))
     out["pipeline"] = {recompute: (_engine_losses(state, False, 1, recompute=recompute),
@@ -272,7 +274,8 @@ def _cp2_pp2_ep2(rank):
 def test_cp2_pp2_ep2_compiled_blocks_equal_eager():
     """Context parallelism (DeepSpeed-Ulysses, 2 ranks): one graph each way per block, with the residual dropout
     drawn from the context-parallel stream and llama's RoPE at the chunk's global positions (a positions tensor's
-    largest, read back to the host, broke the block 3 times); compiled equals eager. Pipeline stages (2 ranks, 2
+    largest, read back to the host, broke the block 3 times); compiled equals eager, with FP8 linears too (their
+    amaxes MAX-reduced over the context group by a custom op, where an eager collective broke the trace). Pipeline stages (2 ranks, 2
     micro-batches, ZeRO-1, dropout 0.1): DeepSpeed's pipeline engine runs the compiled blocks of its stage, with its
     activation checkpointing around each or without, as it runs the eager ones. Experts (EP 2, every other block MoE,
     ZeRO-1 and 2): each MoE block compiles around its routed experts, which run eagerly, and trains as eager. ALST's

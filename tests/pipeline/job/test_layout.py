@@ -52,7 +52,6 @@ def test_the_layout_of_the_command_line():
     (LayoutCheck(Layout(tiled_loss=17), GPT), ("--tiled-loss 17", "16 tokens")),
     (LayoutCheck(Layout(context=2, tiled_mlp=9), GPT), ("--tiled-mlp 9", "context parallel 2")),
     (LayoutCheck(Layout(recompute="selective", recompute_modules=("moe_act",)), GPT), ("moe_act", "dense model")),
-    (LayoutCheck(Layout(context=2, compile=True, fp8="tensorwise"), GPT), ("--compile", "--fp8 under --context-parallel")),
     (LayoutCheck(Layout(data=2, zero_stage=3, compile=True), GPT), ("--compile", "ZeRO stage 3")),
     (LayoutCheck(Layout(tensor=2), MLSTM, family_of(MLSTM)), ("--tensor-parallel 2", "mlstm model")),
     (LayoutCheck(Layout(tensor=2), extras={"world": 3}), ("world size 3", "--tensor-parallel 2")),
@@ -78,7 +77,7 @@ def test_what_the_rules_allow():
                LayoutCheck(Layout(data=4), MLSTM, family_of(MLSTM)),
                LayoutCheck(Layout(tensor=2, sequence_parallel=True, compile=True, recompute="selective",  # traced
                                   recompute_modules=("core_attn", "mlp_act", "layernorm")), GPT),
-               LayoutCheck(Layout(context=2, compile=True), GPT),  # traced (tests/models/test_compile.py)
+               LayoutCheck(Layout(context=2, compile=True, fp8="rowwise"), GPT),  # traced (tests/models/test_compile.py)
                LayoutCheck(Layout(pipeline=2, compile=True), GPT),  # the stages' blocks compiled (the same test)
                LayoutCheck(Layout(expert=2, data=2, compile=True), MOE),  # MoE blocks: their routing eager
                LayoutCheck(Layout(tiled_mlp=2, tiled_loss=2, compile=True), GPT)]  # the MLP's tiles eager
