@@ -9,11 +9,14 @@
 
 ``--balancing``: a DeepSeek-V3-style MoE (``V3``: a dense first layer, 16 fine-grained experts in 4 groups, top-4
 within the best 2, sigmoid scores, a shared expert, grouped products) trained 1000 steps by the main job four
-ways: with the sequence-wise auxiliary loss (coefficient 0.01), with auxiliary-loss-free balancing (the per-expert
-bias, rate 1e-3 as DeepSeek-V3, and 1e-2, no loss), and with neither. Reported: the max/mean expert load over training and the validation
-loss (DeepSeek-V3's claim: the bias balances as well as the loss without its cost in quality). ``--seeds``: each
-system once per seed (the initial weights and the data order change with it), the final validation losses
-summarised over them: a difference between two systems means something only beside the spread of the seeds.
+ways by default: with the sequence-wise auxiliary loss (coefficient 0.01; ``v3 aux loss 0.03`` and ``0.1`` by name),
+with auxiliary-loss-free balancing (the per-expert bias, rate 1e-3 as DeepSeek-V3, and 1e-2, no loss; ``rate 3e-3``
+by name), and with neither. Reported: the max/mean expert load over training and the validation loss, the job's own
+over training and, at the end, the last checkpoint's on the whole held-out split (DeepSeek-V3's claim: the bias
+balances as well as the loss without its cost in quality). ``--seeds``: each system once per seed (the initial
+weights, the data order and the held-out documents change with it), the final whole-split losses summarised over
+them, paired against the first system's at each seed: a difference between two systems means something only beside
+the spread of the seeds. Runs repeat bit for bit on one machine, not across machines: compare runs of one machine.
 
 ``--dispatch``: one DeepSeek-style MoE layer (``DEEPSEEK_STYLE``: h 256, 64 fine-grained experts of FFN 128, top-8
 within the best 4 of 8 groups, sigmoid scores with the balancing bias, 2 shared experts' width), a training step
@@ -63,6 +66,9 @@ from models.config import GPTConfig  # noqa: E402
 from models.moe import MoEMLP  # noqa: E402
 from models.moe.grouped import GROUPED_MM_DTYPES  # noqa: E402
 from models.parallel import Layout  # noqa: E402
+from pipeline.data.build import build_pretraining_data, run_tokenizer  # noqa: E402
+from pipeline.engine.distributed import init_distributed  # noqa: E402
+from pipeline.evaluation.lm_scoring.loading import load_project_model  # noqa: E402
 from pipeline.job.files import atomic_write_figure, atomic_write_json  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "corpora" / "wikipedia.txt"
@@ -86,9 +92,14 @@ SYSTEMS = {  # name -> (model, ranks, extra flags)
     "moe micro 4": (MOE, 1, ["--micro-batch-size", "4"]),
     # balancing (issue 43): the sequence-wise auxiliary loss, DeepSeek-V3's bias (no auxiliary loss), neither
     "v3 aux loss": ({**V3, "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-2}, 1, []),
+    # the sequence-wise loss stronger: faster balance at what cost in quality (the trade-off the bias is to beat)
+    **{f"v3 aux loss {coeff}": ({**V3, "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": coeff},
+                                1, []) for coeff in (0.03, 0.1)},
     "v3 aux-loss-free": ({**V3, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3}, 1, []),
     "v3 aux-loss-free rate 1e-2": ({**V3, "moe_router_enable_expert_bias": True,
                                      "moe_router_bias_update_rate": 1e-2}, 1, []),
+    "v3 aux-loss-free rate 3e-3": ({**V3, "moe_router_enable_expert_bias": True,
+                                     "moe_router_bias_update_rate": 3e-3}, 1, []),
     # the bias's rate decaying with the LR after warmup (0 at the end, as DeepSeek-V3 freezes it for its last tokens)
     "v3 aux-loss-free rate 1e-2 lr schedule": ({**V3, "moe_router_enable_expert_bias": True,
                                                 "moe_router_bias_update_rate": 1e-2,
@@ -111,6 +122,8 @@ DEEPSEEK_STYLE = {"variant": "llama", "hidden_size": 256, "num_layers": 1, "num_
                   "moe_aux_loss_coeff": 1e-4, "moe_shared_expert_intermediate_size": 256}
 BASELINES = {"dense DP2": "dense DP2", "moe EP2": "dense DP2", "dense micro 4": "dense micro 4",
              "moe micro 4": "dense micro 4"}  # the dense system each one's tokens/s is compared with (else dense)
+# what init_distributed set for the scoring's one-rank group (whole_validation_loss): not a job's to inherit
+GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # peak RSS of the job's processes (the launcher's children included), read after it ends
 _MEASURED = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[2:]).returncode; "
              "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
@@ -152,7 +165,8 @@ def run_system(work: Path, name: str, args, seed: int = SEED) -> dict:
     if not records_file.is_file() or not any('"valid_loss"' in line and f'"step": {args.steps}' in line
                                              for line in records_file.read_text().splitlines()):
         rss_file = run_dir.parent / "max_rss_kib"
-        env = {**os.environ, "OMP_NUM_THREADS": "1",  # one thread per rank: the same share of a shared machine
+        env = {**{k: v for k, v in os.environ.items() if k not in GROUP_ENV},
+               "OMP_NUM_THREADS": "1",  # one thread per rank: the same share of a shared machine
                "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         print(f"{name}: training {args.steps} steps", flush=True)
         before = os.getloadavg()
@@ -161,7 +175,29 @@ def run_system(work: Path, name: str, args, seed: int = SEED) -> dict:
     records = [json.loads(line) for line in records_file.read_text().splitlines() if line.strip()]
     load_file = run_dir.parent / "load_average.json"
     return {**summarize(records, (run_dir.parent / "max_rss_kib").read_text()),
+            **whole_validation_loss(run_dir, seed, args.seq_length, work),
             "load_average": json.loads(load_file.read_text()) if load_file.is_file() else None}
+
+
+def whole_validation_loss(run_dir: Path, seed: int, seq: int, work: Path, batch: int = 64) -> dict:
+    """The run's last checkpoint scored on its whole validation split (fp32, one process), where the job's own
+    validation reads only --eval-iters batches of it (8 x 16 sequences: at 16k bytes, differences of 0.5% between
+    systems are within that sample's noise). Cached beside the run."""
+    cached = run_dir.parent / "whole_validation.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    init_distributed()  # a one-rank group: the checkpoint reader builds the model's parallel state
+    model, _ = load_project_model(run_dir)
+    _, valid = build_pretraining_data(str(CORPUS), run_tokenizer(run_dir, None, "bytes"), seq, seed=seed,
+                                      cache_dir=str(work / "cache"))
+    sequences = torch.stack([torch.as_tensor(valid[i]) for i in range(len(valid))])
+    total = 0.0
+    with torch.no_grad():
+        for rows in sequences.split(batch):
+            total += float(model(rows[:, :-1], rows[:, 1:])) * len(rows)  # the mean over each row's tokens
+    result = {"whole_valid_loss": total / len(sequences), "whole_valid_sequences": len(sequences)}
+    atomic_write_json(cached, result)
+    return result
 
 
 def summarize(records: list[dict], max_rss_kib: str) -> dict:
@@ -176,19 +212,33 @@ def summarize(records: list[dict], max_rss_kib: str) -> dict:
             "load_max_mean": loads, "final_load_max_mean": statistics.mean(v for _, v in loads[-3:]) if loads else None}
 
 
-def plot(results: dict, tokens_per_step: int, out: Path) -> Path:
+def plot(results: dict, tokens_per_step: int, out: Path, over_seeds: dict | None = None) -> Path:
+    """Load over training and validation loss against tokens, each system at the first seed; with several seeds a
+    third panel: each system's final loss on the whole validation split at every seed (a line per seed)."""
     from matplotlib.figure import Figure  # noqa: PLC0415  (matplotlib only to draw)
 
-    fig = Figure(figsize=(10, 3.6), layout="constrained")
-    load, valid = fig.subplots(1, 2)
-    for i, (name, r) in enumerate(results.items()):  # one color per system in both panels
+    first = next(iter(results))  # the results run seed by seed: the first seed's names share the first's suffix
+    suffix = first[first.index(" seed "):] if " seed " in first else ""
+    first_seed = {name: r for name, r in results.items() if (name.endswith(suffix) if suffix else " seed " not in name)}
+    fig = Figure(figsize=(15 if over_seeds else 10, 3.8), layout="constrained")
+    load, valid, *seeds = fig.subplots(1, 3 if over_seeds else 2)
+    for i, (name, r) in enumerate(first_seed.items()):  # one color per system in both panels
         if r["load_max_mean"]:
             load.plot(*zip(*r["load_max_mean"]), color=f"C{i}", label=name)
         valid.plot([s * tokens_per_step for s, _ in r["valid_loss"]], [v for _, v in r["valid_loss"]], marker="o",
                    color=f"C{i}", label=name)
     load.set(title="max/mean expert load (mean over MoE layers)", xlabel="step", ylabel="max / mean tokens")
-    valid.set(title="validation loss", xlabel="tokens", ylabel="loss (nats/byte)")
-    for ax in (load, valid):
+    valid.set(title=f"validation loss (first seed, {len(first_seed)} systems)", xlabel="tokens",
+              ylabel="loss (nats/byte)")
+    if over_seeds:
+        names = list(over_seeds)
+        values = [over_seeds[n]["values"] for n in names]
+        for j, seed in enumerate(over_seeds[names[0]]["seeds"]):
+            seeds[0].plot(range(len(names)), [v[j] for v in values], marker="o", label=f"seed {seed}")
+        seeds[0].set_xticks(range(len(names)), [n.replace("v3 ", "").replace(" rate", "\nrate") for n in names],
+                            fontsize=7)
+        seeds[0].set(title="final loss, whole validation split", ylabel="loss (nats/byte)")
+    for ax in (load, valid, *seeds):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return atomic_write_figure(out, fig, dpi=110)
@@ -259,17 +309,23 @@ def dispatch_benchmark(rounds: int, out: Path) -> None:
     print("wrote", out)
 
 
-def seed_summary(results: dict, names: list[str], seeds: list[int]) -> dict:
-    """Each system's final validation loss over the seeds: mean, standard deviation, the values (printed)."""
+def seed_summary(results: dict, names: list[str], seeds: list[int], key: str = "whole_valid_loss") -> dict:
+    """Each system's final validation loss (``key``) over the seeds: mean, standard deviation, the values, and at
+    each seed its relative difference from the first system's (the runs of a seed see the same tokens: paired)."""
     summary = {}
     for name in names:
-        values = [results[name if seed == SEED else f"{name} seed {seed}"]["final_valid_loss"] for seed in seeds]
+        values = [results[name if seed == SEED else f"{name} seed {seed}"][key] for seed in seeds]
         summary[name] = {"mean": statistics.mean(values), "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
-                         "values": values}
+                         "values": values, "seeds": seeds}
+    reference = summary[names[0]]["values"]
+    for v in summary.values():
+        v["paired_vs_first"] = [x / r - 1 for x, r in zip(v["values"], reference)]
     if len(seeds) > 1:
-        print(f"\nfinal validation loss over seeds {seeds}:")
+        print(f"\n{key} over seeds {seeds} (paired: against {names[0]}):")
         for name, v in summary.items():
-            print(f"{name:28s} {v['mean']:.4f} +- {v['stdev']:.4f}  {' '.join(f'{x:.4f}' for x in v['values'])}")
+            paired = " ".join(f"{d:+.2%}" for d in v["paired_vs_first"])
+            print(f"{name:28s} {v['mean']:.4f} +- {v['stdev']:.4f}  {' '.join(f'{x:.4f}' for x in v['values'])}"
+                  f"  paired {paired} (mean {statistics.mean(v['paired_vs_first']):+.2%})")
     return summary
 
 
@@ -325,7 +381,9 @@ def main(argv=None):
             "models": {"dense": DENSE, "moe": MOE, "v3": V3}}
     atomic_write_json(out, {"benchmark": "moe", **note, "seeds": seeds, "systems": results,
                             **({"over_seeds": over_seeds} if len(seeds) > 1 else {})}, indent=1)
-    print("wrote", out, "and", plot(results, args.seq_length * args.global_batch_size, out.with_suffix(".png")))
+    figure = plot(results, args.seq_length * args.global_batch_size, out.with_suffix(".png"),
+                  over_seeds if len(seeds) > 1 else None)
+    print("wrote", out, "and", figure)
 
 
 if __name__ == "__main__":
