@@ -3,6 +3,7 @@
     python bench/moe.py [--steps 200] [--work DIR] [--out bench/results/moe.json]
     python bench/moe.py --dispatch [--rounds 20] [--out bench/results/moe_dispatch.json]
     python bench/moe.py --dispatch --profile
+    python bench/moe.py --dispatch --products
     python bench/moe.py --balancing [--steps 1000] [--out bench/results/moe_balancing.json]
     python bench/moe.py --balancing --systems "v3 aux loss,v3 aux-loss-free" --seeds 1234,1,2 \
         --out bench/results/moe_balancing_seeds.json
@@ -287,6 +288,32 @@ def dispatch_profile(dtype: torch.dtype, steps: int = 3, top: int = 10) -> None:
             print(f"  {e.key:45s} {e.self_cpu_time_total / steps / 1e3:7.2f} ms  {e.count // steps:5d} calls")
 
 
+def expert_products(rounds: int = 50, experts: int = 64, width: int = 256) -> None:
+    """The floor under the grouped experts on a CPU: one linear of ``experts`` experts ([rows, width] times each
+    expert's [width, width]) as one batched product, as a loop of one product per expert, and, for scale, one
+    product of the same FLOPs against a single weight; CPU time of one thread. With few rows per expert the batched
+    product reads every expert's weights once (experts x width^2 x 2 bytes in bf16) and runs at the core's memory
+    bandwidth; the loop reads them as well, and pays a call per expert."""
+    torch.set_num_threads(1)
+    rows_table = []
+    for rows in (4, 64):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(experts, rows, width, dtype=dtype)
+            w = torch.randn(experts, width, width, dtype=dtype).transpose(1, 2)
+            flat, single = x.reshape(-1, width), w[0]
+            systems = [System("batched", lambda: torch.bmm(x, w)),
+                       System("loop", lambda: [torch.mm(x[e], w[e]) for e in range(experts)]),
+                       System("one weight", lambda: torch.mm(flat, single))]
+            times = interleaved(systems, rounds, warmup=3, clock="cpu")
+            ms = {name: median(t) * 1e3 for name, t in times.items()}
+            weight_bytes = w.numel() * w.element_size()
+            rows_table.append([rows, str(dtype).removeprefix("torch."), ms["batched"], ms["loop"], ms["one weight"],
+                               weight_bytes / ms["batched"] / 1e6])
+    print(format_table(["rows per expert", "dtype", "batched ms", "loop ms", "one weight ms",
+                        "batched: weights read GB/s"], rows_table))
+    print(machine_note())
+
+
 def dispatch_benchmark(rounds: int, out: Path) -> None:
     torch.set_num_threads(1)
     results, rows = {}, []
@@ -345,12 +372,16 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="default: bench/results/moe.json (--dispatch: moe_dispatch.json)")
     p.add_argument("--dispatch", action="store_true", help="the grouped expert products against the loop")
     p.add_argument("--rounds", type=int, default=20, help="--dispatch: timed steps of each system")
+    p.add_argument("--products", action="store_true",
+                   help="--dispatch: instead, one expert linear's products alone (batched, a loop, one weight)")
     p.add_argument("--profile", action="store_true",
                    help="--dispatch: instead of timing, each system's busiest operators (torch.profiler), fp32 and bf16")
     p.add_argument("--seeds", default=str(SEED),
                    help=f"comma-separated seeds, each system trained once per seed (default {SEED}); the others' "
                         f"results are named '<system> seed N', and the validation losses summarised over the seeds")
     args = p.parse_args(argv)
+    if args.dispatch and args.products:
+        return expert_products()
     if args.dispatch and args.profile:
         torch.set_num_threads(1)
         for dtype in (torch.float32, torch.bfloat16):

@@ -30,4 +30,3 @@ def compile_transformer_layers(model: nn.Module, *, backend="inductor", fullgrap
     for layer in layers:
         layer.compile(backend=backend, fullgraph=fullgraph, **options)
     return len(layers)
-

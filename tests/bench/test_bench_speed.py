@@ -113,7 +113,7 @@ def test_gpu_script_profiles_each_recompute_policy_and_model_family(tmp_path):
         assert 0 < prof["busy_fraction"] <= 1.0 + 1e-6 and prof["top"]
 
 
-def test_pretrain_compile_refuses_pipeline_parallel(monkeypatch):
+def test_pretrain_compile_refuses_zero3(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as a launcher of two ranks would: the layout is refused before joining
-    with pytest.raises(LayoutError, match="--compile with --pipeline-parallel"):
-        main(["--compile", "--pipeline-parallel", "2"])
+    with pytest.raises(LayoutError, match="--compile with ZeRO stage 3"):
+        main(["--compile", "--deepspeed_config", str(ROOT / "ds_configs" / "zero3.json")])
